@@ -1,0 +1,246 @@
+"""The trio-native engine API: `open_engine` and `AsyncEngine.generate`.
+
+    async with open_engine(EngineConfig(model=path)) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
+            ...
+
+The engine's step loop runs as a task in the task group `open_engine` opens;
+leaving the `async with` block stops it and fails any request still open with
+`EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+import anyio
+
+from engine.config import EngineConfig, RuntimeInfo
+from engine.core.engine_core import AddRequest, EngineCore, OutputItem
+from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from engine.executor import Executor, create_executor
+from engine.outputs import RequestOutput
+from engine.render.chat import render_chat
+from engine.render.tokenizer import Tokenizer
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sched.block_manager import KVBlockManager
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler, SchedulerConfig
+
+# Tokenizing text shorter than this on the loop costs less than the ~100-200 us thread hop.
+INLINE_TOKENIZE_CHARS = 4096
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, info: RuntimeInfo, tokenizer: Tokenizer, core: EngineCore) -> None:
+        self.config = config
+        self.info = info
+        self.tokenizer = tokenizer
+        self.core = core
+        self.render_limiter = anyio.CapacityLimiter(config.renderer_workers)
+
+    # ---- the main entry point ---------------------------------------------------------------
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Generate for one prompt, yielding `RequestOutput`s as tokens arrive.
+
+        `prompt` is text, a list of token ids, or a mapping with `prompt` or
+        `prompt_token_ids`. Invalid input raises `InvalidRequestError` before
+        anything runs. Cancelling the consuming task, or closing the generator
+        (`aclose()`, or leaving an `aclosing()` block early), aborts the
+        request: it is dropped between two steps and its KV blocks are freed.
+        If the engine stops first, `EngineDeadError` is raised.
+        """
+        params = sampling_params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        text, token_ids = await self._render(prompt)
+        children = self._make_requests(request_id, token_ids, params, priority)
+        send, receive = anyio.create_memory_object_stream[OutputItem](math.inf)
+        self.core.submit(AddRequest(request_id, text, children, send))
+        finished = False
+        try:
+            with receive:
+                async for item in receive:
+                    output = _merge_pending(item, receive, params.output_kind)
+                    finished = output.finished
+                    yield output
+                    if finished:
+                        return
+            raise EngineDeadError("the engine stopped before the request finished")
+        finally:
+            if not finished:
+                self.core.abort(request_id)
+
+    async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
+                   request_id: str | None = None, **template_kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Render `messages` with the model's chat template, then generate as `generate` does."""
+        prompt = await self.apply_chat_template(messages, **template_kwargs)
+        token_ids = await self._tokenize(prompt, add_special_tokens=False)
+        async for output in self.generate({"prompt": prompt, "prompt_token_ids": token_ids},
+                                          sampling_params, request_id):
+            yield output
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        tok = self.tokenizer
+        return await anyio.to_thread.run_sync(
+            lambda: render_chat(tok.chat_template, messages, bos_token=tok.bos_token,
+                                eos_token=tok.eos_token, **kwargs),
+            limiter=self.render_limiter)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by id (no-op if it already finished)."""
+        self.core.abort(request_id)
+
+    @property
+    def is_running(self) -> bool:
+        return not self.core.dead
+
+    # ---- input handling -----------------------------------------------------------------------
+    async def _render(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, await self._tokenize(prompt)
+        if isinstance(prompt, Mapping):
+            if prompt.get("prompt_token_ids") is not None:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], await self._tokenize(prompt["prompt"])
+            raise InvalidRequestError("a prompt mapping needs 'prompt' (text) or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, Sequence):
+            return None, self._check_token_ids(prompt)
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
+
+    async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) < INLINE_TOKENIZE_CHARS:
+            ids = self.tokenizer.encode(text, add_special_tokens)
+        else:
+            ids = await anyio.to_thread.run_sync(self.tokenizer.encode, text, add_special_tokens,
+                                                 limiter=self.render_limiter)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return ids
+
+    def _check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = list(token_ids)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad!r} is out of vocabulary (size {vocab})", param="prompt")
+        return ids
+
+    def _make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                       priority: int) -> list[Request]:
+        max_len = self.info.max_model_len
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt (length {len(token_ids)}) is longer than the maximum model length of {max_len}; "
+                "there is no room to generate", param="prompt")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise InvalidRequestError(f"requested {name}={value}, more than the maximum allowed "
+                                          f"({self.config.max_logprobs})", param=name)
+        bad_stop = [t for t in params.stop_token_ids if t >= self.info.vocab_size]
+        if bad_stop:
+            raise InvalidRequestError(f"stop_token_ids {bad_stop} are out of vocabulary", param="stop_token_ids")
+        params = params.with_eos(self.info.eos_token_ids)
+        room = max_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        now = anyio.current_time()
+        suffixes = [""] if params.n == 1 else [f"-{i}" for i in range(params.n)]
+        return [Request(request_id + suffix, token_ids, params.for_child(i) if params.n > 1 else params,
+                        arrival_time=now, priority=priority, max_tokens=max_tokens)
+                for i, suffix in enumerate(suffixes)]
+
+
+def _merge_pending(first: OutputItem, receive, kind: RequestOutputKind) -> RequestOutput:
+    """Fold outputs that queued while the consumer was busy into one, so a slow
+    consumer handles one output per wake-up instead of one per engine step."""
+    output = _unwrap(first)
+    while not output.finished:
+        try:
+            nxt = _unwrap(receive.receive_nowait())
+        except anyio.WouldBlock:
+            break
+        output = _merge_delta(output, nxt) if kind is RequestOutputKind.DELTA else nxt
+    return output
+
+
+def _unwrap(item: OutputItem) -> RequestOutput:
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    for old, new in zip(a.outputs, b.outputs):
+        old.text += new.text
+        old.token_ids = old.token_ids + new.token_ids
+        if old.logprobs is not None and new.logprobs is not None:
+            old.logprobs = old.logprobs + new.logprobs
+        old.cumulative_logprob = new.cumulative_logprob
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+    a.finished = b.finished
+    a.metrics = b.metrics
+    a.prompt_logprobs = a.prompt_logprobs or b.prompt_logprobs
+    return a
+
+
+# ---- opening an engine ----------------------------------------------------------------------------
+async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Tokenizer) -> RuntimeInfo:
+    model_info = await executor.load_model()
+    max_model_len = config.max_model_len or model_info.max_position_embeddings
+    if max_model_len > model_info.max_position_embeddings:
+        raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                             f"({model_info.max_position_embeddings})")
+    num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // model_info.kv_bytes_per_block
+    if num_blocks * config.block_size < max_model_len and config.num_kv_blocks is None:
+        raise ModelLoadError(
+            f"the KV cache budget ({config.kv_cache_memory_bytes} bytes) holds {num_blocks * config.block_size} "
+            f"tokens, fewer than max_model_len ({max_model_len}); raise kv_cache_memory_bytes or lower max_model_len")
+    eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + model_info.eos_token_ids))
+    return RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_model_len, vocab_size=model_info.vocab_size,
+                       hidden_size=model_info.hidden_size, eos_token_ids=eos, dtype=model_info.dtype)
+
+
+def build_scheduler(config: EngineConfig, info: RuntimeInfo) -> Scheduler:
+    sched_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
+        max_model_len=info.max_model_len, policy=config.scheduling_policy,
+        enable_chunked_prefill=config.enable_chunked_prefill)
+    blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+    return Scheduler(sched_config, blocks)
+
+
+@asynccontextmanager
+async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
+                      tokenizer: Tokenizer | None = None) -> AsyncIterator[AsyncEngine]:
+    """Load the model, start the engine-core task, and yield the engine.
+
+    `executor` replaces the default one (tests pass a fake whose steps take
+    virtual time under `MockClock`). Leaving the block cancels the core task;
+    requests still open end with `EngineDeadError`. Load errors raise
+    `ModelLoadError` naming the problem, with nothing left running.
+    """
+    executor = executor or create_executor(config)
+    try:
+        if tokenizer is None:
+            tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
+        info = await _size_engine(config, executor, tokenizer)
+        await executor.initialize_kv_cache(info.num_kv_blocks)
+        core = EngineCore(build_scheduler(config, info), executor, tokenizer)
+        async with anyio.create_task_group() as tg:
+            await tg.start(core.run)
+            try:
+                yield AsyncEngine(config, info, tokenizer, core)
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            await executor.aclose()

@@ -1,0 +1,206 @@
+"""The engine core: one task owns the scheduler and the request registry.
+
+Other tasks never touch them. They talk to the core through one memory object
+stream of messages (add a request, abort a request), sent with `send_nowait`
+on an unbounded buffer so a caller never blocks on the core and an abort can
+be sent from a `finally` block without awaiting. Messages are applied between
+steps, so an abort never races a step in flight; its KV blocks are free
+before the next step is scheduled.
+
+Each request's outputs go back through its own memory object stream. Items
+are `RequestOutput`s or an exception for the consumer to raise; the stream
+closes after the final output.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from engine.core.output_processor import RequestTracker
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.executor.base import Executor
+from engine.outputs import RequestOutput
+from engine.render.tokenizer import Tokenizer
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import RequestUpdate, Scheduler
+
+logger = logging.getLogger(__name__)
+
+OutputItem = RequestOutput | BaseException
+OutputSender = MemoryObjectSendStream[OutputItem]
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt: str | None
+    children: list[Request]  # one per sample (n)
+    outputs: OutputSender
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+CoreMessage = AddRequest | AbortRequest
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[CoreMessage](math.inf)
+        self._trackers: dict[str, RequestTracker] = {}
+        self._streams: dict[str, OutputSender] = {}
+        self._child_owner: dict[str, RequestTracker] = {}
+        self.dead = False
+        self.num_steps = 0
+
+    # ---- called from other tasks: never block ------------------------------------------
+    def submit(self, message: CoreMessage) -> None:
+        """Queue a message for the core. Raises `EngineDeadError` once the core has stopped."""
+        try:
+            self._inbox_send.send_nowait(message)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise EngineDeadError("the engine has stopped") from None
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if the core still runs; a no-op after it stopped."""
+        if not self.dead:
+            self.submit(AbortRequest(request_id))
+
+    # ---- the task --------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The step loop. Cancelling it stops the engine: every open request gets
+        `EngineDeadError`. A step in flight finishes first (the worker must stay consistent)."""
+        task_status.started()
+        try:
+            while True:
+                if not self.scheduler.has_work():
+                    self._apply(await self._inbox.receive())
+                self._drain_inbox()
+                if self.scheduler.has_work() and not await self.step():
+                    # Work exists but none is schedulable (deferred by a gate): wait for news.
+                    self._apply(await self._inbox.receive())
+        except anyio.EndOfStream:
+            pass
+        finally:
+            self._shutdown()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.receive_nowait()
+            except anyio.WouldBlock:
+                return
+            self._apply(message)
+
+    def _apply(self, message: CoreMessage) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        else:
+            self._abort(message.request_id)
+
+    def _add(self, message: AddRequest) -> None:
+        if message.request_id in self._trackers:
+            message.outputs.send_nowait(InvalidRequestError(
+                f"request id {message.request_id!r} is already in use", param="request_id"))
+            message.outputs.close()
+            return
+        first = message.children[0]
+        tracker = RequestTracker(message.request_id, message.prompt, first.prompt_token_ids,
+                                 first.sampling_params, message.children, self.tokenizer, first.arrival_time)
+        self._trackers[message.request_id] = tracker
+        self._streams[message.request_id] = message.outputs
+        for child in message.children:
+            self._child_owner[child.request_id] = tracker
+            self.scheduler.add_request(child)
+
+    def _abort(self, request_id: str) -> None:
+        tracker = self._trackers.get(request_id)
+        if tracker is None:
+            return
+        child_ids = [c.request.request_id for c in tracker.children]
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        tracker = self._trackers.pop(request_id)
+        for child in tracker.children:
+            self._child_owner.pop(child.request.request_id, None)
+        self._streams.pop(request_id).close()
+
+    # ---- one step --------------------------------------------------------------------------
+    async def step(self) -> bool:
+        """Schedule, run the model, publish outputs. Returns False if nothing was schedulable."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return False
+        result = await self.executor.execute_model(sched_out)
+        updates = self.scheduler.update_from_output(sched_out, result)
+        self.num_steps += 1
+        self._publish(updates, anyio.current_time())
+        return True
+
+    def _publish(self, updates: list[RequestUpdate], now: float) -> None:
+        touched: dict[str, RequestTracker] = {}
+        for update in updates:
+            tracker = self._child_owner.get(update.request.request_id)
+            if tracker is None:
+                continue
+            self._apply_update(tracker, update)
+            touched[tracker.request_id] = tracker
+            tracker.metrics.setdefault("first_token_time", now)
+        for rid, tracker in touched.items():
+            if tracker.finished:
+                tracker.metrics["finished_time"] = now
+            output = tracker.build_output()
+            if output is not None:
+                self._send(rid, output)
+            if tracker.finished and rid in self._trackers:
+                self._forget(rid)
+
+    def _apply_update(self, tracker: RequestTracker, update: RequestUpdate) -> None:
+        request = update.request
+        child = tracker.child(request.request_id)
+        if update.prompt_logprobs is not None:
+            tracker.add_prompt_logprobs(*update.prompt_logprobs)
+        if not update.new_token_ids:
+            return
+        stop = tracker.add_tokens(child, update.new_token_ids, update.logprobs)
+        if stop is not None and not request.status.finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            tracker.finish_child(child, "stop", stop)
+        elif request.status.finished:
+            tracker.finish_child(child, request.status.finish_reason or "stop", request.stop_reason)
+
+    def _send(self, request_id: str, output: RequestOutput) -> None:
+        try:
+            self._streams[request_id].send_nowait(output)
+        except anyio.BrokenResourceError:
+            self._abort(request_id)  # the consumer went away without saying so
+
+    def _shutdown(self) -> None:
+        self.dead = True
+        self._inbox_send.close()
+        for rid in list(self._trackers):
+            stream = self._streams[rid]
+            try:
+                stream.send_nowait(EngineDeadError("the engine stopped before the request finished"))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+            self._forget(rid)
+        self._trackers.clear()
+
+    # ---- introspection (for metrics and tests) ---------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return len(self._trackers)

@@ -1,0 +1,23 @@
+"""Errors the engine raises to its callers.
+
+`InvalidRequestError` is a `ValueError`: it means "this request is wrong", the
+HTTP layer answers it with a 400, and the engine keeps serving everyone else.
+`EngineDeadError` means the engine itself stopped; every pending and later
+request fails with it.
+"""
+
+
+class InvalidRequestError(ValueError):
+    """A request (prompt, sampling parameters, ...) is invalid; nothing was run."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelLoadError(ValueError):
+    """A model directory cannot be loaded: missing files, unknown architecture, bad weights."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (it was closed or its step loop failed); it serves no more requests."""

@@ -1,0 +1,12 @@
+"""Executors run the Worker somewhere and expose it to the engine core as awaitables."""
+
+from engine.executor.base import Executor
+from engine.executor.inproc import InProcExecutor
+
+__all__ = ["Executor", "InProcExecutor", "create_executor"]
+
+
+def create_executor(config) -> Executor:
+    if config.executor == "inproc":
+        return InProcExecutor(config)
+    raise ValueError(f"unknown executor {config.executor!r}")

@@ -1,0 +1,34 @@
+"""The in-process executor: the Worker runs in a worker thread, one call at a time.
+
+`anyio.to_thread.run_sync` with a limiter of one: the forward pass leaves the
+event loop (torch releases the GIL inside its kernels), so the loop keeps
+accepting requests, streaming outputs and answering health checks while the
+model computes.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from engine.config import EngineConfig
+from engine.executor.base import Executor
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.worker import ModelInfo, Worker
+
+
+class InProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
+        self.worker = worker or Worker(config)
+        self._limiter = anyio.CapacityLimiter(1)
+        self._info: ModelInfo | None = None
+
+    async def load_model(self) -> ModelInfo:
+        if self._info is None:  # an LLM facade reuses a loaded worker across engine runs
+            self._info = await anyio.to_thread.run_sync(self.worker.load_model, limiter=self._limiter)
+        return self._info
+
+    async def initialize_kv_cache(self, num_blocks: int) -> None:
+        await anyio.to_thread.run_sync(self.worker.initialize_kv_cache, num_blocks, limiter=self._limiter)
+
+    async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        return await anyio.to_thread.run_sync(self.worker.execute_model, sched_out, limiter=self._limiter)

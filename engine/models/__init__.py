@@ -1,0 +1,1 @@
+"""Torch modules for the supported model families and their weight loading."""

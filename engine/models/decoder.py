@@ -1,0 +1,178 @@
+"""Llama / Qwen2 / Qwen3 decoder-only transformers over the paged KV cache.
+
+One module covers the three families; they differ only in where attention has
+biases (Qwen2: q/k/v) and in Qwen3's per-head RMSNorm of q and k. q/k/v and
+gate/up projections are fused into one matmul each, filled at load time from
+the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.models.attention import AttentionMetadata, paged_attention, write_kv
+from engine.models.hf_config import DecoderConfig
+from engine.models.rope import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, **factory) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, **factory)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias, **factory)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, **factory)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, **factory)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self._attention(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+    def _attention(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        T = h.shape[0]
+        q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(positions, q, k)
+        write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, **factory) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
+        self.rope: RotaryEmbedding | None = None
+
+    def setup_rope(self, max_positions: int) -> None:
+        cfg = self.config
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                    self.embed_tokens.weight.device, self.dtype)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """hidden: input embeddings [T, H] of the flat batch -> final hidden states [T, H]."""
+        assert self.rope is not None, "setup_rope() must run before forward()"
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, positions, self.rope, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weight loading ---------------------------------------------------------------
+    # Fused parameters are filled from several checkpoint tensors: HF name -> (ours, slot).
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into our (partly fused) parameters.
+
+        Raises `ModelLoadError` naming the tensor for a shape mismatch, an
+        unexpected tensor, or parameters the checkpoint never provided.
+        """
+        params = dict(self.named_parameters())
+        pending = {slot for name in params for slot in self._slots_of(name)}
+        for hf_name, tensor in weights:
+            target = self._map_name(hf_name)
+            if target is None:
+                continue
+            name, slot = target
+            if name not in params:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
+            self._copy_into(params[name], name, slot, tensor, hf_name)
+            pending.discard((name, slot))
+        if pending:
+            names = sorted(n if s is None else f"{n}[{s}]" for n, s in pending)
+            raise ModelLoadError(f"checkpoint lacks {len(names)} weights, e.g. {names[:6]}")
+        self.tie_weights()
+
+    def _slots_of(self, name: str) -> list[tuple[str, int | None]]:
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return []
+        if ".qkv_proj." in name:
+            return [(name, 0), (name, 1), (name, 2)]
+        if ".gate_up_proj." in name:
+            return [(name, 0), (name, 1)]
+        return [(name, None)]
+
+    def _map_name(self, hf_name: str) -> tuple[str, int | None] | None:
+        if "rotary_emb.inv_freq" in hf_name:
+            return None
+        if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        name = hf_name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[0] == "layers" and parts[2] in self._FUSED:
+            fused, slot = self._FUSED[parts[2]]
+            return ".".join([parts[0], parts[1], fused, *parts[3:]]), slot
+        return name, None
+
+    def _copy_into(self, param: torch.Tensor, name: str, slot: int | None,
+                   tensor: torch.Tensor, hf_name: str) -> None:
+        target = param.data
+        if slot is not None:
+            sizes = self._slot_sizes(name)
+            target = target.narrow(0, sum(sizes[:slot]), sizes[slot])
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def _slot_sizes(self, name: str) -> list[int]:
+        cfg = self.config
+        if ".gate_up_proj." in name:
+            return [cfg.intermediate_size, cfg.intermediate_size]
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [cfg.num_heads * cfg.head_dim, kv, kv]

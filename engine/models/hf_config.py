@@ -1,0 +1,127 @@
+"""Reading an HF `config.json` into the few numbers our decoder needs.
+
+Accepts both the transformers 4 spelling (`rope_theta`, `rope_scaling`,
+`torch_dtype`) and the transformers 5 one (`rope_parameters`, `dtype`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelLoadError
+
+DECODER_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing: a model directory needs an HF config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in DECODER_ARCHITECTURES:
+            return arch
+    by_type = {v: k for k, v in DECODER_ARCHITECTURES.items()}
+    if not archs and raw.get("model_type") in by_type:
+        return by_type[raw["model_type"]]
+    named = archs or [raw.get("model_type")]
+    raise ModelLoadError(
+        f"unsupported architecture {named}; supported: {sorted(DECODER_ARCHITECTURES)}")
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = raw.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("default", "llama3"):
+            raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, llama3")
+        if kind == "default":
+            scaling = None
+    return theta, scaling
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
+    arch = _architecture(raw)
+    family = DECODER_ARCHITECTURES[arch]
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {act!r} for {arch}; expected 'silu'")
+        theta, scaling = _rope(raw)
+        attention_bias = bool(raw.get("attention_bias", False))
+        return DecoderConfig(
+            architecture=arch,
+            family=family,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"config.json for {arch} lacks the field {exc.args[0]!r}") from exc

@@ -1,0 +1,62 @@
+"""Loading a model from an HF-format directory: config.json + safetensors (single or sharded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import ModelLoadError
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.hf_config import DecoderConfig, parse_decoder_config, read_config_json
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str) -> torch.dtype:
+    name = checkpoint_dtype if requested == "auto" else requested
+    name = name.removeprefix("torch.")
+    if name not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r}; supported: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"{index} names shard files that are missing: {absent}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
+
+
+def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
+                 max_positions: int | None = None) -> DecoderForCausalLM:
+    """Build and load the model. Blocking (file I/O, copies): run it off the event loop."""
+    model_dir = Path(model_dir)
+    cfg: DecoderConfig = parse_decoder_config(read_config_json(model_dir))
+    files = safetensors_files(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg.torch_dtype)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg, torch_dtype, "meta")
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        model.load_weights(iterate_weights(files))
+    model.setup_rope(max_positions or cfg.max_position_embeddings)
+    return model.eval()

@@ -1,0 +1,167 @@
+"""`trio-llm make-model`: a tiny random-weight checkpoint in HF format, with a
+byte-level BPE tokenizer trained locally on the corpus shipped in the package.
+
+Deterministic: the same arguments give the same files. This is the embedded
+default model, created on first use in the user cache directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    arch: str = "llama"
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 768
+    vocab: int = 4096
+    max_positions: int = 2048
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {self.arch!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError("hidden must divide by heads, and heads by kv_heads")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    corpus = resources.files("engine").joinpath("data/corpus.txt").read_text()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus.split("\n\n"), trainer)
+    return tokenizer
+
+
+def write_tokenizer(model_dir: str | Path, vocab_size: int) -> int:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json; returns the vocab size."""
+    model_dir = Path(model_dir)
+    tokenizer = train_tokenizer(vocab_size)
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    eos_id = tokenizer.token_to_id("<|im_end|>")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 1 << 20,
+    }, indent=2))
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [eos_id, tokenizer.token_to_id("<|endoftext|>")]}, indent=2))
+    return tokenizer.get_vocab_size()
+
+
+def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict:
+    return {
+        "architectures": [ARCHITECTURES[spec.arch]],
+        "model_type": spec.arch,
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.hidden // spec.heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_positions,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "torch_dtype": spec.dtype,
+        "eos_token_id": eos_id,
+    }
+
+
+def _random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(spec.seed)
+    head_dim = spec.hidden // spec.heads
+    dtype = getattr(torch, spec.dtype)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.05).to(dtype)
+
+    weights = {"model.embed_tokens.weight": normal(vocab_size, spec.hidden),
+               "model.norm.weight": torch.ones(spec.hidden, dtype=dtype)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "self_attn.q_proj.weight": normal(spec.heads * head_dim, spec.hidden),
+            p + "self_attn.k_proj.weight": normal(spec.kv_heads * head_dim, spec.hidden),
+            p + "self_attn.v_proj.weight": normal(spec.kv_heads * head_dim, spec.hidden),
+            p + "self_attn.o_proj.weight": normal(spec.hidden, spec.heads * head_dim),
+            p + "mlp.gate_proj.weight": normal(spec.intermediate, spec.hidden),
+            p + "mlp.up_proj.weight": normal(spec.intermediate, spec.hidden),
+            p + "mlp.down_proj.weight": normal(spec.hidden, spec.intermediate),
+            p + "input_layernorm.weight": torch.ones(spec.hidden, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(spec.hidden, dtype=dtype),
+        })
+        if spec.arch == "qwen2":
+            for proj, size in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
+                weights[p + f"self_attn.{proj}_proj.bias"] = normal(size * head_dim)
+        if spec.arch == "qwen3":
+            weights[p + "self_attn.q_norm.weight"] = torch.ones(head_dim, dtype=dtype)
+            weights[p + "self_attn.k_norm.weight"] = torch.ones(head_dim, dtype=dtype)
+    return weights
+
+
+def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write the checkpoint into `model_dir` atomically (built in a sibling temp dir, then renamed)."""
+    model_dir = Path(model_dir)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".making-", dir=model_dir.parent))
+    try:
+        vocab_size = write_tokenizer(staging, spec.vocab)
+        eos_id = Tokenizer.from_file(str(staging / "tokenizer.json")).token_to_id("<|im_end|>")
+        (staging / "config.json").write_text(json.dumps(_config(spec, vocab_size, eos_id), indent=2))
+        save_file(_random_weights(spec, vocab_size), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        os.replace(staging, model_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return model_dir
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "trio-llm" / "default-model-v1"
+
+
+def ensure_default_model() -> Path:
+    """The embedded default model, created on first use. Blocking: run it off the event loop."""
+    path = default_model_dir()
+    if not (path / "model.safetensors").is_file():
+        make_model(path)
+    return path

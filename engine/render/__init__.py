@@ -1,0 +1,1 @@
+"""Rendering: text <-> tokens, chat templates, incremental detokenization with stop strings."""

@@ -1,0 +1,70 @@
+"""Rendering chat messages with the model's Jinja chat template, the way transformers does."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import functools
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.errors import InvalidRequestError
+
+
+class TemplateError(InvalidRequestError):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+_ENV = _environment()
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    return _ENV.from_string(template)
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+    return messages
+
+
+def render_chat(template: str | None, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                bos_token: str | None = None, eos_token: str | None = None, **extra: Any) -> str:
+    """Blocking (template rendering): offload for large conversations."""
+    if not template:
+        raise InvalidRequestError("this model has no chat_template in tokenizer_config.json; "
+                                  "use the completions API instead", param="messages")
+    validate_messages(messages)
+    try:
+        compiled = _compile(template)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos_token or "", eos_token=eos_token or "", **extra)
+    except TemplateError:
+        raise
+    except jinja2.TemplateError as exc:
+        raise InvalidRequestError(f"chat template failed to render: {exc}", param="messages") from exc

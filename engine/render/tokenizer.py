@@ -1,0 +1,75 @@
+"""A model's tokenizer: `tokenizer.json` through the `tokenizers` library, with the
+special tokens and chat template from `tokenizer_config.json` and the EOS ids
+from `generation_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.errors import ModelLoadError
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path} is missing: the engine needs a `tokenizers` tokenizer.json")
+        self.backend = HFTokenizer.from_file(str(path))
+        cfg = self._read_json(model_dir / "tokenizer_config.json")
+        gen = self._read_json(model_dir / "generation_config.json")
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.pad_token = _token_text(cfg.get("pad_token"))
+        self.chat_template: str | None = cfg.get("chat_template")
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        self.eos_token_ids = self._eos_ids(gen)
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    @staticmethod
+    def _read_json(path: Path) -> dict[str, Any]:
+        if not path.is_file():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+
+    def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
+        ids: list[int] = []
+        gen_eos = generation_config.get("eos_token_id")
+        if gen_eos is not None:
+            ids.extend(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        own = self.token_to_id(self.eos_token)
+        if own is not None and own not in ids:
+            ids.append(own)
+        return tuple(int(i) for i in ids)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)

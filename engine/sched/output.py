@@ -1,0 +1,65 @@
+"""What crosses the scheduler/worker boundary each step.
+
+Plain picklable data, so the same structures go to an in-process worker or,
+later, over a socket to a worker process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent once, the first time a request is scheduled: what the worker keeps per request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions `start_position...`."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # the worker drops their state
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+# Logprobs of one position as returned by the worker: (token ids, logprobs, ranks),
+# the chosen token first, then the top-N candidates.
+TokenLogprobs = tuple[list[int], list[float], list[int]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The result of one step: one sampled token per request that sampled."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> (first prompt position covered, logprobs of the next prompt token per position)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

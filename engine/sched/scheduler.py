@@ -1,0 +1,251 @@
+"""The continuous-batching scheduler (vLLM v1's design, in plain Python).
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests are
+served first, one token each for decodes and a chunk for unfinished prefills;
+the rest of the budget admits waiting requests, chunking a long prompt across
+steps. When KV blocks run out, the lowest-priority running request is
+preempted: its blocks are freed and it is recomputed later from its tokens.
+
+Admission gates let later components (an encoder-cache connector, a remote KV
+transfer) defer a waiting request without consuming budget:
+- `NOT_YET`: skip it for this step only. It goes to `step_skipped_waiting` and
+  is put back at the front of `waiting` after the step, in its original order,
+  so everything behind it proceeds meanwhile.
+- `BLOCKED`: park it in `skipped_waiting` until the gate says otherwise; the
+  scheduler asks again at the start of every step and, once admitted, puts it
+  back at the front of `waiting`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+from engine.sched.block_manager import KVBlockManager
+from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.sched.queues import make_queue
+from engine.sched.request import Request, RequestStatus, check_stop
+
+
+class Admission(enum.Enum):
+    READY = enum.auto()
+    NOT_YET = enum.auto()
+    BLOCKED = enum.auto()
+
+
+class AdmissionGate(Protocol):
+    def admit(self, request: Request) -> Admission: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request, for the engine core to turn into output."""
+
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: tuple[int, list] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
+                 gates: Iterable[AdmissionGate] = ()) -> None:
+        self.config = config
+        self.kv = block_manager
+        self.gates = list(gates)
+        self.waiting = make_queue(config.policy)
+        self.skipped_waiting = make_queue(config.policy)
+        self.step_skipped_waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_for_worker: list[str] = []
+
+    # ---- intake and abort ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, or stop on a stop string) requests wherever they are; unknown ids are ignored."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request in self.skipped_waiting:
+                self.skipped_waiting.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.known_to_worker:
+            self._finished_for_worker.append(request.request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.skipped_waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.skipped_waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_for_worker)
+        self._finished_for_worker = []
+        self._readmit_blocked()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        budget, preempted = self._schedule_running(scheduled, budget)
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        for request in reversed(self.step_skipped_waiting):
+            self.waiting.prepend(request)
+        self.step_skipped_waiting.clear()
+        out.scheduled = list(scheduled.values())
+        for item in out.scheduled:
+            request = self.requests[item.request_id]
+            if not request.known_to_worker:
+                request.known_to_worker = True
+                out.new_requests.append(NewRequestData(
+                    request.request_id, list(request.prompt_token_ids), request.sampling_params))
+        return out
+
+    def _schedule_running(self, scheduled: dict[str, ScheduledRequest], budget: int) -> tuple[int, bool]:
+        preempted_any = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1  # an already-scheduled request was chosen (priority policy)
+                budget += self._preempt(victim, scheduled)
+                preempted_any = True
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted itself; self.running shrank, index i now points at the next one
+            scheduled[request.request_id] = self._chunk(request, num_new)
+            budget -= num_new
+            i += 1
+        return budget, preempted_any
+
+    def _schedule_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            verdict = self._ask_gates(request)
+            if verdict is not Admission.READY:
+                self.waiting.pop()
+                if verdict is Admission.NOT_YET:
+                    self.step_skipped_waiting.append(request)
+                else:
+                    self.skipped_waiting.add(request)
+                continue
+            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            self.running.append(request)
+            scheduled[request.request_id] = self._chunk(request, num_new)
+            budget -= num_new
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_position=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=end == request.num_tokens,
+        )
+
+    def _ask_gates(self, request: Request) -> Admission:
+        for gate in self.gates:
+            verdict = gate.admit(request)
+            if verdict is not Admission.READY:
+                return verdict
+        return Admission.READY
+
+    def _readmit_blocked(self) -> None:
+        ready = [r for r in self.skipped_waiting if self._ask_gates(r) is not Admission.BLOCKED]
+        for request in reversed(ready):
+            self.skipped_waiting.remove(request)
+            self.waiting.prepend(request)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Free the request's blocks and send it back to waiting; returns budget handed back."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        undone = scheduled.pop(request.request_id, None)
+        return undone.num_tokens if undone else 0
+
+    # ---- after the step ------------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance every scheduled request by what the step computed and sampled."""
+        updates = []
+        for item in sched_out.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += item.num_tokens
+            self.kv.cache_computed_blocks(request)
+            update = RequestUpdate(request, prompt_logprobs=result.prompt_logprobs.get(item.request_id))
+            token = result.sampled_token_ids.get(item.request_id)
+            if token is not None:
+                request.append_output_token(token)
+                update.new_token_ids.append(token)
+                if item.request_id in result.logprobs:
+                    update.logprobs.append(result.logprobs[item.request_id])
+                if check_stop(request, self.config.max_model_len):
+                    self.running.remove(request)
+                    self._release(request)
+                    update.finished = True
+            if update.new_token_ids or update.prompt_logprobs:
+                updates.append(update)
+        return updates

@@ -1,0 +1,113 @@
+"""One step of the model: flat batch in, one sampled token per finishing chunk out.
+
+The runner keeps what it needs per request between steps (prompt, sampling
+params, its own seeded generator, tokens sampled so far for penalties). The
+scheduler says when a request is new (`new_requests`) and when it is gone
+(`finished_request_ids`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.models.attention import SequenceChunk, build_metadata
+from engine.models.decoder import DecoderForCausalLM, KVCache
+from engine.sampling_params import SamplingParams
+from engine.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.worker.sampler import SamplingRow, sample, top_logprobs
+
+
+@dataclass
+class RequestState:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
+                 device: torch.device, seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.num_blocks = kv_caches[0][0].shape[0] // block_size if kv_caches else 0
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched_out)
+        if sched_out.is_empty:
+            return ModelRunnerOutput()
+        # Decodes first: attention then treats them as one unpadded group.
+        batch = sorted(sched_out.scheduled, key=lambda s: s.num_tokens != 1)
+        hidden = self._forward(batch)
+        out = ModelRunnerOutput()
+        self._sample(batch, hidden, out)
+        self._prompt_logprobs(batch, hidden, out)
+        return out
+
+    def _update_states(self, sched_out: SchedulerOutput) -> None:
+        for rid in sched_out.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched_out.new_requests:
+            generator = None
+            if new.sampling_params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(new.sampling_params.seed)
+            self.requests[new.request_id] = RequestState(new.prompt_token_ids, new.sampling_params, generator)
+
+    def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for item in batch:
+            token_ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + item.num_tokens))
+        chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
+        meta = build_metadata(chunks, self.block_size, self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.model(self.model.embed(input_ids), pos, self.kv_caches, meta)
+
+    def _sample(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        last_rows, states, ids = [], [], []
+        offset = 0
+        for item in batch:
+            offset += item.num_tokens
+            if item.sample:
+                last_rows.append(offset - 1)
+                states.append(self.requests[item.request_id])
+                ids.append(item.request_id)
+        if not ids:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids) for s in states]
+        result = sample(logits, rows, self.generator)
+        for rid, state, token, logprobs in zip(ids, states, result.token_ids, result.logprobs):
+            state.output_token_ids.append(token)
+            out.sampled_token_ids[rid] = token
+            if logprobs is not None:
+                out.logprobs[rid] = logprobs
+
+    def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """For each prompt position p in the chunk, the logprob of prompt token p + 1."""
+        offset = 0
+        for item in batch:
+            state = self.requests[item.request_id]
+            num_prompt = len(state.prompt_token_ids)
+            start, end = item.start_position, item.start_position + item.num_tokens
+            last = min(end, num_prompt - 1)  # positions p with a next prompt token
+            if state.params.prompt_logprobs is not None and start < last:
+                rows = hidden[offset:offset + (last - start)]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                entries: list[TokenLogprobs] = [
+                    top_logprobs(logprobs[j], state.prompt_token_ids[start + j + 1], state.params.prompt_logprobs)
+                    for j in range(last - start)
+                ]
+                out.prompt_logprobs[item.request_id] = (start, entries)
+            offset += item.num_tokens

@@ -1,0 +1,147 @@
+"""Turning logits into tokens, one row per request, with per-request parameters.
+
+Order of operations (vLLM's): penalties, then the min_tokens mask, then
+greedy argmax or temperature + min-p + top-k + top-p and a draw. Logprobs are
+the raw model log-probabilities, before any of that.
+
+A request with a `seed` draws its noise from its own generator, so its output
+does not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sched.output import TokenLogprobs
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator) -> SamplerOutput:
+    """logits: [B, V] float32, one row per entry of `rows`."""
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = apply_penalties(logits, rows)
+    logits = mask_stop_tokens_below_min(logits, rows)
+    chosen = _choose(logits, rows, default_generator)
+    token_ids = chosen.tolist()
+    logprobs = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, r in enumerate(rows):
+            if r.params.logprobs is not None:
+                logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs)
+    return SamplerOutput(token_ids, logprobs)
+
+
+def top_logprobs(row_logprobs: torch.Tensor, token_id: int, num: int) -> TokenLogprobs:
+    """The chosen token's logprob and rank, then the `num` most likely tokens."""
+    chosen_lp = row_logprobs[token_id]
+    rank = int((row_logprobs > chosen_lp).sum()) + 1
+    ids, lps, ranks = [token_id], [float(chosen_lp)], [rank]
+    if num > 0:
+        top = torch.topk(row_logprobs, num)
+        ids += top.indices.tolist()
+        lps += top.values.tolist()
+        ranks += list(range(1, num + 1))
+    return ids, lps, ranks
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    penalised = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+    if not penalised:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in penalised:
+        p = rows[i].params
+        out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out_ids[out_ids < vocab], minlength=vocab).to(logits.dtype)
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=logits.device)
+            seen[prompt[prompt < vocab]] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(seen, scaled, row)
+        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+        logits[i] = row
+    return logits
+
+
+def mask_stop_tokens_below_min(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Before `min_tokens` are out, EOS and stop tokens cannot be chosen."""
+    masked = False
+    for i, r in enumerate(rows):
+        p = r.params
+        if len(r.output_token_ids) >= p.min_tokens:
+            continue
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+        banned = [t for t in banned if t < logits.shape[1]]
+        if banned:
+            if not masked:
+                logits, masked = logits.clone(), True
+            logits[i, banned] = float("-inf")
+    return logits
+
+
+def _choose(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator) -> torch.Tensor:
+    greedy = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random_rows:
+        return greedy
+    index = torch.tensor(random_rows, device=logits.device)
+    probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(random_rows):
+        noise[j].exponential_(generator=rows[i].generator or default_generator)
+    # probs / Exp(1) noise: its argmax is a draw from probs (the exponential-race trick).
+    drawn = (probs / noise).argmax(dim=-1)
+    return greedy.index_copy(0, index, drawn)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+    if any(p.min_p > 0 for p in params):
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    return torch.softmax(logits, dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    drop = ranks >= top_k[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
