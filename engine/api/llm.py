@@ -1,0 +1,84 @@
+"""`LLM`: a blocking facade for scripts, with vLLM's `LLM` names.
+
+    llm = LLM(model="path/to/model", dtype="float32")
+    outputs = llm.generate(["Hello", "The capital of"], SamplingParams(max_tokens=16))
+
+Each call runs its own `trio.run` around an engine opened on the same loaded
+worker, so no event loop or thread outlives a call and the model loads once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+import anyio
+import trio
+from tqdm import tqdm
+
+from engine.api.async_engine import AsyncEngine, Prompt, open_engine
+from engine.config import EngineConfig
+from engine.executor.inproc import InProcExecutor
+from engine.models.tiny import ensure_default_model
+from engine.outputs import RequestOutput
+from engine.render.tokenizer import Tokenizer
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        """`model`: an HF-format directory (default: the embedded tiny model).
+        `engine_options`: any `EngineConfig` field, e.g. `dtype`, `max_model_len`."""
+        unknown = set(engine_options) - EngineConfig.option_names()
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        self.config = EngineConfig(model=model or str(ensure_default_model()), **engine_options)
+        self._executor = InProcExecutor(self.config)
+        self._tokenizer = Tokenizer(self.config.tokenizer_path)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One finished `RequestOutput` per prompt, in prompt order."""
+        batch = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
+        params = sampling_params or SamplingParams()
+        return trio.run(self._run_batch, [("generate", p) for p in batch], params, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | None = None,
+             *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the chat template and generate a reply for it."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = sampling_params or SamplingParams()
+        return trio.run(self._run_batch, [("chat", c) for c in conversations], params, use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    async def _run_batch(self, items: list[tuple[str, Any]], params: SamplingParams,
+                         use_tqdm: bool) -> list[RequestOutput]:
+        params = _final_only(params)
+        results: list[RequestOutput | None] = [None] * len(items)
+        with tqdm(total=len(items), disable=not use_tqdm or len(items) < 2, desc="Processed prompts") as bar:
+            async with open_engine(self.config, executor=self._executor, tokenizer=self._tokenizer) as engine:
+                async with anyio.create_task_group() as tg:
+                    for index, item in enumerate(items):
+                        tg.start_soon(_collect, engine, index, item, params, results, bar)
+        return [r for r in results if r is not None]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], int)
+
+
+async def _collect(engine: AsyncEngine, index: int, item: tuple[str, Any], params: SamplingParams,
+                   results: list[RequestOutput | None], bar: tqdm) -> None:
+    kind, payload = item
+    stream = engine.generate(payload, params) if kind == "generate" else engine.chat(payload, params)
+    async for output in stream:
+        results[index] = output
+    bar.update(1)

@@ -1,0 +1,129 @@
+"""`trio-llm bench throughput`: the engine's output tokens/s against two references, in one run.
+
+- ceiling: the same model's bare forward passes at the same batch size, with
+  no scheduler, sampler, detokenizer or event loop: prefill a batch, then
+  greedy decode steps, batch after batch.
+- transformers: `generate` on the same prompts, batched, greedy (if installed).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, replace
+
+import anyio
+import torch
+import trio
+
+from engine.api.async_engine import open_engine
+from engine.config import EngineConfig
+from engine.executor.inproc import InProcExecutor
+from engine.models.attention import SequenceChunk, build_metadata
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.worker.worker import Worker
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    num_prompts: int
+    input_len: int
+    output_len: int
+    concurrency: int
+    seed: int = 0
+
+
+def make_prompts(spec: BenchSpec, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(spec.seed)
+    return [[rng.randrange(vocab_size) for _ in range(spec.input_len)] for _ in range(spec.num_prompts)]
+
+
+async def _engine_run(config: EngineConfig, executor: InProcExecutor, prompts: list[list[int]],
+                      spec: BenchSpec) -> float:
+    params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=0.0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    produced = 0
+
+    async def one(prompt: list[int]) -> None:
+        nonlocal produced
+        async for out in engine.generate(prompt, params):
+            produced += len(out.outputs[0].token_ids)
+
+    async with open_engine(config, executor=executor) as engine:
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for prompt in prompts:
+                tg.start_soon(one, prompt)
+        elapsed = time.perf_counter() - start
+    assert produced == spec.num_prompts * spec.output_len, produced
+    return produced / elapsed
+
+
+@torch.inference_mode()
+def bare_forward_tokens_per_s(worker: Worker, prompts: list[list[int]], spec: BenchSpec) -> float:
+    """Greedy generation by calling the model directly, `concurrency` sequences at a time."""
+    runner = worker.runner
+    model, block_size = runner.model, runner.block_size
+    blocks_per_seq = math.ceil((spec.input_len + spec.output_len) / block_size)
+    start = time.perf_counter()
+    for first in range(0, len(prompts), spec.concurrency):
+        batch = prompts[first:first + spec.concurrency]
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(batch))]
+        chunks = [SequenceChunk(0, len(p), t) for p, t in zip(batch, tables)]
+        ids = torch.tensor([t for p in batch for t in p])
+        positions = torch.arange(spec.input_len).repeat(len(batch))
+        hidden = model(model.embed(ids), positions, runner.kv_caches, build_metadata(chunks, block_size, runner.device))
+        last = torch.arange(1, len(batch) + 1) * spec.input_len - 1
+        tokens = model.compute_logits(hidden[last]).argmax(-1)
+        for step in range(1, spec.output_len):
+            pos = spec.input_len + step - 1
+            chunks = [SequenceChunk(pos, 1, t) for t in tables]
+            meta = build_metadata(chunks, block_size, runner.device)
+            hidden = model(model.embed(tokens), torch.full((len(batch),), pos), runner.kv_caches, meta)
+            tokens = model.compute_logits(hidden).argmax(-1)
+    return len(prompts) * spec.output_len / (time.perf_counter() - start)
+
+
+def transformers_tokens_per_s(model_dir: str, prompts: list[list[int]], spec: BenchSpec) -> float | None:
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(prompts), spec.concurrency):
+            batch = torch.tensor(prompts[first:first + spec.concurrency])
+            model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=spec.output_len,
+                           min_new_tokens=spec.output_len, do_sample=False, pad_token_id=0)
+    return len(prompts) * spec.output_len / (time.perf_counter() - start)
+
+
+def run(model_dir: str, spec: BenchSpec, with_transformers: bool = True, **engine_options) -> dict[str, float | None]:
+    config = EngineConfig(model=model_dir, max_num_seqs=spec.concurrency, **engine_options)
+    worker = Worker(config)
+    executor = InProcExecutor(config, worker)
+    # Warm-up: load the model and run a small batch once, so neither side pays first-call costs.
+    trio.run(_engine_run, config, executor, make_prompts(replace(spec, num_prompts=2, seed=1), 100),
+             replace(spec, num_prompts=2, output_len=2))
+    prompts = make_prompts(spec, worker.model.config.vocab_size)
+    engine_tps = trio.run(_engine_run, config, executor, prompts, spec)
+    ceiling_tps = bare_forward_tokens_per_s(worker, prompts, spec)
+    hf_tps = transformers_tokens_per_s(model_dir, prompts, spec) if with_transformers else None
+    return {"engine": engine_tps, "ceiling": ceiling_tps, "transformers": hf_tps}
+
+
+def report(results: dict[str, float | None], spec: BenchSpec) -> str:
+    engine, ceiling, hf = results["engine"], results["ceiling"], results["transformers"]
+    lines = [
+        f"prompts={spec.num_prompts} input_len={spec.input_len} output_len={spec.output_len} "
+        f"concurrency={spec.concurrency} torch_threads={torch.get_num_threads()}",
+        f"engine            {engine:10.1f} output tok/s",
+        f"bare forward      {ceiling:10.1f} output tok/s   (ceiling; engine/ceiling = {engine / ceiling:.3f})",
+    ]
+    if hf is not None:
+        lines.append(f"transformers      {hf:10.1f} output tok/s   (engine/transformers = {engine / hf:.2f}x)")
+    else:
+        lines.append("transformers      not installed")
+    return "\n".join(lines)

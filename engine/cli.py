@@ -1,0 +1,91 @@
+"""The `trio-llm` command line: make-model, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.models.tiny import ARCHITECTURES, TinyModelSpec
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    p.add_argument("--device", default="cpu")
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    return {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "device": args.device}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
+    parser.add_argument("--log-level", default="warning")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mk = sub.add_parser("make-model", help="write a tiny random-weight HF checkpoint with a local BPE tokenizer")
+    defaults = TinyModelSpec()
+    mk.add_argument("dir")
+    mk.add_argument("--arch", default=defaults.arch, choices=sorted(ARCHITECTURES))
+    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed"):
+        mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    mk.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+
+    gen = sub.add_parser("generate", help="generate text for prompts with the engine")
+    gen.add_argument("prompts", nargs="*", default=["The engine says"])
+    gen.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    _add_engine_options(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    tp = bench_sub.add_parser("throughput", help="engine output tok/s against the bare forward and transformers")
+    tp.add_argument("--model", default=None)
+    tp.add_argument("--num-prompts", type=int, default=256)
+    tp.add_argument("--input-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--concurrency", type=int, default=64)
+    tp.add_argument("--no-transformers", action="store_true")
+    tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    return parser
+
+
+def _model_dir(model: str | None) -> str:
+    from engine.models.tiny import ensure_default_model
+    return model or str(ensure_default_model())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    if args.command == "make-model":
+        from engine.models.tiny import make_model
+        spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                             kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
+                             max_positions=args.max_positions, dtype=args.dtype, seed=args.seed)
+        print(make_model(args.dir, spec))
+        return 0
+    if args.command == "generate":
+        from engine import LLM, SamplingParams
+        llm = LLM(_model_dir(args.model), **_engine_options(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        for output in llm.generate(args.prompts, params, use_tqdm=False):
+            print(f"{output.prompt!r} -> {output.outputs[0].text!r} ({output.outputs[0].finish_reason})")
+        return 0
+    if args.command == "bench" and args.bench == "throughput":
+        from engine.bench import throughput
+        spec = throughput.BenchSpec(args.num_prompts, args.input_len, args.output_len, args.concurrency)
+        results = throughput.run(_model_dir(args.model), spec, not args.no_transformers, dtype=args.dtype)
+        print(throughput.report(results, spec))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
