@@ -62,18 +62,22 @@ class AsyncEngine:
         children = self._make_requests(request_id, token_ids, params, priority)
         send, receive = anyio.create_memory_object_stream[OutputItem](math.inf)
         self.core.submit(AddRequest(request_id, text, children, send))
-        finished = False
+        done = False  # finished, or the core already forgot it: no abort needed
         try:
             with receive:
                 async for item in receive:
+                    if isinstance(item, BaseException):
+                        done = True  # refused or failed by the core, which holds nothing for it
+                        raise item
                     output = _merge_pending(item, receive, params.output_kind)
-                    finished = output.finished
+                    done = output.finished
                     yield output
-                    if finished:
+                    if done:
                         return
+            done = True
             raise EngineDeadError("the engine stopped before the request finished")
         finally:
-            if not finished:
+            if not done:
                 self.core.abort(request_id)
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
@@ -159,23 +163,19 @@ class AsyncEngine:
                 for i, suffix in enumerate(suffixes)]
 
 
-def _merge_pending(first: OutputItem, receive, kind: RequestOutputKind) -> RequestOutput:
+def _merge_pending(first: RequestOutput, receive, kind: RequestOutputKind) -> RequestOutput:
     """Fold outputs that queued while the consumer was busy into one, so a slow
     consumer handles one output per wake-up instead of one per engine step."""
-    output = _unwrap(first)
+    output = first
     while not output.finished:
         try:
-            nxt = _unwrap(receive.receive_nowait())
-        except anyio.WouldBlock:
+            nxt = receive.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):
             break
+        if isinstance(nxt, BaseException):
+            raise nxt
         output = _merge_delta(output, nxt) if kind is RequestOutputKind.DELTA else nxt
     return output
-
-
-def _unwrap(item: OutputItem) -> RequestOutput:
-    if isinstance(item, BaseException):
-        raise item
-    return item
 
 
 def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -63,6 +63,7 @@ class EngineCore:
         self._child_owner: dict[str, RequestTracker] = {}
         self.dead = False
         self.num_steps = 0
+        self._idle = anyio.Event()  # set while the core has no work and waits for messages
 
     # ---- called from other tasks: never block ------------------------------------------
     def submit(self, message: CoreMessage) -> None:
@@ -85,15 +86,31 @@ class EngineCore:
         try:
             while True:
                 if not self.scheduler.has_work():
-                    self._apply(await self._inbox.receive())
+                    await self._wait_for_message()
                 self._drain_inbox()
                 if self.scheduler.has_work() and not await self.step():
                     # Work exists but none is schedulable (deferred by a gate): wait for news.
-                    self._apply(await self._inbox.receive())
+                    await self._wait_for_message()
         except anyio.EndOfStream:
             pass
         finally:
             self._shutdown()
+
+    async def _wait_for_message(self) -> None:
+        self._idle.set()
+        message = await self._inbox.receive()
+        self._idle = anyio.Event()
+        self._apply(message)
+
+    async def wait_until_idle(self) -> None:
+        """Return once every submitted message is applied and no request is left.
+
+        Cancellation just stops the wait."""
+        while not (self._idle.is_set() and self._inbox.statistics().current_buffer_used == 0):
+            if self._idle.is_set():
+                await anyio.sleep(0)  # the core has a message to pick up: let it run
+            else:
+                await self._idle.wait()
 
     def _drain_inbox(self) -> None:
         while True:

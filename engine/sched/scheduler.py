@@ -70,6 +70,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_for_worker: list[str] = []
+        self.num_preemptions = 0  # total, for metrics
 
     # ---- intake and abort ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -168,7 +169,7 @@ class Scheduler:
                 else:
                     self.skipped_waiting.add(request)
                 continue
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            cached = self._cached_prefix(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -184,6 +185,12 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
+
+    def _cached_prefix(self, request: Request) -> list:
+        # A request asking for prompt logprobs needs every prompt position computed.
+        if request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None:
+            return []
+        return self.kv.find_cached_prefix(request)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -221,6 +228,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.prepend(request)
         undone = scheduled.pop(request.request_id, None)
         return undone.num_tokens if undone else 0

@@ -1,0 +1,27 @@
+"""Shared fixtures: a tiny random checkpoint (made once per session) and an engine over it."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, open_engine
+from engine.models.tiny import TinyModelSpec, make_model
+
+TEST_SPEC = TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512, max_positions=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return str(make_model(tmp_path_factory.mktemp("models") / "tiny-llama", TEST_SPEC))
+
+
+def engine_config(model_dir: str, **overrides) -> EngineConfig:
+    options = {"model": model_dir, "num_kv_blocks": 256, "block_size": 16, "max_num_seqs": 32}
+    options.update(overrides)
+    return EngineConfig(**options)
+
+
+@pytest.fixture
+async def engine(tiny_model_dir):
+    async with open_engine(engine_config(tiny_model_dir)) as engine:
+        yield engine
