@@ -45,10 +45,14 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
 
 
-def read_config_json(model_dir: str | Path) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
+def require_model_dir(model_dir: str | Path) -> Path:
     if not Path(model_dir).is_dir():
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    return Path(model_dir)
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = require_model_dir(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing: a model directory needs an HF config.json")
     try:

@@ -12,6 +12,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelLoadError
+from engine.models.hf_config import require_model_dir
 
 
 def _token_text(value: Any) -> str | None:
@@ -23,7 +24,7 @@ def _token_text(value: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
-        model_dir = Path(model_dir)
+        model_dir = require_model_dir(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{path} is missing: the engine needs a `tokenizers` tokenizer.json")

@@ -1,0 +1,49 @@
+"""Incremental detokenization: never half a UTF-8 character; stop strings held back while ambiguous."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.render.detokenizer import IncrementalDetokenizer
+from engine.render.tokenizer import Tokenizer
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return Tokenizer(tiny_model_dir)
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    text = "naïve café — 日本語のテキスト 🎉🚀 done"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # byte-level pieces: many characters span several tokens
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    pieces = []
+    for token_id in ids:
+        detok.add_tokens([token_id])
+        pieces.append(detok.take_new_text(finished=False))
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    assert any(p == "" for p in pieces)  # some tokens were held back mid-character
+
+
+def test_stop_string_is_cut_and_its_prefix_never_released(tokenizer):
+    text = "first part STOP second part"
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["STOP"]))
+    released = []
+    matched = None
+    for token_id in tokenizer.encode(text):
+        matched = detok.add_tokens([token_id])
+        released.append(detok.take_new_text(finished=matched is not None))
+        if matched:
+            break
+    assert matched == "STOP"
+    assert "".join(released) == "first part "
+    assert all("S" not in piece for piece in released)
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["part", "first"]))
+    assert detok.add_tokens(tokenizer.encode("a first part")) == "first"
+    assert detok.text == "a "

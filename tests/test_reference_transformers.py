@@ -1,0 +1,88 @@
+"""Numerical reference: tiny random checkpoints made by transformers itself, compared with its own logits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trio
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+from engine import EngineConfig, open_engine
+from engine.models.attention import SequenceChunk, build_metadata
+from engine.models.loader import load_decoder
+from engine.models.tiny import write_tokenizer
+from tests.helpers import final_output, greedy
+
+VOCAB = 512
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}, rope_theta=5000.0)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hf_checkpoint(request, tmp_path_factory):
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    write_tokenizer(path, VOCAB)
+    return path, model
+
+
+def _our_logits(model_dir, token_ids: list[int], chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """Run our model over the paged cache in the given (start, end) chunks; returns logits [T, V]."""
+    model = load_decoder(model_dir, "float32")
+    cfg, block_size = model.config, 4
+    shape = (64 * block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = [(torch.zeros(shape), torch.zeros(shape))
+          for _ in range(cfg.num_layers)]
+    blocks = random.Random(0).sample(range(64), 64)  # scattered block table
+    ids = torch.tensor(token_ids)
+    out = []
+    with torch.no_grad():
+        for start, end in chunks:
+            meta = build_metadata([SequenceChunk(start, end - start, blocks)], block_size, torch.device("cpu"))
+            hidden = model(model.embed(ids[start:end]), torch.arange(start, end), kv, meta)
+            out.append(model.compute_logits(hidden))
+    return torch.cat(out)
+
+
+def test_logits_match_transformers_over_chunked_prefill_and_decode(hf_checkpoint):
+    path, hf_model = hf_checkpoint
+    token_ids = random.Random(1).choices(range(VOCAB), k=40)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([token_ids])).logits[0].float()
+    ours = _our_logits(path, token_ids, [(0, 17), (17, 18), (18, 31), (31, 32), (32, 40)])
+    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()
+
+
+async def test_greedy_batch_of_mixed_lengths_is_token_identical(hf_checkpoint):
+    path, hf_model = hf_checkpoint
+    rng = random.Random(2)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (3, 11, 17, 29, 40, 64)]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            generated = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                          max_new_tokens=32, do_sample=False)
+            expected.append(generated[0, len(prompt):].tolist())
+    got = {}
+    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48)
+    async with open_engine(config) as engine:
+        async def run(i):
+            got[i] = (await final_output(engine, prompts[i], greedy(32, ignore_eos=True))).outputs[0].token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(run, i)
+    assert [got[i] for i in range(len(prompts))] == expected

@@ -1,0 +1,79 @@
+"""The sampler on hand-made logits: greedy, top-k, top-p, min-p, seeds, penalties, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.worker.sampler import SamplingRow, sample
+
+
+def rows(*params, outputs=None, prompt=None):
+    result = []
+    for i, p in enumerate(params):
+        gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        result.append(SamplingRow(p, gen, prompt or [0], list(outputs[i]) if outputs else []))
+    return result
+
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+DEFAULT = torch.Generator().manual_seed(0)
+
+
+def draws(params: SamplingParams, n: int = 400) -> set[int]:
+    seen = set()
+    for _ in range(n):
+        seen.add(sample(LOGITS.clone(), rows(params), DEFAULT).token_ids[0])
+    return seen
+
+
+def test_greedy_takes_the_argmax():
+    assert sample(LOGITS, rows(SamplingParams(temperature=0)), DEFAULT).token_ids == [0]
+
+
+def test_top_k_top_p_min_p_restrict_the_candidates():
+    assert draws(SamplingParams(temperature=1.0)) == {0, 1, 2, 3}
+    assert draws(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.7)) == {0, 1}  # 0.5 + 0.3 reaches 0.7
+    assert draws(SamplingParams(temperature=1.0, min_p=0.5)) == {0, 1}  # 0.15 < 0.5 * 0.5
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours():
+    logits = torch.randn(1, 50)
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    alone = [sample(logits, rows(seeded), DEFAULT).token_ids[0] for _ in range(1)]
+    batch_rows = rows(SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0.5, seed=9))
+    batch = torch.cat([torch.randn(1, 50), logits, torch.randn(1, 50)])
+    assert sample(batch, batch_rows, DEFAULT).token_ids[1] == alone[0]
+    # and a seeded row's successive draws follow its own generator, not the default one
+    fresh = rows(seeded)
+    first = [sample(logits, fresh, DEFAULT).token_ids[0] for _ in range(20)]
+    again = rows(seeded)
+    second = [sample(logits, again, torch.Generator().manual_seed(123)).token_ids[0] for _ in range(20)]
+    assert first == second and len(set(first)) > 1
+
+
+def test_penalties_push_down_repeated_tokens():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    plain = SamplingParams(temperature=0)
+    assert sample(logits, rows(plain, outputs=[[0]]), DEFAULT).token_ids == [0]
+    for params in (SamplingParams(temperature=0, frequency_penalty=0.5),
+                   SamplingParams(temperature=0, presence_penalty=0.5),
+                   SamplingParams(temperature=0, repetition_penalty=1.5)):
+        assert sample(logits, rows(params, outputs=[[0]]), DEFAULT).token_ids == [1], params
+    # repetition penalty also covers prompt tokens
+    assert sample(logits, rows(SamplingParams(temperature=0, repetition_penalty=1.5), prompt=[0]),
+                  DEFAULT).token_ids == [1]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1]).with_eos((0,))
+    assert sample(LOGITS, rows(params, outputs=[[3]]), DEFAULT).token_ids == [2]
+    assert sample(LOGITS, rows(params, outputs=[[3, 3]]), DEFAULT).token_ids == [0]
+
+
+def test_logprobs_report_rank_and_top_candidates():
+    out = sample(LOGITS, rows(SamplingParams(temperature=0, logprobs=2)), DEFAULT)
+    ids, lps, ranks = out.logprobs[0]
+    assert ids == [0, 0, 1] and ranks == [1, 1, 2]
+    assert lps[0] == torch.log(torch.tensor(0.5)).item()
