@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--output-len", type=int, default=128)
     tp.add_argument("--concurrency", type=int, default=64)
     tp.add_argument("--no-transformers", action="store_true")
+    tp.add_argument("--repeats", type=int, default=3, help="alternating runs per contender; the best is reported")
     tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     return parser
 
@@ -81,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "throughput":
         from engine.bench import throughput
         spec = throughput.BenchSpec(args.num_prompts, args.input_len, args.output_len, args.concurrency)
-        results = throughput.run(_model_dir(args.model), spec, not args.no_transformers, dtype=args.dtype)
-        print(throughput.report(results, spec))
+        results = throughput.run(_model_dir(args.model), spec, not args.no_transformers, args.repeats,
+                                 dtype=args.dtype)
+        print(throughput.report(results, spec, args.repeats))
         return 0
     return 2
 

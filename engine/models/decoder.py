@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(positions, q, k)
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(T, -1))
 
 

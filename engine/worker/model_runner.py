@@ -69,7 +69,7 @@ class ModelRunner:
             token_ids.extend(item.token_ids)
             positions.extend(range(item.start_position, item.start_position + item.num_tokens))
         chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
-        meta = build_metadata(chunks, self.block_size, self.device)
+        meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(self.model.embed(input_ids), pos, self.kv_caches, meta)

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.loader import load_decoder
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.cpu_allocator import keep_freed_memory_in_heap
 from engine.worker.model_runner import ModelRunner
 
 
@@ -32,6 +33,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         self.model: DecoderForCausalLM | None = None
         self.runner: ModelRunner | None = None
 
