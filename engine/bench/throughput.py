@@ -95,12 +95,16 @@ def bare_forward_tokens_per_s(worker: Worker, prompts: list[list[int]], spec: Be
     return len(prompts) * spec.output_len / (time.perf_counter() - start)
 
 
-def transformers_tokens_per_s(model_dir: str, prompts: list[list[int]], spec: BenchSpec) -> float | None:
+def load_transformers_model(model_dir: str):
+    """transformers' own model for the same checkpoint, or None if transformers is not installed."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def transformers_tokens_per_s(model, prompts: list[list[int]], spec: BenchSpec) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(prompts), spec.concurrency):
@@ -120,16 +124,19 @@ def run(model_dir: str, spec: BenchSpec, with_transformers: bool = True, repeats
     trio.run(_engine_run, config, executor, make_prompts(replace(spec, num_prompts=2, seed=1), 100),
              replace(spec, num_prompts=2, output_len=2))
     prompts = make_prompts(spec, worker.model.config.vocab_size)
-    best: dict[str, float | None] = {"engine": 0.0, "ceiling": 0.0, "transformers": None}
+    hf_model = load_transformers_model(model_dir) if with_transformers else None
+    best: dict[str, float | None] = {"engine": 0.0, "ceiling": 0.0,
+                                     "transformers": None if hf_model is None else 0.0}
+    # Each round runs all contenders back to back: this machine's speed drifts over tens of
+    # seconds, so interleaving keeps one contender from owning a slow (or fast) period.
     for _ in range(repeats):
         best["engine"] = max(best["engine"], trio.run(_engine_run, config, executor, prompts, spec))
         # In a worker thread, like the engine's forward passes (same thread, same malloc arena).
         ceiling = trio.run(anyio.to_thread.run_sync, bare_forward_tokens_per_s, worker, prompts, spec,
                            config.token_budget)
         best["ceiling"] = max(best["ceiling"], ceiling)
-    if with_transformers:
-        hf = [transformers_tokens_per_s(model_dir, prompts, spec) for _ in range(repeats)]
-        best["transformers"] = None if hf[0] is None else max(hf)
+        if hf_model is not None:
+            best["transformers"] = max(best["transformers"], transformers_tokens_per_s(hf_model, prompts, spec))
     return best
 
 
