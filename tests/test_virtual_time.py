@@ -60,3 +60,31 @@ async def test_stop_token_from_the_fake_model_finishes_with_stop(tiny_model_dir,
     async with open_engine(engine_config(tiny_model_dir), executor=executor) as engine:
         out = await final_output(engine, [1, 2, 3], greedy(50, stop_token_ids=[42]))
     assert out.outputs[0].token_ids == [7, 7, 7, 42] and out.outputs[0].stop_reason == 42
+
+
+class FailingExecutor(FakeExecutor):
+    async def execute_model(self, sched_out):
+        if len(self.steps) == 3:
+            raise RuntimeError("kernel exploded")
+        return await super().execute_model(sched_out)
+
+
+async def test_a_failing_step_ends_every_request_with_engine_dead_naming_the_cause(tiny_model_dir, autojump_clock):
+    from engine import EngineDeadError
+    errors = []
+
+    async def consume(engine):
+        try:
+            await final_output(engine, [1, 2, 3], greedy(50, ignore_eos=True))
+        except EngineDeadError as exc:
+            errors.append(exc)
+            raise
+
+    # open_engine re-raises the step's error; each consumer got EngineDeadError.
+    with pytest.RaisesGroup(RuntimeError, pytest.RaisesGroup(EngineDeadError, EngineDeadError)):
+        async with open_engine(engine_config(tiny_model_dir), executor=FailingExecutor()) as engine:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, engine)
+                nursery.start_soon(consume, engine)
+    assert len(errors) == 2 and all("kernel exploded" in str(e) for e in errors)
+    assert all(isinstance(e.__cause__, RuntimeError) for e in errors)

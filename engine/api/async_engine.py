@@ -157,10 +157,12 @@ class AsyncEngine:
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = anyio.current_time()
-        suffixes = [""] if params.n == 1 else [f"-{i}" for i in range(params.n)]
-        return [Request(request_id + suffix, token_ids, params.for_child(i) if params.n > 1 else params,
-                        arrival_time=now, priority=priority, max_tokens=max_tokens)
-                for i, suffix in enumerate(suffixes)]
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:  # n samples: children "id-0", "id-1", ... with distinct seeds
+            children = [(f"{request_id}-{i}", params.for_child(i)) for i in range(params.n)]
+        return [Request(child_id, token_ids, child_params, arrival_time=now, priority=priority,
+                        max_tokens=max_tokens) for child_id, child_params in children]
 
 
 def _merge_pending(first: RequestOutput, receive, kind: RequestOutputKind) -> RequestOutput:

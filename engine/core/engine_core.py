@@ -83,6 +83,7 @@ class EngineCore:
         """The step loop. Cancelling it stops the engine: every open request gets
         `EngineDeadError`. A step in flight finishes first (the worker must stay consistent)."""
         task_status.started()
+        failure: BaseException | None = None
         try:
             while True:
                 if not self.scheduler.has_work():
@@ -93,8 +94,11 @@ class EngineCore:
                     await self._wait_for_message()
         except anyio.EndOfStream:
             pass
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            self._shutdown()
+            self._shutdown(failure)
 
     async def _wait_for_message(self) -> None:
         self._idle.set()
@@ -175,7 +179,8 @@ class EngineCore:
                 continue
             self._apply_update(tracker, update)
             touched[tracker.request_id] = tracker
-            tracker.metrics.setdefault("first_token_time", now)
+            if update.new_token_ids:
+                tracker.metrics.setdefault("first_token_time", now)
         for rid, tracker in touched.items():
             if tracker.finished:
                 tracker.metrics["finished_time"] = now
@@ -205,13 +210,13 @@ class EngineCore:
         except anyio.BrokenResourceError:
             self._abort(request_id)  # the consumer went away without saying so
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, failure: BaseException | None) -> None:
         self.dead = True
         self._inbox_send.close()
         for rid in list(self._trackers):
             stream = self._streams[rid]
             try:
-                stream.send_nowait(EngineDeadError("the engine stopped before the request finished"))
+                stream.send_nowait(_dead_error(failure))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass
             self._forget(rid)
@@ -221,3 +226,11 @@ class EngineCore:
     @property
     def num_requests(self) -> int:
         return len(self._trackers)
+
+
+def _dead_error(failure: BaseException | None) -> EngineDeadError:
+    if failure is None or isinstance(failure, anyio.get_cancelled_exc_class()):
+        return EngineDeadError("the engine was closed before the request finished")
+    error = EngineDeadError(f"the engine failed before the request finished: {failure!r}")
+    error.__cause__ = failure
+    return error
