@@ -110,7 +110,7 @@ class EngineCore:
         """Return once every submitted message is applied and no request is left.
 
         Cancellation just stops the wait."""
-        while not (self._idle.is_set() and self._inbox.statistics().current_buffer_used == 0):
+        while not (self._idle.is_set() and self.num_pending_messages == 0):
             if self._idle.is_set():
                 await anyio.sleep(0)  # the core has a message to pick up: let it run
             else:
@@ -226,6 +226,11 @@ class EngineCore:
     @property
     def num_requests(self) -> int:
         return len(self._trackers)
+
+    @property
+    def num_pending_messages(self) -> int:
+        """Messages submitted but not yet applied (they wait for the step in flight)."""
+        return self._inbox.statistics().current_buffer_used
 
 
 def _dead_error(failure: BaseException | None) -> EngineDeadError:
