@@ -136,8 +136,11 @@ def _random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Ten
     return weights
 
 
-def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    """Write the checkpoint into `model_dir` atomically (built in a sibling temp dir, then renamed)."""
+def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), overwrite: bool = True) -> Path:
+    """Write the checkpoint into `model_dir` atomically (built in a sibling temp dir, then renamed).
+
+    With `overwrite=False`, a complete checkpoint that appeared meanwhile (another
+    process creating the same default model) is kept and ours is discarded."""
     model_dir = Path(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".making-", dir=model_dir.parent))
@@ -146,9 +149,14 @@ def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> 
         eos_id = Tokenizer.from_file(str(staging / "tokenizer.json")).token_to_id("<|im_end|>")
         (staging / "config.json").write_text(json.dumps(_config(spec, vocab_size, eos_id), indent=2))
         save_file(_random_weights(spec, vocab_size), str(staging / "model.safetensors"), metadata={"format": "pt"})
-        if model_dir.exists():
+        os.chmod(staging, 0o755)
+        if model_dir.exists() and overwrite:
             shutil.rmtree(model_dir)
-        os.replace(staging, model_dir)
+        try:
+            os.replace(staging, model_dir)
+        except OSError:
+            if overwrite or not (model_dir / "model.safetensors").is_file():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return model_dir
@@ -163,5 +171,5 @@ def ensure_default_model() -> Path:
     """The embedded default model, created on first use. Blocking: run it off the event loop."""
     path = default_model_dir()
     if not (path / "model.safetensors").is_file():
-        make_model(path)
+        make_model(path, overwrite=False)
     return path
