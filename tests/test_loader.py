@@ -75,6 +75,10 @@ async def test_missing_directory_and_oversized_context_are_named(tiny_model_dir,
     with pytest.raises(ModelLoadError, match="max_position_embeddings"):
         async with open_engine(EngineConfig(model=tiny_model_dir, max_model_len=100_000)):
             pass
+    with pytest.raises(ValueError, match="without chunked prefill"):
+        async with open_engine(EngineConfig(model=tiny_model_dir, enable_chunked_prefill=False,
+                                            max_num_batched_tokens=64, max_model_len=512)):
+            pass
 
 
 @pytest.mark.parametrize("option, value", [("dtype", "int8"), ("block_size", 0), ("scheduling_policy", "lifo"),

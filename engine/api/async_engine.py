@@ -201,6 +201,9 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
     if max_model_len > model_info.max_position_embeddings:
         raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"({model_info.max_position_embeddings})")
+    if not config.enable_chunked_prefill and config.token_budget < max_model_len:
+        raise ValueError(f"without chunked prefill, max_num_batched_tokens ({config.token_budget}) must be at "
+                         f"least max_model_len ({max_model_len}), or long prompts could never be scheduled")
     num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // model_info.kv_bytes_per_block
     if num_blocks * config.block_size < max_model_len and config.num_kv_blocks is None:
         raise ModelLoadError(
