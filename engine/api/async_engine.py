@@ -20,6 +20,7 @@ import anyio
 
 from engine.config import EngineConfig, RuntimeInfo
 from engine.core.engine_core import AddRequest, EngineCore, OutputItem
+from engine.core.stats import StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from engine.executor import Executor, create_executor
 from engine.outputs import RequestOutput
@@ -225,11 +226,13 @@ def build_scheduler(config: EngineConfig, info: RuntimeInfo) -> Scheduler:
 
 @asynccontextmanager
 async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
-                      tokenizer: Tokenizer | None = None) -> AsyncIterator[AsyncEngine]:
+                      tokenizer: Tokenizer | None = None,
+                      observer: StatsObserver | None = None) -> AsyncIterator[AsyncEngine]:
     """Load the model, start the engine-core task, and yield the engine.
 
     `executor` replaces the default one (tests pass a fake whose steps take
-    virtual time under `MockClock`). Leaving the block cancels the core task;
+    virtual time under `MockClock`); `observer` receives per-request timings
+    and counts for metrics. Leaving the block cancels the core task;
     requests still open end with `EngineDeadError`. Load errors raise
     `ModelLoadError` naming the problem, with nothing left running.
     """
@@ -239,7 +242,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
             tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
         info = await _size_engine(config, executor, tokenizer)
         await executor.initialize_kv_cache(info.num_kv_blocks)
-        core = EngineCore(build_scheduler(config, info), executor, tokenizer)
+        core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer)
         async with anyio.create_task_group() as tg:
             await tg.start(core.run)
             try:

@@ -1,1 +1,1 @@
-
+"""The concurrency toolkit: small structured-concurrency pieces the layers above share."""

@@ -23,6 +23,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.core.output_processor import RequestTracker
+from engine.core.stats import NullObserver, StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor.base import Executor
 from engine.outputs import RequestOutput
@@ -53,10 +54,12 @@ CoreMessage = AddRequest | AbortRequest
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer,
+                 observer: StatsObserver | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
+        self.observer: StatsObserver = observer or NullObserver()
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[CoreMessage](math.inf)
         self._trackers: dict[str, RequestTracker] = {}
         self._streams: dict[str, OutputSender] = {}
@@ -151,6 +154,7 @@ class EngineCore:
             return
         child_ids = [c.request.request_id for c in tracker.children]
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self._report_finished(tracker, "abort", anyio.current_time())
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -173,22 +177,41 @@ class EngineCore:
 
     def _publish(self, updates: list[RequestUpdate], now: float) -> None:
         touched: dict[str, RequestTracker] = {}
+        new_tokens: dict[str, int] = {}
         for update in updates:
             tracker = self._child_owner.get(update.request.request_id)
             if tracker is None:
                 continue
             self._apply_update(tracker, update)
             touched[tracker.request_id] = tracker
-            if update.new_token_ids:
-                tracker.metrics.setdefault("first_token_time", now)
+            new_tokens[tracker.request_id] = new_tokens.get(tracker.request_id, 0) + len(update.new_token_ids)
         for rid, tracker in touched.items():
+            self._report_tokens(tracker, new_tokens[rid], now)
             if tracker.finished:
                 tracker.metrics["finished_time"] = now
+                self._report_finished(tracker, tracker.children[0].finish_reason or "stop", now)
             output = tracker.build_output()
-            if output is not None:
-                self._send(rid, output)
-            if tracker.finished and rid in self._trackers:
+            delivered = output is None or self._send(rid, output)
+            if tracker.finished:
                 self._forget(rid)
+            elif not delivered:
+                self._abort(rid)  # the consumer went away without saying so
+
+    def _report_tokens(self, tracker: RequestTracker, num_tokens: int, now: float) -> None:
+        if not num_tokens:
+            return
+        metrics = tracker.metrics
+        if "first_token_time" not in metrics:
+            metrics["first_token_time"] = now
+            self.observer.on_first_token(now - metrics["arrival_time"])
+        else:
+            self.observer.on_tokens(now - metrics["last_token_time"], num_tokens)
+        metrics["last_token_time"] = now
+
+    def _report_finished(self, tracker: RequestTracker, reason: str, now: float) -> None:
+        generated = sum(len(c.token_ids) for c in tracker.children)
+        self.observer.on_finished(reason, now - tracker.metrics["arrival_time"],
+                                  len(tracker.prompt_token_ids), generated)
 
     def _apply_update(self, tracker: RequestTracker, update: RequestUpdate) -> None:
         request = update.request
@@ -204,11 +227,12 @@ class EngineCore:
         elif request.status.finished:
             tracker.finish_child(child, request.status.finish_reason or "stop", request.stop_reason)
 
-    def _send(self, request_id: str, output: RequestOutput) -> None:
+    def _send(self, request_id: str, output: RequestOutput) -> bool:
         try:
             self._streams[request_id].send_nowait(output)
+            return True
         except anyio.BrokenResourceError:
-            self._abort(request_id)  # the consumer went away without saying so
+            return False
 
     def _shutdown(self, failure: BaseException | None) -> None:
         self.dead = True
@@ -226,6 +250,11 @@ class EngineCore:
     @property
     def num_requests(self) -> int:
         return len(self._trackers)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests not yet running: queued in the scheduler or not yet applied."""
+        return self.scheduler.num_waiting + self.num_pending_messages
 
     @property
     def num_pending_messages(self) -> int:

@@ -1,0 +1,63 @@
+"""The engine's stats observer and the loop-lag probe, in virtual time."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from engine import open_engine
+from engine.concurrency.loop_lag import run_loop_lag_probe
+from engine.testing import FakeExecutor
+from tests.conftest import engine_config
+from tests.helpers import final_output, greedy
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+class Recorder:
+    def __init__(self):
+        self.ttft, self.itl, self.finished = [], [], []
+
+    def on_first_token(self, ttft):
+        self.ttft.append(ttft)
+
+    def on_tokens(self, itl, num_tokens):
+        self.itl.append((itl, num_tokens))
+
+    def on_finished(self, reason, e2e, prompt_tokens, generation_tokens):
+        self.finished.append((reason, e2e, prompt_tokens, generation_tokens))
+
+
+async def test_observer_sees_ttft_itl_and_finishes(tiny_model_dir, autojump_clock):
+    recorder = Recorder()
+    async with open_engine(engine_config(tiny_model_dir), executor=FakeExecutor(step_time=0.1),
+                           observer=recorder) as engine:
+        await final_output(engine, [1, 2, 3, 4], greedy(5, ignore_eos=True))
+        with trio.move_on_after(0.25):
+            await final_output(engine, [5, 6], greedy(50, ignore_eos=True))
+        await engine.core.wait_until_idle()
+    assert recorder.ttft == [pytest.approx(0.1), pytest.approx(0.1)]
+    assert recorder.itl[:4] == [(pytest.approx(0.1), 1)] * 4
+    (reason1, e2e1, prompt1, gen1), (reason2, _, prompt2, gen2) = recorder.finished
+    assert (reason1, prompt1, gen1) == ("length", 4, 5) and e2e1 == pytest.approx(0.5)
+    # Cancelled at 0.25 s in: two steps done, the third in flight completes before the abort applies.
+    assert (reason2, prompt2, gen2) == ("abort", 2, 3)
+
+
+async def test_loop_lag_probe_reads_zero_when_free_and_the_blocking_time_when_held(autojump_clock):
+    lags = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_loop_lag_probe, lags.append, 0.05)
+        await trio.sleep(0.2)
+        assert lags and all(lag == pytest.approx(0.0, abs=1e-9) for lag in lags)
+        lags.clear()
+        # Hold the loop: advance the clock without yielding, as a blocking call would.
+        await trio.sleep(0.01)
+        autojump_clock.jump(0.3)
+        await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    assert max(lags) == pytest.approx(0.3 - 0.04)
