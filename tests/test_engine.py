@@ -6,6 +6,7 @@ import math
 
 import pytest
 import trio
+import trio.testing
 
 from engine import EngineConfig, InvalidRequestError, RequestOutputKind, SamplingParams, open_engine
 from tests.conftest import engine_config
@@ -226,3 +227,27 @@ async def test_leaving_the_engine_fails_open_requests_with_engine_dead(tiny_mode
     with pytest.raises(EngineDeadError):
         await stream.__anext__()
     await stream.aclose()
+
+
+async def test_generate_batch_yields_every_prompt_and_matches_single_runs(engine):
+    prompts = ["first of the batch", [7, 8, 9, 10], "a third, somewhat longer prompt of the batch"]
+    singles = [(await final_output(engine, p, greedy(8))).outputs[0].token_ids for p in prompts]
+    finals = {}
+    async for index, output in engine.generate_batch(prompts, greedy(8, output_kind=RequestOutputKind.DELTA)):
+        finals.setdefault(index, []).extend(output.outputs[0].token_ids)
+    assert [finals[i] for i in range(3)] == singles
+
+
+async def test_a_refused_batch_member_does_not_leak_its_siblings(engine):
+    async def hold():
+        await final_output(engine, PROMPT, greedy(60, ignore_eos=True), request_id="b-1")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            async for _ in engine.generate_batch(["x", "y", "z"], greedy(60, ignore_eos=True), request_id="b"):
+                pass
+        nursery.cancel_scope.cancel()
+    await engine.core.wait_until_idle()
+    assert engine.core.num_requests == 0 and engine.core.scheduler.kv.num_used_blocks == 0

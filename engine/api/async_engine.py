@@ -45,7 +45,7 @@ class AsyncEngine:
         self.core = core
         self.render_limiter = anyio.CapacityLimiter(config.renderer_workers)
 
-    # ---- the main entry point ---------------------------------------------------------------
+    # ---- the main entry points -------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding `RequestOutput`s as tokens arrive.
@@ -57,29 +57,59 @@ class AsyncEngine:
         request: it is dropped between two steps and its KV blocks are freed.
         If the engine stops first, `EngineDeadError` is raised.
         """
-        params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
-        text, token_ids = await self._render(prompt)
-        children = self._make_requests(request_id, token_ids, params, priority)
+        async for _, output in self._run([prompt], sampling_params, [request_id], priority):
+            yield output
+
+    async def generate_batch(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None,
+                             request_id: str | None = None, *,
+                             priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Generate for several prompts at once, yielding `(prompt index, output)` as outputs arrive.
+
+        All prompts are validated before any is queued; one bad prompt fails
+        the whole batch with nothing run. Request ids are `{request_id}-{i}`.
+        Cancellation or closing the generator aborts every unfinished one.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        async for item in self._run(prompts, sampling_params,
+                                    [f"{request_id}-{i}" for i in range(len(prompts))], priority):
+            yield item
+
+    async def _run(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
+                   request_ids: list[str], priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        params = sampling_params or SamplingParams()
+        if not prompts:
+            raise InvalidRequestError("no prompt given", param="prompt")
+        rendered = [await self._render(p) for p in prompts]
+        batches = [self._make_requests(rid, ids, params, priority) for rid, (_, ids) in zip(request_ids, rendered)]
+        # One output stream for the whole batch: each request gets a clone of the send side,
+        # so the outputs of every prompt arrive on one receive side without extra tasks.
         send, receive = anyio.create_memory_object_stream[OutputItem](math.inf)
-        self.core.submit(AddRequest(request_id, text, children, send))
-        done = False  # finished, or the core already forgot it: no abort needed
+        index_of = {rid: i for i, rid in enumerate(request_ids)}
+        open_ids: set[str] = set()  # submitted and not finished: aborted if we leave early
         try:
             with receive:
+                with send:
+                    for rid, (text, _), children in zip(request_ids, rendered, batches):
+                        self.core.submit(AddRequest(rid, text, children, send.clone()))
+                        open_ids.add(rid)
                 async for item in receive:
-                    if isinstance(item, BaseException):
-                        done = True  # refused or failed by the core, which holds nothing for it
-                        raise item
-                    output = _merge_pending(item, receive, params.output_kind)
-                    done = output.finished
-                    yield output
-                    if done:
+                    for output in _merge_pending(item, receive, params.output_kind):
+                        if output.finished:
+                            open_ids.discard(output.request_id)
+                        yield index_of[output.request_id], output
+                    if not open_ids:
                         return
-            done = True
             raise EngineDeadError("the engine stopped before the request finished")
+        except BaseException as exc:
+            if isinstance(exc, EngineDeadError):
+                open_ids.clear()  # the core holds nothing any more
+            else:
+                open_ids.discard(getattr(exc, "request_id", None))  # the one the core refused
+            raise
         finally:
-            if not done:
-                self.core.abort(request_id)
+            for rid in open_ids:
+                self.core.abort(rid)
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **template_kwargs: Any) -> AsyncIterator[RequestOutput]:
@@ -166,19 +196,22 @@ class AsyncEngine:
                         max_tokens=max_tokens) for child_id, child_params in children]
 
 
-def _merge_pending(first: RequestOutput, receive, kind: RequestOutputKind) -> RequestOutput:
-    """Fold outputs that queued while the consumer was busy into one, so a slow
-    consumer handles one output per wake-up instead of one per engine step."""
-    output = first
-    while not output.finished:
+def _merge_pending(first: OutputItem, receive, kind: RequestOutputKind) -> list[RequestOutput]:
+    """Fold outputs that queued while the consumer was busy into one per request, so a
+    slow consumer handles one output per request per wake-up instead of one per step."""
+    merged: dict[str, RequestOutput] = {}
+    item: OutputItem | None = first
+    while item is not None:
+        if isinstance(item, BaseException):
+            raise item
+        previous = merged.get(item.request_id)
+        merged[item.request_id] = (item if previous is None or kind is not RequestOutputKind.DELTA
+                                   else _merge_delta(previous, item))
         try:
-            nxt = receive.receive_nowait()
+            item = receive.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream):
-            break
-        if isinstance(nxt, BaseException):
-            raise nxt
-        output = _merge_delta(output, nxt) if kind is RequestOutputKind.DELTA else nxt
-    return output
+            item = None
+    return list(merged.values())
 
 
 def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:

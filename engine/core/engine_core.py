@@ -135,8 +135,9 @@ class EngineCore:
 
     def _add(self, message: AddRequest) -> None:
         if message.request_id in self._trackers:
-            message.outputs.send_nowait(InvalidRequestError(
-                f"request id {message.request_id!r} is already in use", param="request_id"))
+            error = InvalidRequestError(f"request id {message.request_id!r} is already in use", param="request_id")
+            error.request_id = message.request_id  # which one of a batch was refused
+            message.outputs.send_nowait(error)
             message.outputs.close()
             return
         first = message.children[0]
