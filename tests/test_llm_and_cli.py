@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.cli import main
+from web.cli import main
 from engine.models.tiny import make_model, TinyModelSpec
 
 

@@ -127,6 +127,14 @@ class AsyncEngine:
                                 eos_token=tok.eos_token, **kwargs),
             limiter=self.render_limiter)
 
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (long texts are tokenized in a worker thread). Empty text is an error."""
+        return await self._tokenize(text, add_special_tokens)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids`; ids outside the vocabulary raise `InvalidRequestError`."""
+        return self.tokenizer.decode(self._check_token_ids(token_ids, allow_empty=True))
+
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if it already finished)."""
         self.core.abort(request_id)
@@ -159,9 +167,9 @@ class AsyncEngine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
-    def _check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+    def _check_token_ids(self, token_ids: Sequence[int], allow_empty: bool = False) -> list[int]:
         ids = list(token_ids)
-        if not ids:
+        if not ids and not allow_empty:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.info.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)

@@ -1,8 +1,11 @@
-"""The `trio-llm` command line: make-model, generate, bench."""
+"""The `trio-llm` command line: serve, make-model, generate, bench.
+
+It lives in `web/` because `serve` needs the HTTP layer, the top of the stack."""
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 import logging
 import sys
 
@@ -26,6 +29,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
     parser.add_argument("--log-level", default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (hypercorn, trio worker)")
+    srv.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded tiny model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--max-queued-requests", type=int, default=None)
+    srv.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    srv.add_argument("--grace-period", type=float, default=30.0)
+    _add_engine_options(srv)
 
     mk = sub.add_parser("make-model", help="write a tiny random-weight HF checkpoint with a local BPE tokenizer")
     defaults = TinyModelSpec()
@@ -62,9 +76,25 @@ def _model_dir(model: str | None) -> str:
     return model or str(ensure_default_model())
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from engine.config import EngineConfig
+    from web.serve import serve
+    from web.settings import ServerSettings
+    engine_config = EngineConfig(model=_model_dir(args.model), **_engine_options(args))
+    settings = ServerSettings(api_key=args.api_key, served_model_name=args.served_model_name,
+                              max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                              grace_period=args.grace_period)
+    trio.run(partial(serve, engine_config, settings, args.host, args.port, log_level=args.log_level))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "make-model":
         from engine.models.tiny import make_model
         spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,

@@ -1,0 +1,68 @@
+"""Health, version, models, tokenize/detokenize and Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+from pydantic_core import to_json
+from quart import Response
+from quart_trio import QuartTrio
+
+from web.errors import bad_request
+from web.openai_api import read_request
+from web.protocol import DetokenizeRequest, TokenizeRequest
+from web.state import ServerState
+
+_STARTED = int(time.time())
+
+
+def _json(payload, status: int = 200) -> Response:
+    return Response(to_json(payload), status=status, content_type="application/json")
+
+
+def _version() -> str:
+    try:
+        return version("trio-llm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def register(app: QuartTrio, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b"", status=200 if state.engine_alive else 503)
+
+    @app.get("/version")
+    async def get_version() -> Response:
+        return _json({"version": _version()})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        max_len = state.engine.info.max_model_len if state.engine else None
+        card = {"id": state.model_name, "object": "model", "created": _STARTED, "owned_by": "trio-llm",
+                "root": state.engine_config.model, "parent": None, "max_model_len": max_len}
+        return _json({"object": "list", "data": [card]})
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        req: TokenizeRequest = await read_request(state, TokenizeRequest)
+        engine = state.engine_for_request()
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+        if req.messages is not None:
+            text = await engine.apply_chat_template(req.messages)
+            tokens = await engine.tokenize(text, add_special_tokens=False)
+        else:
+            tokens = await engine.tokenize(req.prompt, req.add_special_tokens) if req.prompt else []
+        return _json({"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens})
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        req: DetokenizeRequest = await read_request(state, DetokenizeRequest)
+        engine = state.engine_for_request()
+        return _json({"prompt": engine.detokenize(req.tokens)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")

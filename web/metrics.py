@@ -1,0 +1,70 @@
+"""Prometheus metrics for one server (one registry per app, so tests can run several).
+
+Counters and histograms are fed by the engine core through the
+`StatsObserver` interface; gauges read the engine's state when scraped (the
+scrape runs on the event loop, between engine steps, so it reads a
+consistent state without locks).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LAG_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class ServerMetrics:
+    """Also the engine's `StatsObserver`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("trio_llm_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge("trio_llm_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+        self.kv_usage = Gauge("trio_llm_kv_cache_usage_ratio",
+                              "KV blocks referenced by live requests over all blocks (prefix-cache-only blocks "
+                              "count as free)", labels, registry=r)
+        self.prompt_tokens = Counter("trio_llm_prompt_tokens", "Prompt tokens of finished requests", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("trio_llm_generation_tokens", "Generated tokens", labels, registry=r)
+        self.finished = Counter("trio_llm_requests_finished", "Finished requests by reason",
+                                labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("trio_llm_time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("trio_llm_inter_token_latency_seconds", "Time between output steps of a request",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("trio_llm_e2e_request_latency_seconds", "Arrival to finish", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram("trio_llm_event_loop_lag_seconds", "How late the loop-lag probe woke up",
+                                  buckets=_LAG_BUCKETS, registry=r)
+        self._model = model_name
+
+    def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
+        self.running.labels(self._model).set_function(running)
+        self.waiting.labels(self._model).set_function(waiting)
+        self.kv_usage.labels(self._model).set_function(kv_usage)
+
+    # ---- StatsObserver ------------------------------------------------------------------------
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.labels(self._model).observe(ttft)
+
+    def on_tokens(self, inter_token_latency: float, num_tokens: int) -> None:
+        self.itl.labels(self._model).observe(inter_token_latency)
+
+    def on_finished(self, finish_reason: str, e2e_latency: float, prompt_tokens: int,
+                    generation_tokens: int) -> None:
+        self.finished.labels(self._model, finish_reason).inc()
+        self.e2e.labels(self._model).observe(e2e_latency)
+        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self.generation_tokens.labels(self._model).inc(generation_tokens)
+
+    def observe_loop_lag(self, lag: float) -> None:
+        self.loop_lag.observe(lag)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

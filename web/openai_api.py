@@ -1,0 +1,128 @@
+"""POST /v1/completions and /v1/chat/completions.
+
+Each request: parse (off the loop when large) -> validate -> one engine
+request per prompt -> stream one SSE event per engine step per request, or
+collect the final outputs and build the body (off the loop when large).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from pydantic_core import to_json
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind
+from web import sse
+from web.errors import bad_request
+from web.protocol import ChatCompletionRequest, CompletionRequest, check_model, parse_body
+from web.responses import ChatStream, CompletionStream, chat_response, completion_response
+from web.state import ServerState
+
+# Bodies and responses above these sizes are parsed / built in a worker thread.
+OFFLOAD_BODY_BYTES = 64 << 10
+OFFLOAD_RESPONSE_TOKENS = 4096
+
+
+def register(app: QuartTrio, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await create_completion(state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await create_chat_completion(state)
+
+
+async def read_request(state: ServerState, model: type) -> Any:
+    body = await request.get_data(cache=False)
+    if len(body) > OFFLOAD_BODY_BYTES:
+        parsed = await anyio.to_thread.run_sync(parse_body, model, body, limiter=state.limiter)
+    else:
+        parsed = parse_body(model, body)
+    check_model(parsed.model, state.accepted_model_names)
+    return parsed
+
+
+async def json_response(state: ServerState, build: Callable[[], dict[str, Any]], num_tokens: int) -> Response:
+    if num_tokens > OFFLOAD_RESPONSE_TOKENS:
+        body = await anyio.to_thread.run_sync(lambda: to_json(build()), limiter=state.limiter)
+    else:
+        body = to_json(build())
+    return Response(body, content_type="application/json")
+
+
+async def first_item(outputs: AsyncIterator[Any]) -> Any:
+    """Run the stream up to its first output, so that invalid input is a 400, not a stream error."""
+    return await anext(outputs, None)
+
+
+# ---- completions ---------------------------------------------------------------------------------
+async def create_completion(state: ServerState) -> Response:
+    req: CompletionRequest = await read_request(state, CompletionRequest)
+    engine = state.engine_for_request()
+    prompts = req.prompts()
+    if not prompts:
+        raise bad_request("prompt must not be empty", "prompt")
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    params = req.sampling_params(req.max_tokens, req.logprobs, kind, prompt_logprobs)
+    response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    outputs = engine.generate_batch(prompts, params, request_id=response_id)
+    first = await first_item(outputs)
+    if req.stream:
+        stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = sse.stream_events(first, outputs, lambda item: stream.chunk(*item),
+                                 lambda: [stream.usage_chunk()] if include_usage else [])
+        return Response(body, content_type="text/event-stream", headers=sse.HEADERS)
+    finals: list[RequestOutput | None] = [None] * len(prompts)
+    item = first
+    while item is not None:
+        finals[item[0]] = item[1]
+        item = await anext(outputs, None)
+    tokens = sum(len(c.token_ids) for out in finals if out for c in out.outputs)
+    return await json_response(state, lambda: completion_response(
+        response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None, finals), tokens)
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+async def create_chat_completion(state: ServerState) -> Response:
+    req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
+    engine = state.engine_for_request()
+    prompt = await engine.apply_chat_template(req.text_messages(), add_generation_prompt=req.add_generation_prompt)
+    token_ids = await engine.tokenize(prompt, add_special_tokens=False)
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind)
+    response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    outputs = engine.generate_batch([{"prompt": prompt, "prompt_token_ids": token_ids}], params,
+                                    request_id=response_id)
+    first = await first_item(outputs)
+    top = logprobs if req.logprobs else None
+    if req.stream:
+        stream = ChatStream(response_id, created, state.model_name, top)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1]),
+                                 lambda: [stream.usage_chunk()] if include_usage else [])
+        return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
+                        headers=sse.HEADERS)
+    final = first[1]
+    item = await anext(outputs, None)
+    while item is not None:
+        final = item[1]
+        item = await anext(outputs, None)
+    tokens = sum(len(c.token_ids) for c in final.outputs)
+    return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top),
+                               tokens)
+
+
+async def _prepend(head: bytes, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield head
+    async for chunk in body:
+        yield chunk

@@ -1,0 +1,139 @@
+"""OpenAI request bodies, validated by pydantic (pydantic-core parses the JSON bytes directly).
+
+Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients
+keep working. Conversion to `SamplingParams` turns every invalid value into a
+400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from web.errors import APIError, bad_request
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        values: dict[str, Any] = {
+            "n": self.n, "seed": self.seed, "stop": self.stop or (), "stop_token_ids": self.stop_token_ids or (),
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
+            "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "output_kind": kind,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        try:
+            return SamplingParams(**values)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # one prompt of token ids
+        return list(p)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    add_generation_prompt: bool = True
+
+    def text_messages(self) -> list[dict[str, Any]]:
+        """Messages with list-of-parts content flattened to text (images are not supported)."""
+        out = []
+        for i, message in enumerate(self.messages):
+            content = message.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
+                    texts.append(str(part.get("text", "")))
+                message = {**message, "content": "".join(texts)}
+            elif content is None:
+                message = {**message, "content": ""}
+            elif not isinstance(content, str):
+                raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
+            out.append(message)
+        return out
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(model: type[_Body], body: bytes) -> Any:
+    """Validate JSON bytes into `model`; a 400 naming the first bad field otherwise."""
+    if not body:
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        kind: Literal["json_invalid"] | str = first.get("type", "")
+        if kind == "json_invalid":
+            raise bad_request(f"the request body is not valid JSON: {first.get('msg')}") from exc
+        raise bad_request(f"{where}: {first.get('msg')}", where.split(".")[0]) from exc
+
+
+def check_model(requested: str | None, served: set[str]) -> None:
+    if requested is not None and requested not in served:
+        raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")

@@ -1,0 +1,173 @@
+"""Turning engine `RequestOutput`s into OpenAI response bodies (plain dicts).
+
+Choice index for completions with several prompts follows OpenAI/vLLM:
+`prompt_index * n + sample_index`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None],
+                        text_offset: int) -> dict[str, Any]:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, position in zip(token_ids, positions):
+        if position is None:  # the first prompt token has no logprob
+            tokens.append(None)
+            token_logprobs.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            continue
+        chosen = position[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        tops.append({lp.decoded_token or "": lp.logprob for lp in position.values()})  # chosen + top-N
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> dict[str, Any]:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position[token_id]
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_n]
+        content.append({**_chat_token(chosen.decoded_token, chosen.logprob),
+                        "top_logprobs": [_chat_token(lp.decoded_token, lp.logprob) for _, lp in ranked]})
+    return {"content": content}
+
+
+def _chat_token(text: str | None, logprob: float) -> dict[str, Any]:
+    text = text or ""
+    return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+
+
+# ---- completions ---------------------------------------------------------------------------------
+@dataclass
+class CompletionStream:
+    """State of one streamed completions response across its chunks."""
+
+    response_id: str
+    created: int
+    model: str
+    n: int
+    echo: bool
+    logprobs: bool
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    _echoed: set[int] = field(default_factory=set)
+    _text_offsets: dict[int, int] = field(default_factory=dict)
+
+    def chunk(self, prompt_index: int, output: RequestOutput) -> dict[str, Any]:
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        choices = []
+        for completion in output.outputs:
+            index = prompt_index * self.n + completion.index
+            text = completion.text
+            if self.echo and index not in self._echoed:
+                self._echoed.add(index)
+                text = (output.prompt or "") + text
+            self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(completion.token_ids)
+            choice = {"index": index, "text": text, "logprobs": None,
+                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+            if self.logprobs and completion.logprobs is not None:
+                offset = self._text_offsets.get(index, 0)
+                choice["logprobs"] = completion_logprobs(completion.token_ids, completion.logprobs, offset)
+                self._text_offsets[index] = offset + len(completion.text)
+            choices.append(choice)
+        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [], "usage": usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))}
+
+
+def completion_response(response_id: str, created: int, model: str, n: int, echo: bool, logprobs: bool,
+                        outputs: list[RequestOutput]) -> dict[str, Any]:
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for prompt_index, output in enumerate(outputs):
+        prompt_tokens += len(output.prompt_token_ids)
+        for completion in output.outputs:
+            completion_tokens += len(completion.token_ids)
+            choices.append(_completion_choice(prompt_index * n + completion.index, output, completion, echo, logprobs))
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _completion_choice(index: int, output: RequestOutput, completion: CompletionOutput, echo: bool,
+                       logprobs: bool) -> dict[str, Any]:
+    prefix = (output.prompt or "") if echo else ""
+    choice = {"index": index, "text": prefix + completion.text, "logprobs": None,
+              "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+    if logprobs and completion.logprobs is not None:
+        tokens, positions = completion.token_ids, completion.logprobs
+        if echo and output.prompt_logprobs is not None:
+            tokens = output.prompt_token_ids + tokens
+            positions = list(output.prompt_logprobs) + positions
+        choice["logprobs"] = completion_logprobs(tokens, positions, 0)
+    return choice
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+def chat_response(response_id: str, created: int, model: str, output: RequestOutput,
+                  top_logprobs: int | None) -> dict[str, Any]:
+    choices = []
+    for completion in output.outputs:
+        choice = {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+                  "logprobs": None, "finish_reason": completion.finish_reason,
+                  "stop_reason": completion.stop_reason}
+        if top_logprobs is not None and completion.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, top_logprobs)
+        choices.append(choice)
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(len(output.prompt_token_ids), completion_tokens)}
+
+
+@dataclass
+class ChatStream:
+    response_id: str
+    created: int
+    model: str
+    top_logprobs: int | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def role_chunk(self, n: int) -> dict[str, Any]:
+        return self._wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(n)])
+
+    def chunk(self, output: RequestOutput) -> dict[str, Any]:
+        self.prompt_tokens = len(output.prompt_token_ids)
+        choices = []
+        for completion in output.outputs:
+            self.completion_tokens += len(completion.token_ids)
+            delta = {"content": completion.text} if completion.text or not completion.finish_reason else {}
+            choice = {"index": completion.index, "delta": delta, "logprobs": None,
+                      "finish_reason": completion.finish_reason}
+            if self.top_logprobs is not None and completion.logprobs:
+                choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, self.top_logprobs)
+            choices.append(choice)
+        return self._wrap(choices)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return self._wrap([], usage=usage(self.prompt_tokens, self.completion_tokens))

@@ -1,0 +1,25 @@
+"""Server settings (everything about HTTP; the engine has its own `EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # defaults to the model path
+    max_queued_requests: int | None = None  # waiting requests beyond this get 503 + Retry-After
+    max_body_bytes: int = 16 << 20
+    http_workers: int = 4  # threads for parsing large bodies and building large responses
+    grace_period: float = 30.0  # seconds in-flight requests get to finish on shutdown
+    loop_lag_interval: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be non-negative, got {self.max_queued_requests}")
+        for name in ("max_body_bytes", "http_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.grace_period < 0 or self.loop_lag_interval <= 0:
+            raise ValueError("grace_period must be >= 0 and loop_lag_interval > 0")

@@ -1,0 +1,52 @@
+"""What one server holds: its settings, metrics, limiter, and the engine once it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+
+from engine.api.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.executor.base import Executor
+from web.errors import APIError
+from web.metrics import ServerMetrics
+from web.settings import ServerSettings
+
+
+@dataclass
+class ServerState:
+    engine_config: EngineConfig
+    settings: ServerSettings
+    executor: Executor | None = None  # tests inject a fake; None: the configured executor
+    engine: AsyncEngine | None = None
+    engine_error: BaseException | None = None
+    metrics: ServerMetrics = field(init=False)
+    limiter: anyio.CapacityLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.model_name)
+        self.limiter = anyio.CapacityLimiter(self.settings.http_workers)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name or self.engine_config.served_model_name or self.engine_config.model
+
+    @property
+    def accepted_model_names(self) -> set[str]:
+        return {self.model_name, self.engine_config.model}
+
+    @property
+    def engine_alive(self) -> bool:
+        return self.engine is not None and self.engine.is_running
+
+    def engine_for_request(self) -> AsyncEngine:
+        """The engine, if it runs and its queue has room; otherwise the 503 to answer."""
+        if not self.engine_alive:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        assert self.engine is not None
+        bound = self.settings.max_queued_requests
+        if bound is not None and self.engine.core.num_waiting_requests >= bound:
+            raise APIError(503, f"the server is at capacity ({bound} requests are waiting); retry shortly",
+                           code="queue_full", headers={"Retry-After": "1"})
+        return self.engine
