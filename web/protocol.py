@@ -119,6 +119,13 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+# Fields whose type is a union: pydantic reports the first member's complaint, which misleads.
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+}
+
+
 def parse_body(model: type[_Body], body: bytes) -> Any:
     """Validate JSON bytes into `model`; a 400 naming the first bad field otherwise."""
     if not body:
@@ -131,7 +138,10 @@ def parse_body(model: type[_Body], body: bytes) -> Any:
         kind: Literal["json_invalid"] | str = first.get("type", "")
         if kind == "json_invalid":
             raise bad_request(f"the request body is not valid JSON: {first.get('msg')}") from exc
-        raise bad_request(f"{where}: {first.get('msg')}", where.split(".")[0]) from exc
+        field_name = where.split(".")[0]
+        if field_name in _UNION_FIELDS and first.get("type") != "missing":
+            raise bad_request(f"{field_name} must be {_UNION_FIELDS[field_name]}", field_name) from exc
+        raise bad_request(f"{where}: {first.get('msg')}", field_name) from exc
 
 
 def check_model(requested: str | None, served: set[str]) -> None:

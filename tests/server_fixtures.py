@@ -1,0 +1,39 @@
+"""Running a real hypercorn server with the app on 127.0.0.1 and a free port, inside the test's nursery."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+from hypercorn.trio import serve as hypercorn_serve
+
+from web.app import create_app
+from web.serve import hypercorn_config
+from web.settings import ServerSettings
+from web.state import ServerState
+
+
+@dataclass
+class RunningServer:
+    url: str
+    state: ServerState
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+
+@asynccontextmanager
+async def running_server(engine_config, settings: ServerSettings | None = None, executor=None):
+    settings = settings or ServerSettings()
+    app = create_app(engine_config, settings, executor=executor)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        config = hypercorn_config("127.0.0.1", 0, settings, log_level="warning")
+        binds = await nursery.start(partial(hypercorn_serve, app, config, shutdown_trigger=stop.wait))
+        try:
+            yield RunningServer(binds[0], app.extensions["trio_llm"])
+        finally:
+            stop.set()

@@ -1,0 +1,168 @@
+"""The HTTP server end to end: a real hypercorn on 127.0.0.1, driven by the real openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.conftest import engine_config
+from tests.raw_http import request, sse_events
+from tests.server_fixtures import running_server
+from web.settings import ServerSettings
+
+
+@pytest.fixture
+async def server(tiny_model_dir):
+    async with running_server(engine_config(tiny_model_dir, num_kv_blocks=128)) as running:
+        yield running
+
+
+@pytest.fixture
+async def client(server):
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    yield client
+    await client.close()
+
+
+async def test_completions_with_the_openai_client(server, client):
+    model = server.state.model_name
+    result = await client.completions.create(model=model, prompt="The engine", max_tokens=7, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert result.object == "text_completion" and len(result.choices) == 1
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens == 7
+    assert result.usage.prompt_tokens == len(server.engine.tokenizer.encode("The engine"))
+    streamed = await client.completions.create(model=model, prompt="The engine", max_tokens=7, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True})
+    chunks = [c async for c in streamed]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == result.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 7 and chunks[-1].choices == []
+
+
+async def test_several_prompts_and_n_get_ordered_choices(server, client):
+    result = await client.completions.create(model=server.state.model_name, prompt=["one", "two"],
+                                             n=2, max_tokens=3, temperature=1.0, seed=3,
+                                             extra_body={"ignore_eos": True})
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert result.usage.completion_tokens == 12
+
+
+async def test_chat_with_the_openai_client(server, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    result = await client.chat.completions.create(model=server.state.model_name, messages=messages,
+                                                  max_completion_tokens=6, temperature=0, logprobs=True,
+                                                  top_logprobs=2, extra_body={"ignore_eos": True})
+    choice = result.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert len(choice.logprobs.content) == 6 and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    prompt = server.engine.tokenizer.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+                                            "Hello there<|im_end|>\n<|im_start|>assistant\n", False)
+    assert result.usage.prompt_tokens == len(prompt)
+    stream = await client.chat.completions.create(model=server.state.model_name, messages=messages,
+                                                  max_tokens=6, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_models_health_version(server, client):
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [server.state.model_name]
+    assert (await request(server.url, "GET", "/health")).status == 200
+    version = await request(server.url, "GET", "/version")
+    assert version.status == 200 and version.json()["version"]
+
+
+async def test_tokenize_and_detokenize_round_trip(server):
+    tokens = (await request(server.url, "POST", "/tokenize", {"prompt": "round trip text"})).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    text = (await request(server.url, "POST", "/detokenize", {"tokens": tokens["tokens"]})).json()
+    assert text == {"prompt": "round trip text"}
+    chat = (await request(server.url, "POST", "/tokenize", {"messages": [{"role": "user", "content": "x"}]})).json()
+    assert chat["count"] > tokens["count"] - 3
+    bad = await request(server.url, "POST", "/detokenize", {"tokens": [10**7]})
+    assert bad.status == 400 and "out of vocabulary" in bad.json()["error"]["message"]
+
+
+async def test_sse_framing_on_the_wire(server):
+    body = {"prompt": "frames", "max_tokens": 5, "stream": True, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    response = await request(server.url, "POST", "/v1/completions", body)
+    assert response.status == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.body)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    texts = [c["choices"][0]["text"] for c in chunks[:-1]]
+    assert len(texts) <= 5  # at most one event per engine step
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("payload, status, message, param", [
+    ({"prompt": "x", "temperature": -1}, 400, "temperature must be non-negative", "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1", "max_tokens"),
+    ({"prompt": "x", "n": 0}, 400, "n must be at least 1", "n"),
+    ({"prompt": "x", "logprobs": 50}, 400, "more than the maximum allowed", "logprobs"),
+    ({"prompt": ""}, 400, "the prompt is empty", "prompt"),
+    ({"prompt": [1, 2, 10**9]}, 400, "out of vocabulary", "prompt"),
+    ({"prompt": "word " * 600}, 400, "longer than the maximum model length", "prompt"),
+    ({"max_tokens": 3}, 400, "prompt: Field required", "prompt"),
+    ({"prompt": ["one", [5, 6]]}, 400, "prompt must be a string, a list of strings, a list of token ids", "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist.", "model"),
+])
+async def test_invalid_completions_get_openai_errors(server, payload, status, message, param):
+    response = await request(server.url, "POST", "/v1/completions", payload)
+    assert response.status == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_streaming_request_with_invalid_values_is_a_400_not_a_stream(server):
+    response = await request(server.url, "POST", "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "x"}], "stream": True, "top_p": 5})
+    assert response.status == 400 and "top_p" in response.json()["error"]["message"]
+
+
+async def test_bad_json_unknown_route_and_wrong_method(server):
+    bad = await request(server.url, "POST", "/v1/completions", body=b"{not json")
+    assert bad.status == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    missing = await request(server.url, "GET", "/v1/nothing-here")
+    assert missing.status == 404 and "no route for GET /v1/nothing-here" in missing.json()["error"]["message"]
+    method = await request(server.url, "GET", "/v1/completions")
+    assert method.status == 405
+
+
+async def test_oversized_body_is_413(tiny_model_dir):
+    settings = ServerSettings(max_body_bytes=1000)
+    async with running_server(engine_config(tiny_model_dir), settings) as server:
+        response = await request(server.url, "POST", "/v1/completions", {"prompt": "x" * 5000})
+        assert response.status == 413
+        assert "exceeds the limit of 1000 bytes" in response.json()["error"]["message"]
+        assert (await request(server.url, "GET", "/health")).status == 200
+
+
+async def test_api_key_is_required_on_v1_routes(tiny_model_dir):
+    async with running_server(engine_config(tiny_model_dir), ServerSettings(api_key="s3cret")) as server:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+            response = await request(server.url, "GET", "/v1/models", headers=headers)
+            assert response.status == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        ok = await request(server.url, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status == 200
+        assert (await request(server.url, "GET", "/health")).status == 200  # probes need no key
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await client.models.list()
+        await client.close()
+
+
+async def test_full_queue_is_503_with_retry_after(tiny_model_dir):
+    async with running_server(engine_config(tiny_model_dir), ServerSettings(max_queued_requests=0)) as server:
+        response = await request(server.url, "POST", "/v1/completions", {"prompt": "x"})
+        assert response.status == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "queue_full"

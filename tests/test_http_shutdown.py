@@ -1,0 +1,54 @@
+"""SIGTERM: stop accepting, let in-flight requests finish, exit 0 (a real `trio-llm serve` process)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from tests.raw_http import open_request
+
+
+async def _bound_url(stderr) -> str:
+    seen = b""
+    while not (match := re.search(rb"Running on (http://127\.0\.0\.1:\d+)", seen)):
+        chunk = await stderr.receive_some(4096)
+        assert chunk, f"the server exited before listening: {seen.decode(errors='replace')[-2000:]}"
+        seen += chunk
+    return match.group(1).decode()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_signal_lets_the_in_flight_stream_finish_then_exits_zero(tiny_model_dir, signum):
+    command = [sys.executable, "-m", "web.cli", "--log-level", "info", "serve", tiny_model_dir, "--port", "0",
+               "--kv-cache-memory-bytes", str(1 << 24), "--grace-period", "20"]
+    with trio.fail_after(90):
+        process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        try:
+            url = await _bound_url(process.stderr)
+            body = {"prompt": "keep going", "max_tokens": 60, "ignore_eos": True, "stream": True}
+            connection = await open_request(url, "POST", "/v1/completions", body)
+            data = b""
+            while b"data: " not in data:
+                data += await connection.receive_some(4096)
+            process.send_signal(signum)  # the stream is in flight
+            while b"data: [DONE]" not in data:
+                chunk = await connection.receive_some(4096)
+                assert chunk, "the stream was cut before it finished"
+                data += chunk
+            await connection.aclose()
+            assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    events = re.findall(rb"data: (\{.*?\})\n\n", data)
+    # "length": all 60 tokens were generated and delivered although the signal came after the first.
+    assert json.loads(events[-1])["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
