@@ -68,6 +68,16 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--no-transformers", action="store_true")
     tp.add_argument("--repeats", type=int, default=3, help="alternating runs per contender; the best is reported")
     tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    sv = bench_sub.add_parser("serve", help="load a running server: req/s, tok/s, TTFT and ITL per concurrency")
+    sv.add_argument("--url", default="http://127.0.0.1:8000")
+    sv.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    sv.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    sv.add_argument("--num-requests", type=int, default=64)
+    sv.add_argument("--input-len", type=int, default=128)
+    sv.add_argument("--output-len", type=int, default=128)
+    sv.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
+    sv.add_argument("--max-seconds", type=float, default=120.0, help="time bound per concurrency level")
+    sv.add_argument("--api-key", default=None)
     return parser
 
 
@@ -115,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         results = throughput.run(_model_dir(args.model), spec, not args.no_transformers, args.repeats,
                                  dtype=args.dtype)
         print(throughput.report(results, spec, args.repeats))
+        return 0
+    if args.command == "bench" and args.bench == "serve":
+        import trio
+
+        from web import bench_serve
+        levels = [int(c) for c in args.concurrency.split(",")]
+        print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len,
+                               args.output_len, model=args.model, vocab=args.vocab, max_seconds=args.max_seconds,
+                               api_key=args.api_key)))
         return 0
     return 2
 
