@@ -114,6 +114,19 @@ def transformers_tokens_per_s(model, prompts: list[list[int]], spec: BenchSpec) 
     return len(prompts) * spec.output_len / (time.perf_counter() - start)
 
 
+async def _one_token_latencies(config: EngineConfig, executor: InProcExecutor, repeats: int = 40) -> list[float]:
+    """Sequential 1-token completions of a 4-token prompt: the engine's own per-request floor."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    latencies = []
+    async with open_engine(config, executor=executor) as engine:
+        for i in range(repeats):
+            start = time.perf_counter()
+            async for _ in engine.generate([5 + i % 50, 6, 7, 8], params):
+                pass
+            latencies.append(time.perf_counter() - start)
+    return sorted(latencies[repeats // 4:])  # the first ones warm caches
+
+
 def run(model_dir: str, spec: BenchSpec, with_transformers: bool = True, repeats: int = 3,
         **engine_options) -> dict[str, float | None]:
     """Best of `repeats` alternating runs of each contender (this machine's timings vary by ~10%)."""
@@ -137,6 +150,9 @@ def run(model_dir: str, spec: BenchSpec, with_transformers: bool = True, repeats
         best["ceiling"] = max(best["ceiling"], ceiling)
         if hf_model is not None:
             best["transformers"] = max(best["transformers"], transformers_tokens_per_s(hf_model, prompts, spec))
+    latencies = trio.run(_one_token_latencies, config, executor)
+    best["one_token_p50_ms"] = latencies[len(latencies) // 2] * 1000
+    best["one_token_p99_ms"] = latencies[-1] * 1000
     return best
 
 
@@ -151,5 +167,7 @@ def report(results: dict[str, float | None], spec: BenchSpec, repeats: int) -> s
     if hf is not None:
         lines.append(f"transformers      {hf:10.1f} output tok/s   (engine/transformers = {engine / hf:.2f}x)")
     else:
-        lines.append("transformers      not installed")
+        lines.append("transformers      skipped (--no-transformers, or transformers is not installed)")
+    lines.append(f"1-token completion, in-process engine, concurrency 1: p50 {results['one_token_p50_ms']:.2f} ms, "
+                 f"p99 {results['one_token_p99_ms']:.2f} ms")
     return "\n".join(lines)

@@ -53,8 +53,7 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     cfg: DecoderConfig = parse_decoder_config(read_config_json(model_dir))
     files = safetensors_files(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype)
-    model = DecoderForCausalLM(cfg, torch_dtype, "meta")  # no memory, no init: weights come next
-    model = model.to_empty(device=device)
+    model = DecoderForCausalLM(cfg, torch_dtype, device)  # uninitialised storage: the weights come next
     with torch.no_grad():
         model.load_weights(iterate_weights(files))
     model.setup_rope(max_positions or cfg.max_position_embeddings)
