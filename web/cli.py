@@ -10,6 +10,7 @@ import logging
 import sys
 
 from engine.models.tiny import ARCHITECTURES, TinyModelSpec
+from web.settings import ServerSettings
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -91,7 +92,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine.config import EngineConfig
     from web.serve import serve
-    from web.settings import ServerSettings
     engine_config = EngineConfig(model=_model_dir(args.model), **_engine_options(args))
     settings = ServerSettings(api_key=args.api_key, served_model_name=args.served_model_name,
                               max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
