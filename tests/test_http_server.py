@@ -166,3 +166,26 @@ async def test_full_queue_is_503_with_retry_after(tiny_model_dir):
         response = await request(server.url, "POST", "/v1/completions", {"prompt": "x"})
         assert response.status == 503 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "queue_full"
+
+
+async def test_echo_logprobs_and_stop_strings(server):
+    plain = (await request(server.url, "POST", "/v1/completions",
+                           {"prompt": "Echo this", "max_tokens": 12, "temperature": 0, "ignore_eos": True})).json()
+    text = plain["choices"][0]["text"]
+    echoed = (await request(server.url, "POST", "/v1/completions",
+                            {"prompt": "Echo this", "max_tokens": 4, "temperature": 0, "echo": True,
+                             "logprobs": 2, "ignore_eos": True})).json()
+    choice = echoed["choices"][0]
+    assert choice["text"].startswith("Echo this")
+    assert text.startswith(choice["text"][len("Echo this"):])  # greedy: 4 tokens are a prefix of 12
+    logprobs = choice["logprobs"]
+    num_prompt = echoed["usage"]["prompt_tokens"]
+    assert len(logprobs["tokens"]) == num_prompt + 4
+    assert logprobs["token_logprobs"][0] is None and all(lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    stop = text[4:7]
+    stopped = (await request(server.url, "POST", "/v1/completions",
+                             {"prompt": "Echo this", "max_tokens": 12, "temperature": 0, "stop": stop,
+                              "ignore_eos": True})).json()["choices"][0]
+    assert stopped["text"] == text[:text.index(stop)] and stopped["finish_reason"] == "stop"
+    assert stopped["stop_reason"] == stop

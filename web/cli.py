@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queued-requests", type=int, default=None)
     srv.add_argument("--max-body-bytes", type=int, default=16 << 20)
     srv.add_argument("--grace-period", type=float, default=30.0)
+    srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the global --log-level")
     _add_engine_options(srv)
 
     mk = sub.add_parser("make-model", help="write a tiny random-weight HF checkpoint with a local BPE tokenizer")
