@@ -16,6 +16,7 @@ from pydantic_core import to_json
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from engine.errors import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 from web import sse
@@ -59,7 +60,10 @@ async def json_response(state: ServerState, build: Callable[[], dict[str, Any]],
 
 async def first_item(outputs: AsyncIterator[Any]) -> Any:
     """Run the stream up to its first output, so that invalid input is a 400, not a stream error."""
-    return await anext(outputs, None)
+    first = await anext(outputs, None)
+    if first is None:
+        raise EngineDeadError("the engine stopped before the request produced any output")
+    return first
 
 
 # ---- completions ---------------------------------------------------------------------------------
