@@ -62,3 +62,15 @@ async def test_cancelled_request_frees_its_blocks_before_the_next_step(tiny_mode
         await engine.core.wait_until_idle()
         assert engine.core.scheduler.kv.num_used_blocks == 0
         assert engine.core.num_steps - steps_before <= 1  # at most the step already in flight
+
+
+async def test_closing_the_generator_sends_the_abort_immediately(tiny_model_dir):
+    async with open_engine(engine_config(tiny_model_dir)) as engine:
+        stream = engine.generate("close me", greedy(300, ignore_eos=True))
+        await stream.__anext__()
+        assert engine.core.num_pending_messages == 0
+        await stream.aclose()
+        # The abort is queued by the time aclose() returns, not left to the garbage collector.
+        assert engine.core.num_pending_messages == 1
+        await engine.core.wait_until_idle()
+        assert engine.core.scheduler.kv.num_used_blocks == 0

@@ -50,6 +50,8 @@ async def test_observer_sees_ttft_itl_and_finishes(tiny_model_dir, autojump_cloc
 
 async def test_loop_lag_probe_reads_zero_when_free_and_the_blocking_time_when_held(autojump_clock):
     lags = []
+    # The sleeps below run in virtual time (autojump_clock): they are how time passes for the
+    # probe, not a wait for another task; the test takes microseconds of wall time.
     async with trio.open_nursery() as nursery:
         await nursery.start(run_loop_lag_probe, lags.append, 0.05)
         await trio.sleep(0.2)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import anyio
@@ -58,8 +58,11 @@ class AsyncEngine:
         If the engine stops first, `EngineDeadError` is raised.
         """
         request_id = request_id or uuid.uuid4().hex
-        async for _, output in self._run([prompt], sampling_params, [request_id], priority):
-            yield output
+        # aclosing: closing this generator closes the inner one at once, so its abort is sent now
+        # rather than whenever the garbage collector finalizes it.
+        async with aclosing(self._run([prompt], sampling_params, [request_id], priority)) as outputs:
+            async for _, output in outputs:
+                yield output
 
     async def generate_batch(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None,
                              request_id: str | None = None, *,
@@ -71,9 +74,10 @@ class AsyncEngine:
         Cancellation or closing the generator aborts every unfinished one.
         """
         request_id = request_id or uuid.uuid4().hex
-        async for item in self._run(prompts, sampling_params,
-                                    [f"{request_id}-{i}" for i in range(len(prompts))], priority):
-            yield item
+        request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        async with aclosing(self._run(prompts, sampling_params, request_ids, priority)) as outputs:
+            async for item in outputs:
+                yield item
 
     async def _run(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
                    request_ids: list[str], priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -116,9 +120,10 @@ class AsyncEngine:
         """Render `messages` with the model's chat template, then generate as `generate` does."""
         prompt = await self.apply_chat_template(messages, **template_kwargs)
         token_ids = await self._tokenize(prompt, add_special_tokens=False)
-        async for output in self.generate({"prompt": prompt, "prompt_token_ids": token_ids},
-                                          sampling_params, request_id):
-            yield output
+        prompt_input = {"prompt": prompt, "prompt_token_ids": token_ids}
+        async with aclosing(self.generate(prompt_input, sampling_params, request_id)) as outputs:
+            async for output in outputs:
+                yield output
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         tok = self.tokenizer
