@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
 import anyio
@@ -127,6 +128,7 @@ async def create_chat_completion(state: ServerState) -> Response:
 
 
 async def _prepend(head: bytes, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield head
-    async for chunk in body:
-        yield chunk
+    async with aclosing(body):  # closing this closes the body at once (its finally aborts the request)
+        yield head
+        async for chunk in body:
+            yield chunk
