@@ -189,3 +189,19 @@ async def test_echo_logprobs_and_stop_strings(server):
                               "ignore_eos": True})).json()["choices"][0]
     assert stopped["text"] == text[:text.index(stop)] and stopped["finish_reason"] == "stop"
     assert stopped["stop_reason"] == stop
+
+
+async def test_large_bodies_and_responses_take_the_offloaded_paths(server):
+    from web.openai_api import OFFLOAD_BODY_BYTES, OFFLOAD_RESPONSE_TOKENS
+    prompts = [f"prompt number {i}: " + "lorem ipsum dolor " * 20 for i in range(200)]
+    payload = {"prompt": prompts, "max_tokens": 25, "temperature": 0, "ignore_eos": True}
+    assert len(json.dumps(payload)) > OFFLOAD_BODY_BYTES and 200 * 25 > OFFLOAD_RESPONSE_TOKENS
+    response = await request(server.url, "POST", "/v1/completions", payload)
+    assert response.status == 200
+    body = response.json()
+    assert [c["index"] for c in body["choices"]] == list(range(200))
+    assert body["usage"]["completion_tokens"] == 200 * 25
+    single = (await request(server.url, "POST", "/v1/completions",
+                            {"prompt": prompts[137], "max_tokens": 25, "temperature": 0,
+                             "ignore_eos": True})).json()
+    assert body["choices"][137]["text"] == single["choices"][0]["text"]
