@@ -30,7 +30,16 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
     parser.add_argument("--log-level", default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_make_model(sub)
+    _add_generate(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    _add_bench_throughput(bench)
+    _add_bench_serve(bench)
+    return parser
 
+
+def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (hypercorn, trio worker)")
     srv.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded tiny model)")
     srv.add_argument("--host", default="127.0.0.1")
@@ -43,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the global --log-level")
     _add_engine_options(srv)
 
+
+def _add_make_model(sub) -> None:
     mk = sub.add_parser("make-model", help="write a tiny random-weight HF checkpoint with a local BPE tokenizer")
     defaults = TinyModelSpec()
     mk.add_argument("dir")
@@ -51,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
         mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     mk.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate text for prompts with the engine")
     gen.add_argument("prompts", nargs="*", default=["The engine says"])
     gen.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
@@ -59,9 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     _add_engine_options(gen)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    tp = bench_sub.add_parser("throughput", help="engine output tok/s against the bare forward and transformers")
+
+def _add_bench_throughput(bench) -> None:
+    tp = bench.add_parser("throughput", help="engine output tok/s against the bare forward and transformers")
     tp.add_argument("--model", default=None)
     tp.add_argument("--num-prompts", type=int, default=256)
     tp.add_argument("--input-len", type=int, default=128)
@@ -70,7 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--no-transformers", action="store_true")
     tp.add_argument("--repeats", type=int, default=3, help="alternating runs per contender; the best is reported")
     tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    sv = bench_sub.add_parser("serve", help="load a running server: req/s, tok/s, TTFT and ITL per concurrency")
+
+
+def _add_bench_serve(bench) -> None:
+    sv = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT and ITL per concurrency")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
     sv.add_argument("--model", default=None, help="model name to send (default: the server's)")
     sv.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
@@ -80,7 +96,6 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
     sv.add_argument("--max-seconds", type=float, default=120.0, help="time bound per concurrency level")
     sv.add_argument("--api-key", default=None)
-    return parser
 
 
 def _model_dir(model: str | None) -> str:
