@@ -67,6 +67,18 @@ async def first_item(outputs: AsyncIterator[Any]) -> Any:
     return first
 
 
+async def final_outputs(first: Any, outputs: AsyncIterator[Any], num_prompts: int) -> list[RequestOutput]:
+    """Drain a FINAL_ONLY batch stream into one finished output per prompt, in prompt order."""
+    finals: list[RequestOutput | None] = [None] * num_prompts
+    item = first
+    while item is not None:
+        finals[item[0]] = item[1]
+        item = await anext(outputs, None)
+    if any(out is None for out in finals):
+        raise EngineDeadError("the engine stopped before every prompt finished")
+    return finals  # type: ignore[return-value]
+
+
 # ---- completions ---------------------------------------------------------------------------------
 async def create_completion(state: ServerState) -> Response:
     req: CompletionRequest = await read_request(state, CompletionRequest)
@@ -82,16 +94,11 @@ async def create_completion(state: ServerState) -> Response:
     first = await first_item(outputs)
     if req.stream:
         stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(*item),
-                                 lambda: [stream.usage_chunk()] if include_usage else [])
+                                 lambda: [stream.usage_chunk()] if req.include_usage else [])
         return Response(body, content_type="text/event-stream", headers=sse.HEADERS)
-    finals: list[RequestOutput | None] = [None] * len(prompts)
-    item = first
-    while item is not None:
-        finals[item[0]] = item[1]
-        item = await anext(outputs, None)
-    tokens = sum(len(c.token_ids) for out in finals if out for c in out.outputs)
+    finals = await final_outputs(first, outputs, len(prompts))
+    tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return await json_response(state, lambda: completion_response(
         response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None, finals), tokens)
 
@@ -112,16 +119,11 @@ async def create_chat_completion(state: ServerState) -> Response:
     top = logprobs if req.logprobs else None
     if req.stream:
         stream = ChatStream(response_id, created, state.model_name, top)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1]),
-                                 lambda: [stream.usage_chunk()] if include_usage else [])
+                                 lambda: [stream.usage_chunk()] if req.include_usage else [])
         return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
                         headers=sse.HEADERS)
-    final = first[1]
-    item = await anext(outputs, None)
-    while item is not None:
-        final = item[1]
-        item = await anext(outputs, None)
+    (final,) = await final_outputs(first, outputs, 1)
     tokens = sum(len(c.token_ids) for c in final.outputs)
     return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top),
                                tokens)

@@ -45,6 +45,10 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         values: dict[str, Any] = {
