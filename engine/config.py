@@ -6,6 +6,7 @@ length, EOS ids) live in `RuntimeInfo`, not here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -33,7 +34,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
     executor: str = "inproc"
-    renderer_workers: int = 4  # threads for tokenization of long prompts and other pre/post-processing
+    renderer_workers: int | None = None  # threads for long tokenizations and embeddings decoding; see below
+    enable_prompt_embeds: bool = False  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
+    max_prompt_embeds_bytes: int | None = None  # decoded payload limit; default: a float32 tensor filling the context
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -45,8 +48,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
-        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "renderer_workers"]
-        optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens"]
+        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs"]
+        optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prompt_embeds_bytes",
+                             "renderer_workers"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -62,12 +66,32 @@ class EngineConfig:
         return self.tokenizer or self.model
 
     @property
+    def renderer_threads(self) -> int:
+        """By default one fewer than the CPUs this process may use (at most 4, at least 1).
+
+        Decoding is CPU-bound; with every core busy decoding, the event loop waits
+        for a core when it wakes. Measured on 2 CPUs (docs/benchmarks.md,
+        `trio-llm bench loop-lag`): 1 thread keeps the loop's p99 lag at ~1 ms,
+        2 threads let it reach ~4 ms.
+        """
+        if self.renderer_workers is not None:
+            return self.renderer_workers
+        return max(1, min(4, usable_cpus() - 1))
+
+    @property
     def token_budget(self) -> int:
         return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
 
     @classmethod
     def option_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

@@ -46,3 +46,8 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    num_prompt_tokens: int = -1  # prompt positions; differs from len(prompt_token_ids) for embeddings (no ids)
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -19,11 +19,16 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompt_embeds (base64 torch.save tensors) in completions")
+    p.add_argument("--renderer-workers", type=int, default=None,
+                   help="threads that tokenize long prompts and decode prompt embeddings (default: CPUs - 1, <= 4)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-            "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "device": args.device}
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "device": args.device,
+            "enable_prompt_embeds": args.enable_prompt_embeds, "renderer_workers": args.renderer_workers}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_bench_throughput(bench)
     _add_bench_serve(bench)
+    _add_bench_loop_lag(bench)
     return parser
 
 
@@ -98,6 +104,15 @@ def _add_bench_serve(bench) -> None:
     sv.add_argument("--api-key", default=None)
 
 
+def _add_bench_loop_lag(bench) -> None:
+    ll = bench.add_parser("loop-lag", help="event-loop lag while prompt_embeds payloads decode: inline vs offloaded")
+    ll.add_argument("--requests", type=int, default=16)
+    ll.add_argument("--rows", type=int, default=2048)
+    ll.add_argument("--hidden", type=int, default=4096)
+    ll.add_argument("--rounds", type=int, default=5)
+    ll.add_argument("--renderer-workers", type=int, default=None, help="default: as the server's")
+
+
 def _model_dir(model: str | None) -> str:
     from engine.models.tiny import ensure_default_model
     return model or str(ensure_default_model())
@@ -150,6 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len,
                                args.output_len, model=args.model, vocab=args.vocab, max_seconds=args.max_seconds,
                                api_key=args.api_key)))
+        return 0
+    if args.command == "bench" and args.bench == "loop-lag":
+        import trio
+
+        from engine.bench import loop_lag
+        from engine.config import EngineConfig
+        workers = EngineConfig(model="-", renderer_workers=args.renderer_workers).renderer_threads
+        shape = (args.requests, args.rows, args.hidden, args.rounds, workers)
+        print(loop_lag.report(trio.run(loop_lag.run, *shape), *shape))
         return 0
     return 2
 

@@ -69,13 +69,25 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None  # base64 of torch.save files (--enable-prompt-embeds)
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
 
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> list[str | list[int] | dict[str, str]]:
+        """Every prompt of the request: embeddings payloads first, then `prompt`'s (as vLLM orders them)."""
+        if self.prompt is None and self.prompt_embeds is None:
+            raise bad_request("either prompt or prompt_embeds is required", "prompt")
+        embeds = [self.prompt_embeds] if isinstance(self.prompt_embeds, str) else list(self.prompt_embeds or ())
+        if embeds and self.echo:
+            raise bad_request("echo is not supported with prompt_embeds (the prompt has no text)", "echo")
+        return [{"prompt_embeds": e} for e in embeds] + self._token_or_text_prompts()
+
+    def _token_or_text_prompts(self) -> list[str | list[int]]:
         p = self.prompt
+        if p is None or (p == "" and self.prompt_embeds is not None):
+            return []  # the openai client cannot omit `prompt`; vLLM's documented form sends ""
         if isinstance(p, str):
             return [p]
         if p and all(isinstance(x, int) for x in p):
@@ -127,6 +139,7 @@ class DetokenizeRequest(_Body):
 _UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
+    "prompt_embeds": "a base64 string or a list of base64 strings",
 }
 
 

@@ -72,7 +72,7 @@ class CompletionStream:
     _text_offsets: dict[int, int] = field(default_factory=dict)
 
     def chunk(self, prompt_index: int, output: RequestOutput) -> dict[str, Any]:
-        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.prompt_tokens[prompt_index] = output.num_prompt_tokens
         choices = []
         for completion in output.outputs:
             index = prompt_index * self.n + completion.index
@@ -101,7 +101,7 @@ def completion_response(response_id: str, created: int, model: str, n: int, echo
     choices = []
     prompt_tokens = completion_tokens = 0
     for prompt_index, output in enumerate(outputs):
-        prompt_tokens += len(output.prompt_token_ids)
+        prompt_tokens += output.num_prompt_tokens
         for completion in output.outputs:
             completion_tokens += len(completion.token_ids)
             choices.append(_completion_choice(prompt_index * n + completion.index, output, completion, echo, logprobs))
@@ -136,7 +136,7 @@ def chat_response(response_id: str, created: int, model: str, output: RequestOut
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in output.outputs)
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(len(output.prompt_token_ids), completion_tokens)}
+            "choices": choices, "usage": usage(output.num_prompt_tokens, completion_tokens)}
 
 
 @dataclass
@@ -157,7 +157,7 @@ class ChatStream:
                             "finish_reason": None} for i in range(n)])
 
     def chunk(self, output: RequestOutput) -> dict[str, Any]:
-        self.prompt_tokens = len(output.prompt_token_ids)
+        self.prompt_tokens = output.num_prompt_tokens
         choices = []
         for completion in output.outputs:
             self.completion_tokens += len(completion.token_ids)

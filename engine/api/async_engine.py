@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 import uuid
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import anyio
+import torch
 
 from engine.config import EngineConfig, RuntimeInfo
 from engine.core.engine_core import AddRequest, EngineCore, OutputItem
@@ -25,16 +26,14 @@ from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from engine.executor import Executor, create_executor
 from engine.outputs import RequestOutput
 from engine.render.chat import render_chat
+from engine.render.prompt_embeds import EmbedsLimits
+from engine.render.renderer import EngineInput, Prompt, Renderer
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 
-# Tokenizing text shorter than this on the loop costs less than the ~100-200 us thread hop.
-INLINE_TOKENIZE_CHARS = 4096
-
-Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 class AsyncEngine:
@@ -43,15 +42,22 @@ class AsyncEngine:
         self.info = info
         self.tokenizer = tokenizer
         self.core = core
-        self.render_limiter = anyio.CapacityLimiter(config.renderer_workers)
+        self.render_limiter = anyio.CapacityLimiter(config.renderer_threads)
+        embeds_limits = None
+        if config.enable_prompt_embeds:
+            embeds_limits = EmbedsLimits.for_model(info.hidden_size, info.max_model_len, getattr(torch, info.dtype),
+                                                   config.max_prompt_embeds_bytes)
+        self.renderer = Renderer(tokenizer, info.vocab_size, self.render_limiter, embeds_limits)
 
     # ---- the main entry points -------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding `RequestOutput`s as tokens arrive.
 
-        `prompt` is text, a list of token ids, or a mapping with `prompt` or
-        `prompt_token_ids`. Invalid input raises `InvalidRequestError` before
+        `prompt` is text, a list of token ids, a tensor of prompt embeddings
+        (rows x hidden size, when the engine was opened with
+        `enable_prompt_embeds`), or a mapping with `prompt`, `prompt_token_ids`
+        or `prompt_embeds` (a tensor, or base64 of a `torch.save` file). Invalid input raises `InvalidRequestError` before
         anything runs. Cancelling the consuming task, or closing the generator
         (`aclose()`, or leaving an `aclosing()` block early), aborts the
         request: it is dropped between two steps and its KV blocks are freed.
@@ -84,8 +90,9 @@ class AsyncEngine:
         params = sampling_params or SamplingParams()
         if not prompts:
             raise InvalidRequestError("no prompt given", param="prompt")
-        rendered = [await self._render(p) for p in prompts]
-        batches = [self._make_requests(rid, ids, params, priority) for rid, (_, ids) in zip(request_ids, rendered)]
+        rendered = await self.renderer.render(prompts)
+        batches = [self._make_requests(rid, engine_input, params, priority)
+                   for rid, engine_input in zip(request_ids, rendered)]
         # One output stream for the whole batch: each request gets a clone of the send side,
         # so the outputs of every prompt arrive on one receive side without extra tasks.
         send, receive = anyio.create_memory_object_stream[OutputItem](math.inf)
@@ -94,8 +101,8 @@ class AsyncEngine:
         try:
             with receive:
                 with send:
-                    for rid, (text, _), children in zip(request_ids, rendered, batches):
-                        self.core.submit(AddRequest(rid, text, children, send.clone()))
+                    for rid, engine_input, children in zip(request_ids, rendered, batches):
+                        self.core.submit(AddRequest(rid, engine_input.prompt, children, send.clone()))
                         open_ids.add(rid)
                 async for item in receive:
                     for output in _merge_pending(item, receive, params.output_kind):
@@ -149,41 +156,15 @@ class AsyncEngine:
         return not self.core.dead
 
     # ---- input handling -----------------------------------------------------------------------
-    async def _render(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, await self._tokenize(prompt)
-        if isinstance(prompt, Mapping):
-            if prompt.get("prompt_token_ids") is not None:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], await self._tokenize(prompt["prompt"])
-            raise InvalidRequestError("a prompt mapping needs 'prompt' (text) or 'prompt_token_ids'", param="prompt")
-        if isinstance(prompt, Sequence):
-            return None, self._check_token_ids(prompt)
-        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
-
     async def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) < INLINE_TOKENIZE_CHARS:
-            ids = self.tokenizer.encode(text, add_special_tokens)
-        else:
-            ids = await anyio.to_thread.run_sync(self.tokenizer.encode, text, add_special_tokens,
-                                                 limiter=self.render_limiter)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        return ids
+        return await self.renderer.tokenize(text, add_special_tokens)
 
     def _check_token_ids(self, token_ids: Sequence[int], allow_empty: bool = False) -> list[int]:
-        ids = list(token_ids)
-        if not ids and not allow_empty:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.info.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is out of vocabulary (size {vocab})", param="prompt")
-        return ids
+        return self.renderer.check_token_ids(token_ids, allow_empty)
 
-    def _make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
+    def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
                        priority: int) -> list[Request]:
+        token_ids = engine_input.token_ids
         max_len = self.info.max_model_len
         if len(token_ids) >= max_len:
             raise InvalidRequestError(
@@ -194,6 +175,9 @@ class AsyncEngine:
             if value is not None and value > self.config.max_logprobs:
                 raise InvalidRequestError(f"requested {name}={value}, more than the maximum allowed "
                                           f"({self.config.max_logprobs})", param=name)
+        if engine_input.embeds is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported for prompt embeddings (the prompt has no "
+                                      "tokens)", param="prompt_logprobs")
         bad_stop = [t for t in params.stop_token_ids if t >= self.info.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop_token_ids {bad_stop} are out of vocabulary", param="stop_token_ids")
@@ -205,8 +189,12 @@ class AsyncEngine:
             children = [(request_id, params)]
         else:  # n samples: children "id-0", "id-1", ... with distinct seeds
             children = [(f"{request_id}-{i}", params.for_child(i)) for i in range(params.n)]
+        # Embeddings prompts get their own prefix-cache namespace: their placeholder ids must never
+        # match a token prompt (the samples of one request may share it: same embeddings).
+        cache_key = None if engine_input.embeds is None else ("prompt_embeds", request_id)
         return [Request(child_id, token_ids, child_params, arrival_time=now, priority=priority,
-                        max_tokens=max_tokens) for child_id, child_params in children]
+                        max_tokens=max_tokens, cache_key=cache_key, prompt_embeds=engine_input.embeds)
+                for child_id, child_params in children]
 
 
 def _merge_pending(first: OutputItem, receive, kind: RequestOutputKind) -> list[RequestOutput]:

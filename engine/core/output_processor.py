@@ -56,6 +56,8 @@ class RequestTracker:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self._prompt_logprobs_sent = False
+        # An embeddings prompt's ids are placeholders: callers see none.
+        self._visible_prompt_ids = [] if children[0].prompt_embeds is not None else prompt_token_ids
         self.metrics = {"arrival_time": arrival_time}
 
     @property
@@ -96,7 +98,8 @@ class RequestTracker:
             prompt_logprobs = self.prompt_logprobs
             self._prompt_logprobs_sent = True
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self._visible_prompt_ids,
+            num_prompt_tokens=len(self.prompt_token_ids),
             outputs=outputs, finished=finished, prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(0, self.children[0].request.num_cached_tokens), metrics=dict(self.metrics))
 

@@ -7,6 +7,7 @@ later, over a socket to a worker process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -18,6 +19,7 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    prompt_embeds: Any = None  # a (num prompt tokens, hidden) tensor replacing the prompt's token embeddings
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Hashable
 
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +41,10 @@ class Request:
     `cache_key` namespaces prefix caching: prompts whose KV depends on more
     than their token ids (prompt embeddings, a cache salt) set it so they never
     match plain token prompts.
+
+    `prompt_embeds`, when set, is an opaque (to the scheduler) tensor of one
+    row per prompt position; `prompt_token_ids` are then placeholders that only
+    give the prompt its length.
     """
 
     request_id: str
@@ -50,6 +54,7 @@ class Request:
     priority: int = 0
     cache_key: Hashable | None = None
     max_tokens: int = 16  # resolved by the engine (SamplingParams.max_tokens or the remaining context)
+    prompt_embeds: Any = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -134,7 +134,8 @@ class Scheduler:
             if not request.known_to_worker:
                 request.known_to_worker = True
                 out.new_requests.append(NewRequestData(
-                    request.request_id, list(request.prompt_token_ids), request.sampling_params))
+                    request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                    request.prompt_embeds))
         return out
 
     def _schedule_running(self, scheduled: dict[str, ScheduledRequest], budget: int) -> tuple[int, bool]:

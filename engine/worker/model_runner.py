@@ -24,7 +24,13 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    prompt_embeds: torch.Tensor | None = None
     output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def penalty_prompt_ids(self) -> list[int]:
+        """Prompt tokens the penalties count: none for an embeddings prompt (its ids are placeholders)."""
+        return [] if self.prompt_embeds is not None else self.prompt_token_ids
 
 
 class ModelRunner:
@@ -60,7 +66,9 @@ class ModelRunner:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
-            self.requests[new.request_id] = RequestState(new.prompt_token_ids, new.sampling_params, generator)
+            embeds = None if new.prompt_embeds is None else new.prompt_embeds.to(self.device, self.model.dtype)
+            self.requests[new.request_id] = RequestState(new.prompt_token_ids, new.sampling_params, generator,
+                                                         embeds)
 
     def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         token_ids: list[int] = []
@@ -72,7 +80,22 @@ class ModelRunner:
         meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.model(self.model.embed(input_ids), pos, self.kv_caches, meta)
+        return self.model(self._embed(batch, input_ids), pos, self.kv_caches, meta)
+
+    def _embed(self, batch: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings for the flat batch, with prompt-embeddings rows written over the
+        placeholder positions of embeddings prompts (only their prompt part; generated tokens
+        are ordinary tokens)."""
+        hidden = self.model.embed(input_ids)
+        offset = 0
+        for item in batch:
+            embeds = self.requests[item.request_id].prompt_embeds
+            start = item.start_position
+            if embeds is not None and start < embeds.shape[0]:
+                count = min(item.num_tokens, embeds.shape[0] - start)
+                hidden[offset:offset + count] = embeds[start:start + count]
+            offset += item.num_tokens
+        return hidden
 
     def _sample(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         last_rows, states, ids = [], [], []
@@ -86,7 +109,7 @@ class ModelRunner:
         if not ids:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-        rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids) for s in states]
+        rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
         result = sample(logits, rows, self.generator)
         for rid, state, token, logprobs in zip(ids, states, result.token_ids, result.logprobs):
             state.output_token_ids.append(token)

@@ -1,0 +1,137 @@
+"""The renderer: every prompt form in, engine input out, with costly work kept off the event loop.
+
+Prompt forms: text (tokenized), token ids (checked against the vocabulary),
+and prompt embeddings (a tensor, or base64 of a `torch.save` file). All the
+prompts of one request render concurrently, one task each; the costly ones
+(long texts, embeddings payloads) run in worker threads under one shared
+`CapacityLimiter`, so a burst of large requests queues there instead of
+starving the loop. Results come back in input order; if one prompt fails
+the others are cancelled and the caller gets the failure of the first bad
+prompt (by input position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import anyio
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.render.prompt_embeds import EmbedsLimits, check_prompt_embeds, decode_prompt_embeds
+from engine.render.tokenizer import Tokenizer
+
+# Tokenizing text shorter than this on the loop costs less than the ~100-200 us thread hop.
+INLINE_TOKENIZE_CHARS = 4096
+
+Prompt = str | Sequence[int] | torch.Tensor | Mapping[str, Any]
+
+EMBEDS_DISABLED = ("prompt embeddings are not enabled; start the server with --enable-prompt-embeds "
+                   "(EngineConfig(enable_prompt_embeds=True) for the library)")
+
+
+@dataclass
+class EngineInput:
+    """One rendered prompt. For an embeddings prompt `token_ids` are placeholders giving its length."""
+
+    prompt: str | None
+    token_ids: list[int]
+    embeds: torch.Tensor | None = None
+
+
+class Renderer:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, limiter: anyio.CapacityLimiter,
+                 embeds_limits: EmbedsLimits | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.limiter = limiter
+        self.embeds_limits = embeds_limits  # None: prompt embeddings are refused
+        # The loop-lag benchmark swaps these to measure the alternatives; nothing else should.
+        self.decode_payload = decode_prompt_embeds
+        self.offload_embeds = True
+
+    async def render(self, prompts: Sequence[Prompt]) -> list[EngineInput]:
+        """Render every prompt concurrently; results in input order.
+
+        Cancellation cancels every prompt still rendering (a decode already
+        running in a thread finishes first and its result is dropped).
+        """
+        if len(prompts) == 1:
+            return [await self.render_one(prompts[0])]
+        results: list[EngineInput | None] = [None] * len(prompts)
+        errors: dict[int, Exception] = {}
+
+        async def render_into(index: int, prompt: Prompt) -> None:
+            try:
+                results[index] = await self.render_one(prompt)
+            except Exception as exc:  # stop the siblings; report the first bad prompt below
+                errors[index] = exc
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for index, prompt in enumerate(prompts):
+                tg.start_soon(render_into, index, prompt)
+        if errors:
+            raise errors[min(errors)]
+        return results  # type: ignore[return-value]
+
+    async def render_one(self, prompt: Prompt) -> EngineInput:
+        if isinstance(prompt, str):
+            return EngineInput(prompt, await self.tokenize(prompt))
+        if isinstance(prompt, torch.Tensor):
+            return await self._embeds_input(prompt)
+        if isinstance(prompt, Mapping):
+            return await self._render_mapping(prompt)
+        if isinstance(prompt, Sequence):
+            return EngineInput(None, self.check_token_ids(prompt))
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
+
+    async def _render_mapping(self, prompt: Mapping[str, Any]) -> EngineInput:
+        if prompt.get("prompt_embeds") is not None:
+            return await self._embeds_input(prompt["prompt_embeds"])
+        if prompt.get("prompt_token_ids") is not None:
+            return EngineInput(prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"]))
+        if isinstance(prompt.get("prompt"), str):
+            return EngineInput(prompt["prompt"], await self.tokenize(prompt["prompt"]))
+        raise InvalidRequestError("a prompt mapping needs 'prompt' (text), 'prompt_token_ids' or 'prompt_embeds'",
+                                  param="prompt")
+
+    async def _embeds_input(self, payload: Any) -> EngineInput:
+        embeds = await self.decode_embeds(payload)
+        return EngineInput(None, [0] * embeds.shape[0], embeds)
+
+    async def decode_embeds(self, payload: Any) -> torch.Tensor:
+        """A validated `(rows, hidden)` tensor from a tensor or a base64 `torch.save` payload."""
+        limits = self.embeds_limits
+        if limits is None:
+            raise InvalidRequestError(EMBEDS_DISABLED, param="prompt_embeds")
+        if isinstance(payload, (str, bytes)):
+            if not self.offload_embeds:
+                return self.decode_payload(payload, limits)
+            return await anyio.to_thread.run_sync(self.decode_payload, payload, limits, limiter=self.limiter)
+        # A tensor from the library: checking it may densify or cast, which is worth a thread only when large.
+        if isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() >= 1 << 20:
+            return await anyio.to_thread.run_sync(check_prompt_embeds, payload, limits, limiter=self.limiter)
+        return check_prompt_embeds(payload, limits)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; long texts are tokenized in a worker thread. Empty text is an error."""
+        if len(text) < INLINE_TOKENIZE_CHARS:
+            ids = self.tokenizer.encode(text, add_special_tokens)
+        else:
+            ids = await anyio.to_thread.run_sync(self.tokenizer.encode, text, add_special_tokens,
+                                                 limiter=self.limiter)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return ids
+
+    def check_token_ids(self, token_ids: Sequence[int], allow_empty: bool = False) -> list[int]:
+        ids = list(token_ids)
+        if not ids and not allow_empty:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad!r} is out of vocabulary (size {vocab})", param="prompt")
+        return ids
