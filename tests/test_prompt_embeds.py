@@ -198,3 +198,12 @@ def test_sampling_params_penalties_ignore_placeholder_prompt_ids(tiny_model_dir)
     from engine.worker.model_runner import RequestState
     state = RequestState([0, 0, 0], SamplingParams(repetition_penalty=2.0), None, torch.zeros(3, 4))
     assert state.penalty_prompt_ids == []
+
+
+def test_out_of_memory_while_loading_is_reraised_not_reported_as_a_bad_payload(monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 99 bytes")
+
+    monkeypatch.setattr(torch, "sparse_coo_tensor", no_memory)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        decode_prompt_embeds(saved(torch.zeros(4, 8).to_sparse()), LIMITS)

@@ -64,9 +64,11 @@ def load_tensor(raw: bytearray | bytes) -> torch.Tensor:
     archive = _Archive(raw)
     try:
         result = _TensorUnpickler(io.BytesIO(archive.pickle_bytes()), archive).load()
-    except (TensorPayloadError, MemoryError):
+    except TensorPayloadError:
         raise
     except Exception as exc:  # a malformed pickle fails in many ways; none of them runs code of its own
+        if is_out_of_memory(exc):
+            raise
         raise TensorPayloadError(f"malformed payload ({type(exc).__name__}: {exc})") from None
     if not isinstance(result, torch.Tensor):
         raise TensorPayloadError(f"the payload holds a {type(result).__name__}, not a tensor")
@@ -179,6 +181,14 @@ class _TensorUnpickler(pickle.Unpickler):
         return self.archive.storage(key, storage_type.dtype, numel)
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Out of memory is the server's problem, never the payload's: callers re-raise it.
+    torch reports a failed CPU allocation as a plain RuntimeError."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -210,6 +220,8 @@ def _rebuild_sparse(layout: Any, data: Any) -> torch.Tensor:
     try:
         return torch.sparse_coo_tensor(indices, values, tuple(size), check_invariants=True)
     except (RuntimeError, ValueError, TypeError) as exc:
+        if is_out_of_memory(exc):
+            raise
         raise TensorPayloadError(f"invalid sparse tensor: {exc}") from None
 
 
