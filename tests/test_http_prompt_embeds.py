@@ -111,3 +111,28 @@ async def test_a_server_without_the_flag_says_how_to_enable_it(tiny_model_dir):
                                  {"prompt_embeds": saved(torch.zeros(2, HIDDEN)), "max_tokens": 2})
     assert response.status == 400
     assert "--enable-prompt-embeds" in response.json()["error"]["message"]
+
+
+async def test_large_bodies_take_the_view_path_with_the_same_results(server, tiny_model_dir, monkeypatch, tmp_path):
+    """With the split threshold at 0, every body goes through `web.embeds_body`: the outputs
+    and the errors are those of the ordinary parse."""
+    from web import protocol
+    ids = [11, 12, 13, 14]
+    payload = {"prompt_embeds": [encode(embedding_table(tiny_model_dir)[ids])], "max_tokens": 5,
+               "temperature": 0, "ignore_eos": True}
+    ordinary = await request(server.url, "POST", "/v1/completions", payload)
+    monkeypatch.setattr(protocol, "SPLIT_EMBEDS_BYTES", 0)
+    split = await request(server.url, "POST", "/v1/completions", payload)
+    assert split.status == ordinary.status == 200
+    assert split.json()["choices"][0]["text"] == ordinary.json()["choices"][0]["text"]
+    marker = tmp_path / "code-ran"
+    evil, phrase = hostile_payloads(marker)["code-running torch.save"]
+    refused = await request(server.url, "POST", "/v1/completions", {"prompt_embeds": evil})
+    assert refused.status == 400 and phrase in refused.json()["error"]["message"] and not marker.exists()
+
+
+def test_the_body_limit_grows_to_fit_the_largest_accepted_payload():
+    from web.settings import DEFAULT_BODY_BYTES, ServerSettings
+    assert ServerSettings().body_limit(None) == DEFAULT_BODY_BYTES
+    assert ServerSettings().body_limit(30 << 20) == (40 << 20) + (1 << 20)
+    assert ServerSettings(max_body_bytes=1000).body_limit(30 << 20) == 1000  # an explicit limit wins

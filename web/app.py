@@ -36,7 +36,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     state = ServerState(engine_config, settings or ServerSettings(), executor)
     app = QuartTrio(__name__)
     app.config.update(
-        MAX_CONTENT_LENGTH=state.settings.max_body_bytes,
+        MAX_CONTENT_LENGTH=state.settings.body_limit(),  # raised for prompt embeddings once the engine is up
         RESPONSE_TIMEOUT=None,  # generations stream for as long as they take
         BODY_TIMEOUT=60,
         # hypercorn has already let in-flight requests finish (the grace period) when this runs.
@@ -47,6 +47,9 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     @app.before_serving
     async def start_engine() -> None:
         await app.nursery.start(_run_engine, state)
+        embeds_limits = state.engine.renderer.embeds_limits
+        app.config["MAX_CONTENT_LENGTH"] = state.settings.body_limit(
+            embeds_limits.max_payload_bytes if embeds_limits else None)
         app.nursery.start_soon(run_loop_lag_probe, state.metrics.observe_loop_lag, state.settings.loop_lag_interval)
 
     @app.before_request

@@ -53,7 +53,8 @@ def _add_serve(sub) -> None:
     srv.add_argument("--api-key", default=None)
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-queued-requests", type=int, default=None)
-    srv.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    srv.add_argument("--max-body-bytes", type=int, default=None,
+                     help="request body limit (default 16 MiB, more with --enable-prompt-embeds)")
     srv.add_argument("--grace-period", type=float, default=30.0)
     srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the global --log-level")
     _add_engine_options(srv)
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         workers = EngineConfig(model="-", renderer_workers=args.renderer_workers).renderer_threads
         shape = (args.requests, args.rows, args.hidden, args.rounds, workers)
         print(loop_lag.report(trio.run(loop_lag.run, *shape), *shape))
+        from web import bench_body
+        print(bench_body.run(args.rows, args.hidden))
         return 0
     return 2
 

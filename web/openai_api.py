@@ -42,13 +42,22 @@ def register(app: QuartTrio, state: ServerState) -> None:
 
 
 async def read_request(state: ServerState, model: type) -> Any:
-    body = await request.get_data(cache=False)
+    body = await read_body()
     if len(body) > OFFLOAD_BODY_BYTES:
         parsed = await anyio.to_thread.run_sync(parse_body, model, body, limiter=state.limiter)
     else:
         parsed = parse_body(model, body)
     check_model(parsed.model, state.accepted_model_names)
     return parsed
+
+
+async def read_body() -> bytearray:
+    """The body, collected as it arrives. Quart's `get_data` would copy all of it once more at
+    the end, with the GIL held (~3 ms for a 22 MB prompt_embeds body)."""
+    body = bytearray()
+    async for chunk in request.body:
+        body += chunk
+    return body
 
 
 async def json_response(state: ServerState, build: Callable[[], dict[str, Any]], num_tokens: int) -> Response:

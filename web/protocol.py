@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from web.embeds_body import split_prompt_embeds
 from web.errors import APIError, bad_request
 
 
@@ -70,7 +71,9 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
-    prompt_embeds: str | list[str] | None = None  # base64 of torch.save files (--enable-prompt-embeds)
+    # base64 of torch.save files (--enable-prompt-embeds). `parse_body` replaces large ones with
+    # memoryviews on the body after validation (assignment is not validated).
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
@@ -143,8 +146,27 @@ _UNION_FIELDS = {
 }
 
 
-def parse_body(model: type[_Body], body: bytes) -> Any:
-    """Validate JSON bytes into `model`; a 400 naming the first bad field otherwise."""
+# Below this, a body's prompt_embeds are parsed the ordinary way (it costs less than a millisecond).
+SPLIT_EMBEDS_BYTES = 1 << 20
+
+
+def parse_body(model: type[_Body], body: bytes | bytearray) -> Any:
+    """Validate JSON bytes into `model`; a 400 naming the first bad field otherwise.
+
+    Large `prompt_embeds` payloads are taken out of the body first and kept as
+    views on it (see `web.embeds_body`), so no multi-megabyte string is built.
+    """
+    if "prompt_embeds" in model.model_fields and len(body) >= SPLIT_EMBEDS_BYTES:
+        split = split_prompt_embeds(body)
+        if split is not None:
+            skeleton, payloads = split
+            parsed = _validate(model, skeleton)
+            parsed.prompt_embeds = payloads
+            return parsed
+    return _validate(model, body)
+
+
+def _validate(model: type[_Body], body: bytes | bytearray) -> Any:
     if not body:
         raise bad_request("the request body is empty; expected a JSON object")
     try:

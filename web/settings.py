@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+DEFAULT_BODY_BYTES = 16 << 20
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     served_model_name: str | None = None  # defaults to the model path
     max_queued_requests: int | None = None  # waiting requests beyond this get 503 + Retry-After
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int | None = None  # default: 16 MiB, or room for the largest prompt_embeds payload accepted
     http_workers: int = 4  # threads for parsing large bodies and building large responses
     grace_period: float = 30.0  # seconds in-flight requests get to finish on shutdown
     loop_lag_interval: float = 0.05
@@ -19,7 +22,16 @@ class ServerSettings:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be non-negative, got {self.max_queued_requests}")
         for name in ("max_body_bytes", "http_workers"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.grace_period < 0 or self.loop_lag_interval <= 0:
             raise ValueError("grace_period must be >= 0 and loop_lag_interval > 0")
+
+    def body_limit(self, max_embeds_payload_bytes: int | None = None) -> int:
+        """The request body limit: as set, else 16 MiB, raised to fit one base64 prompt_embeds payload
+        of the largest accepted size when prompt embeddings are enabled."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        if max_embeds_payload_bytes is None:
+            return DEFAULT_BODY_BYTES
+        return max(DEFAULT_BODY_BYTES, max_embeds_payload_bytes * 4 // 3 + (1 << 20))

@@ -39,7 +39,7 @@ class EmbedsLimits:
         return cls(hidden_size, max_model_len - 1, dtype, max_payload_bytes or default)
 
 
-def decode_prompt_embeds(payload: str | bytes, limits: EmbedsLimits) -> torch.Tensor:
+def decode_prompt_embeds(payload: str | bytes | bytearray | memoryview, limits: EmbedsLimits) -> torch.Tensor:
     """The 2-D `(rows, hidden_size)` tensor in `payload` (base64 of a `torch.save` file), in the model dtype."""
     # A str goes to pybase64 as is: `str.encode` would copy it with the GIL held (~2.5 ms for 22 MB).
     if len(payload) // 4 * 3 > limits.max_payload_bytes:

@@ -106,7 +106,7 @@ class Renderer:
         limits = self.embeds_limits
         if limits is None:
             raise InvalidRequestError(EMBEDS_DISABLED, param="prompt_embeds")
-        if isinstance(payload, (str, bytes)):
+        if isinstance(payload, (str, bytes, bytearray, memoryview)):
             if not self.offload_embeds:
                 return self.decode_payload(payload, limits)
             return await anyio.to_thread.run_sync(self.decode_payload, payload, limits, limiter=self.limiter)

@@ -1,0 +1,67 @@
+"""Part of `trio-llm bench loop-lag`: what parsing one prompt_embeds request body costs the loop.
+
+The body is parsed in a worker thread in both cases; what matters is how long
+the GIL is held, because that is how long the loop can be stalled. Measured
+as the max lateness of 1 ms sleeps on the calling thread while another
+thread parses the body `repeats` times, for the ordinary parse (pydantic-core
+builds the payload string) and for the view path (`web.embeds_body`).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+
+import torch
+
+from web import protocol
+from web.protocol import CompletionRequest, parse_body
+
+
+def _body(rows: int, hidden: int) -> bytearray:
+    buffer = io.BytesIO()
+    torch.save(torch.randn(rows, hidden).to(torch.bfloat16), buffer)
+    payload = base64.b64encode(buffer.getvalue()).decode()
+    return bytearray(json.dumps({"prompt_embeds": payload, "max_tokens": 4}).encode())
+
+
+def _parse_while_sleeping(body: bytearray, repeats: int) -> tuple[float, float]:
+    """(median parse seconds, max lateness of a 1 ms sleep on this thread meanwhile)"""
+    durations: list[float] = []
+    done = threading.Event()
+
+    def parse_all() -> None:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            parse_body(CompletionRequest, body)
+            durations.append(time.perf_counter() - start)
+        done.set()
+
+    lateness: list[float] = [0.0]
+    thread = threading.Thread(target=parse_all)
+    thread.start()
+    while not done.is_set():
+        start = time.perf_counter()
+        time.sleep(0.001)
+        lateness.append(time.perf_counter() - start - 0.001)
+    thread.join()
+    return sorted(durations)[len(durations) // 2], max(lateness)
+
+
+def run(rows: int, hidden: int, repeats: int = 5) -> str:
+    body = _body(rows, hidden)
+    split_at = protocol.SPLIT_EMBEDS_BYTES
+    try:
+        protocol.SPLIT_EMBEDS_BYTES = len(body) + 1
+        ordinary = _parse_while_sleeping(body, repeats)
+    finally:
+        protocol.SPLIT_EMBEDS_BYTES = split_at
+    views = _parse_while_sleeping(body, repeats)
+    return "\n".join([
+        f"HTTP body with one {rows}x{hidden} bfloat16 payload ({len(body) / 1e6:.1f} MB), parsed in a thread:",
+        f"  ordinary JSON parse   {ordinary[0] * 1e3:7.2f} ms each, loop stalled up to {ordinary[1] * 1e3:6.2f} ms",
+        f"  payloads as views     {views[0] * 1e3:7.2f} ms each, loop stalled up to {views[1] * 1e3:6.2f} ms",
+    ])
