@@ -207,3 +207,20 @@ def test_out_of_memory_while_loading_is_reraised_not_reported_as_a_bad_payload(m
     monkeypatch.setattr(torch, "sparse_coo_tensor", no_memory)
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         decode_prompt_embeds(saved(torch.zeros(4, 8).to_sparse()), LIMITS)
+
+
+async def test_a_bad_prompt_cancels_the_siblings_still_rendering(tiny_model_dir, autojump_clock):
+    """The long text waits for the renderer's only thread slot (held here); the bad token
+    prompt fails at once, which must cancel that wait rather than leave it queued."""
+    import trio
+
+    from engine.render.renderer import INLINE_TOKENIZE_CHARS, Renderer
+    from engine.render.tokenizer import Tokenizer
+    limiter = anyio.CapacityLimiter(1)
+    renderer = Renderer(Tokenizer(tiny_model_dir), TEST_SPEC.vocab, limiter, LIMITS)
+    await limiter.acquire()
+    with trio.fail_after(1):
+        with pytest.raises(InvalidRequestError, match="out of vocabulary"):
+            await renderer.render(["x" * INLINE_TOKENIZE_CHARS, [TEST_SPEC.vocab + 7]])
+    assert limiter.statistics().tasks_waiting == 0
+    limiter.release()
