@@ -1,0 +1,264 @@
+"""Ordered RPC to a group of workers: one broadcast per call, replies drained in order.
+
+Each call gets a sequence number and, for every worker that will reply, its
+own one-slot memory object stream: the call's *reply slot*. Before the call
+is written, its slot is appended to that worker's FIFO of pending slots.
+Each worker has one writer task (frames leave in the order calls were made)
+and one reader task, which owns the worker's reply stream: for every reply
+it pops the oldest pending slot, checks that the sequence numbers agree,
+and puts the reply into that slot with `send_nowait`, never waiting.
+
+So a reply can only ever reach the call it belongs to. A caller that timed
+out or was cancelled closes its slot; its reply is still read, in order,
+and dropped. Awaiting a later call before an earlier one is fine: readers
+fill slots as replies arrive, whoever is awaiting. (vLLM's `FutureWrapper`
+queue let a future that was already done consume the next call's reply;
+here there is no shared queue of results to take from.)
+
+When a worker's connection ends or the group is failed, every pending and
+later call raises the failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import anyio
+import trio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from engine.errors import EngineDeadError
+from engine.executor import wire
+
+
+# ---- messages ---------------------------------------------------------------------------------------
+@dataclass
+class Call:
+    seq: int
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    reply_rank: int | None = None  # None: every worker replies
+
+
+@dataclass
+class Reply:
+    seq: int
+    value: Any
+
+
+@dataclass
+class Failure:
+    seq: int
+    error_type: str
+    message: str
+    traceback: str
+
+
+@dataclass
+class Shutdown:
+    """Asks a worker to exit after the calls before it."""
+
+
+class WorkerError(RuntimeError):
+    """A method raised in a worker. `remote_traceback` is the worker's formatted traceback."""
+
+    def __init__(self, rank: int, failure: Failure) -> None:
+        super().__init__(f"worker rank {rank}: {failure.error_type}: {failure.message}")
+        self.rank = rank
+        self.error_type = failure.error_type
+        self.remote_traceback = failure.traceback
+        self.add_note(f"remote traceback (rank {rank}):\n{failure.traceback}")
+
+
+SlotItem = Reply | Failure | BaseException
+
+
+# ---- one worker's connection ---------------------------------------------------------------------
+class WorkerConnection:
+    """The writer and reader of one worker's stream, and its FIFO of pending reply slots."""
+
+    def __init__(self, rank: int, stream: trio.abc.Stream, reader: wire.FrameReader | None = None) -> None:
+        self.rank = rank
+        self.stream = stream
+        self.reader = reader or wire.FrameReader(stream)
+        self.pending: collections.deque[tuple[int, MemoryObjectSendStream[SlotItem]]] = collections.deque()
+        self._outbox_send, self._outbox = anyio.create_memory_object_stream[Any](math.inf)
+        self.failure: BaseException | None = None
+
+    def post(self, message: Any, seq: int | None = None) -> MemoryObjectReceiveStream[SlotItem] | None:
+        """Queue `message` for sending; with `seq`, also register and return its reply slot."""
+        if self.failure is not None:
+            raise self.failure
+        slot = None
+        if seq is not None:
+            slot_send, slot = anyio.create_memory_object_stream[SlotItem](1)
+            self.pending.append((seq, slot_send))
+        self._outbox_send.send_nowait(message)
+        return slot
+
+    async def write_loop(self) -> None:
+        async for message in self._outbox:
+            await wire.send(self.stream, message)
+
+    async def read_loop(self) -> None:
+        """Route replies to slots in order until the stream ends (then `fail` with the reason)."""
+        while True:
+            message = await self.reader.receive()
+            if not isinstance(message, (Reply, Failure)):
+                raise RuntimeError(f"worker rank {self.rank} sent {type(message).__name__}, expected a reply")
+            if not self.pending:
+                raise RuntimeError(f"worker rank {self.rank} replied to call {message.seq}, which is not pending")
+            seq, slot = self.pending.popleft()
+            if message.seq != seq:
+                raise RuntimeError(f"worker rank {self.rank} replied to call {message.seq} while call {seq} "
+                                   "was next: the reply order is broken")
+            _deliver(slot, message)
+
+    def fail(self, error: BaseException) -> None:
+        """Every pending and later call on this worker raises `error`."""
+        if self.failure is None:
+            self.failure = error
+        while self.pending:
+            _, slot = self.pending.popleft()
+            _deliver(slot, self.failure)
+        self._outbox_send.close()
+
+
+def _deliver(slot: MemoryObjectSendStream[SlotItem], item: SlotItem) -> None:
+    try:
+        slot.send_nowait(item)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass  # the caller gave up (timeout, cancellation): the reply is dropped here, not passed on
+    finally:
+        slot.close()
+
+
+# ---- futures and the group -------------------------------------------------------------------------
+class RPCFuture:
+    """The result of one `collective_rpc`: a list of per-rank values (or one value for a
+    unique reply). Await `result()`; cancellation or the deadline closes the reply slots."""
+
+    def __init__(self, slots: list[tuple[int, MemoryObjectReceiveStream[SlotItem]]], deadline: float,
+                 unique: bool) -> None:
+        self._slots = slots
+        self._deadline = deadline
+        self._unique = unique
+
+    async def result(self) -> Any:
+        try:
+            with anyio.fail_after(self._deadline - anyio.current_time() if self._deadline < math.inf else None):
+                values = [await self._one(rank, slot) for rank, slot in self._slots]
+        finally:
+            for _, slot in self._slots:
+                slot.close()
+        return values[0] if self._unique else values
+
+    @staticmethod
+    async def _one(rank: int, slot: MemoryObjectReceiveStream[SlotItem]) -> Any:
+        try:
+            item = await slot.receive()
+        except anyio.EndOfStream:
+            raise EngineDeadError(f"worker rank {rank} stopped before replying") from None
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, Failure):
+            raise WorkerError(rank, item)
+        return item.value
+
+
+class WorkerGroup:
+    """Ordered collective RPC over a set of worker connections (the transport is any trio stream)."""
+
+    def __init__(self, connections: Sequence[WorkerConnection]) -> None:
+        self.connections = list(connections)
+        self._seq = itertools.count()
+        self.failure: BaseException | None = None
+        self.closing = False  # after shutdown(), connections ending is expected
+        self._scope: anyio.CancelScope | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The writer and reader tasks of every connection; returns when all have stopped.
+
+        A connection that ends or breaks fails the whole group (a worker group
+        is only useful whole); failing the group stops these tasks and closes
+        every connection, which tells the remaining workers to exit."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                if self.failure is not None:
+                    tg.cancel_scope.cancel()
+                for conn in self.connections:
+                    tg.start_soon(self._serve, conn)
+                task_status.started()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for conn in self.connections:
+                    await conn.stream.aclose()
+
+    async def _serve(self, conn: WorkerConnection) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._guard, conn, conn.write_loop)
+            await self._guard(conn, conn.read_loop)
+            tg.cancel_scope.cancel()
+
+    async def _guard(self, conn: WorkerConnection, loop) -> None:
+        try:
+            await loop()
+        except (EOFError, anyio.BrokenResourceError, anyio.ClosedResourceError, trio.BrokenResourceError,
+                trio.ClosedResourceError, OSError) as exc:
+            reason = "was shut down" if self.closing else f"connection ended: {exc}"
+            self.fail(EngineDeadError(f"worker rank {conn.rank} {reason}"))
+        except RuntimeError as exc:
+            self.fail(EngineDeadError(str(exc)))
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every pending and later call with `error` (the first failure wins)."""
+        if self.failure is None:
+            self.failure = error
+        for conn in self.connections:
+            conn.fail(self.failure)
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def call(self, method: str, args: tuple = (), kwargs: dict | None = None, *, timeout: float | None = None,
+             unique_reply_rank: int | None = None) -> RPCFuture:
+        """Broadcast one call now and return its future (this is `collective_rpc(non_block=True)`)."""
+        if self.failure is not None:
+            raise self.failure
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < len(self.connections):
+            raise ValueError(f"unique_reply_rank {unique_reply_rank} is not a rank of this group")
+        seq = next(self._seq)
+        message = Call(seq, method, tuple(args), dict(kwargs or {}), unique_reply_rank)
+        slots = []
+        for conn in self.connections:
+            replies = unique_reply_rank is None or conn.rank == unique_reply_rank
+            slot = conn.post(message, seq if replies else None)
+            if slot is not None:
+                slots.append((conn.rank, slot))
+        deadline = math.inf if timeout is None else anyio.current_time() + timeout
+        return RPCFuture(slots, deadline, unique_reply_rank is not None)
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,
+                             timeout: float | None = None, non_block: bool = False,
+                             unique_reply_rank: int | None = None) -> Any:
+        """Call `method` on every worker. Returns the list of results in rank order (or the one
+        result of `unique_reply_rank`), or with `non_block` an `RPCFuture` to await later.
+
+        `timeout` covers the whole call. Cancelling the caller abandons the
+        call: its replies are read and dropped; later calls are unaffected.
+        A worker's exception is raised as `WorkerError` with its traceback.
+        """
+        future = self.call(method, args, kwargs, timeout=timeout, unique_reply_rank=unique_reply_rank)
+        return future if non_block else await future.result()
+
+    def shutdown(self) -> None:
+        """Ask every worker to exit once the calls before this are done."""
+        self.closing = True
+        for conn in self.connections:
+            if conn.failure is None:
+                conn.post(Shutdown())
