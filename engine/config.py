@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
-_EXECUTORS = ("inproc",)
+_EXECUTORS = ("inproc", "mp")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
-    executor: str = "inproc"
+    executor: str | None = None  # "inproc" or "mp" (worker processes); default: mp when tensor_parallel_size > 1
+    tensor_parallel_size: int = 1
     renderer_workers: int | None = None  # threads for long tokenizations and embeddings decoding; see below
     enable_prompt_embeds: bool = False  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
     max_prompt_embeds_bytes: int | None = None  # decoded payload limit; default: a float32 tensor filling the context
@@ -46,9 +47,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
-        if self.executor not in _EXECUTORS:
+        if self.executor is not None and self.executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
-        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs"]
+        if self.executor == "inproc" and self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 needs worker processes (executor='mp')")
+        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size"]
         optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prompt_embeds_bytes",
                              "renderer_workers"]
         for name in positive:
@@ -64,6 +67,10 @@ class EngineConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def executor_kind(self) -> str:
+        return self.executor or ("mp" if self.tensor_parallel_size > 1 else "inproc")
 
     @property
     def renderer_threads(self) -> int:

@@ -271,7 +271,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
     `ModelLoadError` naming the problem, with nothing left running.
     """
     executor = executor or create_executor(config)
-    try:
+    async with executor:  # worker processes start here (multi-process executor) and stop on the way out
         if tokenizer is None:
             tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
         info = await _size_engine(config, executor, tokenizer)
@@ -283,6 +283,3 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
                 yield AsyncEngine(config, info, tokenizer, core)
             finally:
                 tg.cancel_scope.cancel()
-    finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            await executor.aclose()

@@ -35,7 +35,9 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")
         self.config = EngineConfig(model=model or str(ensure_default_model()), **engine_options)
-        self._executor = InProcExecutor(self.config)
+        # An in-process worker keeps its loaded model across calls; worker processes belong to
+        # one `trio.run`, so with them (tensor_parallel_size > 1) each call starts them anew.
+        self._executor = InProcExecutor(self.config) if self.config.executor_kind == "inproc" else None
         self._tokenizer = Tokenizer(self.config.tokenizer_path)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,

@@ -7,6 +7,7 @@ __all__ = ["Executor", "InProcExecutor", "create_executor"]
 
 
 def create_executor(config) -> Executor:
-    if config.executor == "inproc":
+    if config.executor_kind == "inproc":
         return InProcExecutor(config)
-    raise ValueError(f"unknown executor {config.executor!r}")
+    from engine.executor.multiproc import MultiprocExecutor
+    return MultiprocExecutor(config)

@@ -7,12 +7,31 @@ the engine-core task only, so calls never overlap.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
+
+import anyio
 
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import ModelInfo
 
 
 class Executor(ABC):
+    """Used as an async context manager by `open_engine`: entering starts whatever the
+    executor runs (worker processes and their tasks), leaving stops it."""
+
+    async def __aenter__(self) -> "Executor":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            await self.aclose()
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,
+                             timeout: float | None = None, non_block: bool = False,
+                             unique_reply_rank: int | None = None) -> Any:
+        """Call a Worker method on every worker; see `engine.executor.rpc.WorkerGroup`."""
+        raise NotImplementedError(f"{type(self).__name__} has no workers to call")
+
     @abstractmethod
     async def load_model(self) -> ModelInfo:
         """Load the model on every worker; returns what the engine needs to size itself."""

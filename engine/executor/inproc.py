@@ -8,6 +8,9 @@ model computes.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import anyio
 
 from engine.config import EngineConfig
@@ -29,6 +32,20 @@ class InProcExecutor(Executor):
 
     async def initialize_kv_cache(self, num_blocks: int) -> None:
         await anyio.to_thread.run_sync(self.worker.initialize_kv_cache, num_blocks, limiter=self._limiter)
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,
+                             timeout: float | None = None, non_block: bool = False,
+                             unique_reply_rank: int | None = None) -> Any:
+        """The one in-process worker runs `method` in a thread: a list of one result (or the
+        result itself with `unique_reply_rank=0`). `non_block` is not supported here."""
+        if non_block:
+            raise NotImplementedError("non_block calls need the multi-process executor")
+        if unique_reply_rank not in (None, 0):
+            raise ValueError(f"unique_reply_rank {unique_reply_rank} is not a rank of this executor")
+        call = partial(getattr(self.worker, method), *args, **(kwargs or {}))
+        with anyio.fail_after(timeout):
+            value = await anyio.to_thread.run_sync(call, limiter=self._limiter)
+        return value if unique_reply_rank == 0 else [value]
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return await anyio.to_thread.run_sync(self.worker.execute_model, sched_out, limiter=self._limiter)

@@ -25,7 +25,7 @@ import collections
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import anyio
 import trio
@@ -62,6 +62,29 @@ class Failure:
 @dataclass
 class Shutdown:
     """Asks a worker to exit after the calls before it."""
+
+
+@dataclass
+class Init:
+    """The first frame to a new worker: who it is and what to build."""
+
+    rank: int
+    world_size: int
+    config: Any  # EngineConfig
+    distributed_init_method: str | None = None
+    torch_threads: int | None = None
+
+
+@dataclass
+class Ready:
+    rank: int
+    pid: int
+
+
+@dataclass
+class StartupFailed:
+    rank: int
+    error: str
 
 
 class WorkerError(RuntimeError):
@@ -174,8 +197,12 @@ class RPCFuture:
 class WorkerGroup:
     """Ordered collective RPC over a set of worker connections (the transport is any trio stream)."""
 
-    def __init__(self, connections: Sequence[WorkerConnection]) -> None:
+    def __init__(self, connections: Sequence[WorkerConnection],
+                 on_connection_lost: Callable[[int], Awaitable[None]] | None = None) -> None:
+        """`on_connection_lost(rank)` runs before a lost connection fails the group, so that its
+        owner can fail it with a better reason first (a process's exit status)."""
         self.connections = list(connections)
+        self.on_connection_lost = on_connection_lost
         self._seq = itertools.count()
         self.failure: BaseException | None = None
         self.closing = False  # after shutdown(), connections ending is expected
@@ -211,6 +238,8 @@ class WorkerGroup:
             await loop()
         except (EOFError, anyio.BrokenResourceError, anyio.ClosedResourceError, trio.BrokenResourceError,
                 trio.ClosedResourceError, OSError) as exc:
+            if not self.closing and self.on_connection_lost is not None:
+                await self.on_connection_lost(conn.rank)
             reason = "was shut down" if self.closing else f"connection ended: {exc}"
             self.fail(EngineDeadError(f"worker rank {conn.rank} {reason}"))
         except RuntimeError as exc:

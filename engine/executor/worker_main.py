@@ -23,7 +23,6 @@ import signal
 import socket
 import sys
 import traceback
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -31,28 +30,7 @@ import anyio
 import trio
 
 from engine.executor import wire
-from engine.executor.rpc import Call, Failure, Reply, Shutdown
-
-
-@dataclass
-class Init:
-    rank: int
-    world_size: int
-    config: Any  # EngineConfig
-    distributed_init_method: str | None = None
-    torch_threads: int | None = None
-
-
-@dataclass
-class Ready:
-    rank: int
-    pid: int
-
-
-@dataclass
-class StartupFailed:
-    rank: int
-    error: str
+from engine.executor.rpc import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed
 
 
 async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) -> None:

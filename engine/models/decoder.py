@@ -17,6 +17,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.attention import AttentionMetadata, paged_attention, write_kv
 from engine.models.hf_config import DecoderConfig
+from engine.models.parallel import TensorParallel
 from engine.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -37,13 +38,36 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, **factory) -> None:
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split across ranks: partial sums are all-reduced,
+    then the (unsplit) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, **factory) -> None:
+        super().__init__(in_features, out_features, bias, **factory)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds rows [start, start + n) of the table; ids elsewhere read zeros, and the
+    all-reduce adds the one rank that holds each id."""
+
+    def __init__(self, num_embeddings: int, dim: int, tp: TensorParallel, **factory) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, **factory))
+        rows = tp.split(num_embeddings, "vocab_size")
+        self.start, self.tp = tp.rank * rows, tp
+        self.weight = nn.Parameter(torch.empty(rows, dim, **factory))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class RMSNorm(nn.Module):
@@ -60,15 +84,21 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, **factory) -> None:
+    """One transformer block; under tensor parallelism it holds this rank's heads and
+    intermediate features."""
+
+    def __init__(self, cfg: DecoderConfig, tp: TensorParallel, **factory) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        intermediate = tp.split(cfg.intermediate_size, "intermediate_size")
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, **factory)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias, **factory)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, **factory)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, **factory)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp, **factory)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias, **factory)
+        self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, **factory)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.qk_norm = cfg.qk_norm
@@ -99,15 +129,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.config = cfg
         self.dtype = dtype
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, **factory) for _ in range(cfg.num_layers))
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, **factory) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
+        self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False, **factory)
         self.rope: RotaryEmbedding | None = None
 
     def setup_rope(self, max_positions: int) -> None:
@@ -130,8 +162,13 @@ class DecoderForCausalLM(nn.Module):
             hidden = layer(hidden, positions, self.rope, kv_cache, meta)
         return self.norm(hidden)
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.layers[0].num_kv_heads
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Full-vocabulary logits (gathered from every rank: a collective, so all ranks call it)."""
+        return self.tp.all_gather_last_dim(self.lm_head(hidden)).float()
 
     # ---- weight loading ---------------------------------------------------------------
     # Fused parameters are filled from several checkpoint tensors: HF name -> (ours, slot).
@@ -189,14 +226,25 @@ class DecoderForCausalLM(nn.Module):
         if slot is not None:
             sizes = self._slot_sizes(name)
             target = target.narrow(0, sum(sizes[:slot]), sizes[slot])
+        tensor = self._shard(name, tensor)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(target.shape)}")
         target.copy_(tensor)
 
     def _slot_sizes(self, name: str) -> list[int]:
-        cfg = self.config
+        layer = self.layers[0]
         if ".gate_up_proj." in name:
-            return [cfg.intermediate_size, cfg.intermediate_size]
-        kv = cfg.num_kv_heads * cfg.head_dim
-        return [cfg.num_heads * cfg.head_dim, kv, kv]
+            return [layer.down_proj.weight.shape[1]] * 2
+        return list(layer.split)
+
+    _ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
+    _COLUMN_PARALLEL = (".qkv_proj.", ".gate_up_proj.", "embed_tokens.weight", "lm_head.weight")
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor (the identity without tensor parallelism)."""
+        if name.endswith(self._ROW_PARALLEL):
+            return self.tp.shard(tensor, 1)
+        if any(part in name for part in self._COLUMN_PARALLEL):
+            return self.tp.shard(tensor, 0)
+        return tensor

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from engine.errors import ModelLoadError
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.hf_config import DecoderConfig, parse_decoder_config, read_config_json
+from engine.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,13 +48,17 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
-                 max_positions: int | None = None) -> DecoderForCausalLM:
-    """Build and load the model. Blocking (file I/O, copies): run it off the event loop."""
+                 max_positions: int | None = None, tp: TensorParallel = TensorParallel()) -> DecoderForCausalLM:
+    """Build and load the model (this rank's shard of it, under tensor parallelism).
+    Blocking (file I/O, copies): run it off the event loop."""
     model_dir = Path(model_dir)
     cfg: DecoderConfig = parse_decoder_config(read_config_json(model_dir))
     files = safetensors_files(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype)
-    model = DecoderForCausalLM(cfg, torch_dtype, device)  # uninitialised storage: the weights come next
+    try:
+        model = DecoderForCausalLM(cfg, torch_dtype, device, tp)  # uninitialised storage: the weights come next
+    except ValueError as exc:  # a dimension tensor parallelism cannot split
+        raise ModelLoadError(str(exc)) from None
     with torch.no_grad():
         model.load_weights(iterate_weights(files))
     model.setup_rope(max_positions or cfg.max_position_embeddings)

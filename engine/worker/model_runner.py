@@ -35,7 +35,7 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 device: torch.device, seed: int) -> None:
+                 device: torch.device, seed: int, is_driver: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -44,6 +44,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # Under tensor parallelism every rank computes the logits (a collective), only the
+        # driver (rank 0) samples and reports; the others return an empty output.
+        self.is_driver = is_driver
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -109,6 +112,8 @@ class ModelRunner:
         if not ids:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        if not self.is_driver:
+            return
         rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
         result = sample(logits, rows, self.generator)
         for rid, state, token, logprobs in zip(ids, states, result.token_ids, result.logprobs):
@@ -128,9 +133,11 @@ class ModelRunner:
             if state.params.prompt_logprobs is not None and start < last:
                 rows = hidden[offset:offset + (last - start)]
                 logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-                entries: list[TokenLogprobs] = [
-                    top_logprobs(logprobs[j], state.prompt_token_ids[start + j + 1], state.params.prompt_logprobs)
-                    for j in range(last - start)
-                ]
-                out.prompt_logprobs[item.request_id] = (start, entries)
+                if self.is_driver:
+                    entries: list[TokenLogprobs] = [
+                        top_logprobs(logprobs[j], state.prompt_token_ids[start + j + 1],
+                                     state.params.prompt_logprobs)
+                        for j in range(last - start)
+                    ]
+                    out.prompt_logprobs[item.request_id] = (start, entries)
             offset += item.num_tokens

@@ -1,0 +1,215 @@
+"""The multi-process executor: one spawned child process per tensor-parallel rank.
+
+Each child runs `engine.executor.worker_main` (its own trio program hosting
+the same `Worker` class the in-process executor uses) and talks to us over
+its end of a socketpair, passed as an inherited file descriptor: no port is
+opened. Calls go through `WorkerGroup` (ordered RPC futures).
+
+Lifecycle (use as an async context manager; `open_engine` does):
+- start: spawn every child, send each its `Init`, wait for every `Ready`.
+  A child that fails to start fails the whole start with its traceback,
+  and every child is stopped before the error propagates.
+- serving: a task per child waits for it to exit. An unexpected exit fails
+  every pending and later call with `EngineDeadError` at once and closes
+  every connection, which makes the other children exit too.
+- stop (also on cancellation; shielded and time-limited): ask (`Shutdown`),
+  wait, SIGTERM, wait, SIGKILL, reap. Children also die with the parent
+  process (`PR_SET_PDEATHSIG`), so not even a killed parent leaves orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import trio
+from anyio.abc import Process
+
+from engine.config import EngineConfig, usable_cpus
+from engine.errors import EngineDeadError, ModelLoadError
+from engine.executor import wire
+from engine.executor.base import Executor
+from engine.executor.rpc import Init, Ready, StartupFailed, WorkerConnection, WorkerGroup
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.worker import ModelInfo
+
+STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
+SHUTDOWN_GRACE = 5.0  # each stage of the staged stop
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, *, worker_command: list[str] | None = None) -> None:
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        # Tests swap in a command that starts a misbehaving worker.
+        self.worker_command = worker_command or [sys.executable, "-m", "engine.executor.worker_main"]
+        self.processes: list[Process] = []
+        self.group: WorkerGroup | None = None
+        self._closing = False
+        self._stack: AsyncExitStack | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def __aenter__(self) -> "MultiprocExecutor":
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            stack.push_async_callback(self._stop_workers)  # if start-up fails half way
+            connections = await self._start_workers()
+            task_group = await stack.enter_async_context(anyio.create_task_group())
+            stack.push_async_callback(self._stop_workers)  # on the way out: before the task group ends
+            self.group = WorkerGroup(connections, self._connection_lost)
+            await task_group.start(self.group.run)
+            for rank, process in enumerate(self.processes):
+                task_group.start_soon(self._watch, rank, process)
+        except BaseException:
+            if not await stack.__aexit__(*sys.exc_info()):
+                raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        stack, self._stack = self._stack, None
+        return await stack.__aexit__(*exc_info) if stack else None
+
+    async def aclose(self) -> None:
+        await self._stop_workers()
+
+    async def _start_workers(self) -> list[WorkerConnection]:
+        connections = [await self._spawn(rank) for rank in range(self.world_size)]
+        try:
+            await self._handshake_all(connections)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for conn in connections:
+                    await conn.stream.aclose()
+            raise
+        return connections
+
+    async def _spawn(self, rank: int) -> WorkerConnection:
+        ours, theirs = socket.socketpair()
+        try:
+            command = [*self.worker_command, "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
+            process = await anyio.open_process(command, stdin=subprocess.DEVNULL, stdout=None, stderr=None,
+                                               pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self.processes.append(process)
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        threads = max(1, usable_cpus() // self.world_size)
+        init = Init(rank, self.world_size, self.config, self._distributed_init_method(), threads)
+        await wire.send(stream, init)
+        return WorkerConnection(rank, stream)
+
+    def _distributed_init_method(self) -> str | None:
+        if self.world_size == 1:
+            return None
+        if not hasattr(self, "_init_method"):
+            with socket.socket() as probe:  # a free port for torch.distributed's rendezvous
+                probe.bind(("127.0.0.1", 0))
+                self._init_method = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        return self._init_method
+
+    async def _handshake_all(self, connections: list[WorkerConnection]) -> None:
+        """Wait for every `Ready` at once: ranks wait for each other while joining the process
+        group, so the first failure must stop the wait on the others."""
+        errors: dict[int, BaseException] = {}
+
+        async def handshake(conn: WorkerConnection) -> None:
+            try:
+                await self._handshake(conn)
+            except Exception as exc:
+                errors[conn.rank] = exc
+                tg.cancel_scope.cancel()
+
+        with anyio.fail_after(STARTUP_TIMEOUT):
+            async with anyio.create_task_group() as tg:
+                for conn in connections:
+                    tg.start_soon(handshake, conn)
+        if errors:
+            raise errors[min(errors)]
+
+    async def _handshake(self, conn: WorkerConnection) -> None:
+        try:
+            message = await conn.reader.receive()
+        except (EOFError, trio.BrokenResourceError):  # it exited (perhaps before reading its Init)
+            code = await self.processes[conn.rank].wait()
+            raise ModelLoadError(f"worker rank {conn.rank} exited during start-up ({_describe(code)})") from None
+        if isinstance(message, StartupFailed):
+            raise ModelLoadError(f"worker rank {conn.rank} failed to start:\n{message.error}")
+        if not isinstance(message, Ready):
+            raise ModelLoadError(f"worker rank {conn.rank} sent {type(message).__name__} instead of Ready")
+
+    async def _watch(self, rank: int, process: Process) -> None:
+        await process.wait()
+        self._report_exit(rank)
+
+    async def _connection_lost(self, rank: int) -> None:
+        """A worker's socket closed: it is probably dying; name how it ended if it does so soon."""
+        with anyio.move_on_after(1.0):
+            await self.processes[rank].wait()
+        self._report_exit(rank)
+
+    def _report_exit(self, rank: int) -> None:
+        process = self.processes[rank]
+        if process.returncode is not None and not self._closing and self.group is not None:
+            self.group.fail(EngineDeadError(
+                f"worker rank {rank} (pid {process.pid}) exited unexpectedly ({_describe(process.returncode)})"))
+
+    async def _stop_workers(self) -> None:
+        """Ask, wait, SIGTERM, wait, SIGKILL, reap. Shielded: runs to the end even when cancelled."""
+        self._closing = True
+        with anyio.CancelScope(shield=True):
+            if self.group is not None and self.group.failure is None:
+                self.group.shutdown()
+            for stage in (None, signal.SIGTERM, signal.SIGKILL):
+                alive = [p for p in self.processes if p.returncode is None]
+                for process in alive if stage else ():
+                    _signal(process, stage)
+                with anyio.move_on_after(SHUTDOWN_GRACE):
+                    for process in alive:
+                        await process.wait()
+            if self.group is not None:
+                self.group.fail(EngineDeadError("the executor was closed"))
+
+    # ---- the executor interface ----------------------------------------------------------------
+    def _workers(self) -> WorkerGroup:
+        if self.group is None:
+            raise RuntimeError("the executor is not started: use it as an async context manager")
+        return self.group
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,
+                             timeout: float | None = None, non_block: bool = False,
+                             unique_reply_rank: int | None = None) -> Any:
+        """See `WorkerGroup.collective_rpc`."""
+        return await self._workers().collective_rpc(method, args, kwargs, timeout=timeout, non_block=non_block,
+                                                    unique_reply_rank=unique_reply_rank)
+
+    async def load_model(self) -> ModelInfo:
+        return await self.collective_rpc("load_model", unique_reply_rank=0)
+
+    async def initialize_kv_cache(self, num_blocks: int) -> None:
+        await self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        # Every rank runs the step; only rank 0 samples and replies. Cancelling this call
+        # abandons it: the workers still finish the step in order before any later call.
+        return await self.collective_rpc("execute_model", (sched_out,), unique_reply_rank=0)
+
+
+def _signal(process: Process, sig: signal.Signals) -> None:
+    try:
+        process.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _describe(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
