@@ -145,3 +145,17 @@ async def test_engine_dead_error_reaches_library_callers(tiny_model_dir):
             seen.append(info.value)
             assert not engine.is_running
     assert seen and process.returncode == -signal.SIGKILL
+
+
+async def test_prompt_embeddings_cross_the_process_boundary(tiny_model_dir):
+    from tests.test_prompt_embeds import embedding_table
+    ids = PROMPTS[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    config = engine_config(tiny_model_dir, tensor_parallel_size=2, enable_prompt_embeds=True)
+    async with open_engine(config) as engine:
+        outputs = []
+        for prompt in (ids, embedding_table(tiny_model_dir)[ids]):
+            async for output in engine.generate(prompt, params):
+                pass
+            outputs.append(output.outputs[0].token_ids)
+    assert outputs[0] == outputs[1]

@@ -19,6 +19,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one per rank")
+    p.add_argument("--executor", default=None, choices=["inproc", "mp"],
+                   help="where the model runs (default: in-process, or worker processes with tensor parallelism)")
     p.add_argument("--enable-prompt-embeds", action="store_true",
                    help="accept prompt_embeds (base64 torch.save tensors) in completions")
     p.add_argument("--renderer-workers", type=int, default=None,
@@ -28,7 +31,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 def _engine_options(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
             "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "device": args.device,
-            "enable_prompt_embeds": args.enable_prompt_embeds, "renderer_workers": args.renderer_workers}
+            "enable_prompt_embeds": args.enable_prompt_embeds, "renderer_workers": args.renderer_workers,
+            "tensor_parallel_size": args.tensor_parallel_size, "executor": args.executor}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_bench_throughput(bench)
     _add_bench_serve(bench)
     _add_bench_loop_lag(bench)
+    _add_bench_rpc(bench)
     return parser
 
 
@@ -114,6 +119,14 @@ def _add_bench_loop_lag(bench) -> None:
     ll.add_argument("--renderer-workers", type=int, default=None, help="default: as the server's")
 
 
+def _add_bench_rpc(bench) -> None:
+    rpc = bench.add_parser("rpc", help="collective_rpc round trips vs a bare socket ping-pong; per-step overhead")
+    rpc.add_argument("--model", default=None)
+    rpc.add_argument("--rounds", type=int, default=2000)
+    rpc.add_argument("--batch", type=int, default=16)
+    rpc.add_argument("--steps", type=int, default=100)
+
+
 def _model_dir(model: str | None) -> str:
     from engine.models.tiny import ensure_default_model
     return model or str(ensure_default_model())
@@ -166,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len,
                                args.output_len, model=args.model, vocab=args.vocab, max_seconds=args.max_seconds,
                                api_key=args.api_key)))
+        return 0
+    if args.command == "bench" and args.bench == "rpc":
+        import trio
+
+        from engine.bench import rpc
+        print(rpc.report(trio.run(rpc.run, _model_dir(args.model), args.rounds, args.batch, args.steps)))
         return 0
     if args.command == "bench" and args.bench == "loop-lag":
         import trio

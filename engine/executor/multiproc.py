@@ -14,7 +14,7 @@ Lifecycle (use as an async context manager; `open_engine` does):
   every connection, which makes the other children exit too.
 - stop (also on cancellation; shielded and time-limited): ask (`Shutdown`),
   wait, SIGTERM, wait, SIGKILL, reap. Children also die with the parent
-  process (`PR_SET_PDEATHSIG`), so not even a killed parent leaves orphans.
+  process (a pidfd watch in the child), so not even a killed parent leaves orphans.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor import wire
 from engine.executor.base import Executor
+from engine.executor.fast_socket import FastSocketStream
 from engine.executor.rpc import Init, Ready, StartupFailed, WorkerConnection, WorkerGroup
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import ModelInfo
@@ -100,7 +101,7 @@ class MultiprocExecutor(Executor):
         finally:
             theirs.close()
         self.processes.append(process)
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        stream = FastSocketStream(ours)
         threads = max(1, usable_cpus() // self.world_size)
         init = Init(rank, self.world_size, self.config, self._distributed_init_method(), threads)
         await wire.send(stream, init)

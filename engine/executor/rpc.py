@@ -29,7 +29,6 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import anyio
 import trio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.errors import EngineDeadError
 from engine.executor import wire
@@ -109,24 +108,49 @@ class WorkerConnection:
         self.rank = rank
         self.stream = stream
         self.reader = reader or wire.FrameReader(stream)
-        self.pending: collections.deque[tuple[int, MemoryObjectSendStream[SlotItem]]] = collections.deque()
-        self._outbox_send, self._outbox = anyio.create_memory_object_stream[Any](math.inf)
+        self.pending: collections.deque[tuple[int, trio.MemorySendChannel[SlotItem]]] = collections.deque()
+        # (Channels are created unsubscripted: `open_memory_channel[T](...)` costs a typing lookup per call.)
+        self._outbox_send, self._outbox = trio.open_memory_channel(math.inf)
+        self._queued = 0  # items in the outbox that still need writing
+        self._writing = False  # the writer task is in the middle of a frame
         self.failure: BaseException | None = None
 
-    def post(self, message: Any, seq: int | None = None) -> MemoryObjectReceiveStream[SlotItem] | None:
-        """Queue `message` for sending; with `seq`, also register and return its reply slot."""
+    def post(self, message: Any, seq: int | None = None) -> trio.MemoryReceiveChannel[SlotItem] | None:
+        """Send `message` (now if the socket takes it, else through the writer task, in order);
+        with `seq`, also register and return its reply slot."""
         if self.failure is not None:
             raise self.failure
         slot = None
         if seq is not None:
-            slot_send, slot = anyio.create_memory_object_stream[SlotItem](1)
+            slot_send, slot = trio.open_memory_channel(1)
             self.pending.append((seq, slot_send))
-        self._outbox_send.send_nowait(message)
+        leftover = self._send_now(message)
+        if leftover != b"":
+            self._queued += 1
+            self._outbox_send.send_nowait(leftover)
         return slot
 
+    def _send_now(self, message: Any) -> Any:
+        """Fast path (no task switch): write a small frame straight to an idle socket. Returns
+        what is left for the writer task: the message, the unsent bytes, or b""."""
+        try_send = getattr(self.stream, "try_send", None)
+        if try_send is None or self._writing or self._queued:
+            return message
+        pieces = wire.dumps(message)
+        if sum(len(p) for p in pieces) > wire.SMALL_PIECE:
+            return message
+        data = b"".join(pieces)
+        return data[try_send(data):]
+
     async def write_loop(self) -> None:
-        async for message in self._outbox:
-            await wire.send(self.stream, message)
+        async for item in self._outbox:
+            self._queued -= 1
+            self._writing = True
+            if isinstance(item, bytes):
+                await self.stream.send_all(item)  # the rest of a frame the fast path began
+            else:
+                await wire.send(self.stream, item)
+            self._writing = False
 
     async def read_loop(self) -> None:
         """Route replies to slots in order until the stream ends (then `fail` with the reason)."""
@@ -152,10 +176,10 @@ class WorkerConnection:
         self._outbox_send.close()
 
 
-def _deliver(slot: MemoryObjectSendStream[SlotItem], item: SlotItem) -> None:
+def _deliver(slot: trio.MemorySendChannel[SlotItem], item: SlotItem) -> None:
     try:
         slot.send_nowait(item)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the caller gave up (timeout, cancellation): the reply is dropped here, not passed on
     finally:
         slot.close()
@@ -166,26 +190,32 @@ class RPCFuture:
     """The result of one `collective_rpc`: a list of per-rank values (or one value for a
     unique reply). Await `result()`; cancellation or the deadline closes the reply slots."""
 
-    def __init__(self, slots: list[tuple[int, MemoryObjectReceiveStream[SlotItem]]], deadline: float,
+    def __init__(self, slots: list[tuple[int, trio.MemoryReceiveChannel[SlotItem]]], deadline: float,
                  unique: bool) -> None:
         self._slots = slots
         self._deadline = deadline
         self._unique = unique
 
     async def result(self) -> Any:
+        """The reply (or the error) of this call. Raises `TimeoutError` past the call's deadline."""
         try:
-            with anyio.fail_after(self._deadline - anyio.current_time() if self._deadline < math.inf else None):
+            if self._deadline == math.inf:
                 values = [await self._one(rank, slot) for rank, slot in self._slots]
+            else:
+                with trio.move_on_at(self._deadline) as scope:
+                    values = [await self._one(rank, slot) for rank, slot in self._slots]
+                if scope.cancelled_caught:
+                    raise TimeoutError("the call did not complete before its timeout")
         finally:
             for _, slot in self._slots:
                 slot.close()
         return values[0] if self._unique else values
 
     @staticmethod
-    async def _one(rank: int, slot: MemoryObjectReceiveStream[SlotItem]) -> Any:
+    async def _one(rank: int, slot: trio.MemoryReceiveChannel[SlotItem]) -> Any:
         try:
             item = await slot.receive()
-        except anyio.EndOfStream:
+        except trio.EndOfChannel:
             raise EngineDeadError(f"worker rank {rank} stopped before replying") from None
         if isinstance(item, BaseException):
             raise item
@@ -269,7 +299,7 @@ class WorkerGroup:
             slot = conn.post(message, seq if replies else None)
             if slot is not None:
                 slots.append((conn.rank, slot))
-        deadline = math.inf if timeout is None else anyio.current_time() + timeout
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
         return RPCFuture(slots, deadline, unique_reply_rank is not None)
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,

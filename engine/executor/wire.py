@@ -12,6 +12,7 @@ come from the network.
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 import struct
@@ -30,29 +31,45 @@ def _tensor_from_buffer(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...])
     return flat.view(dtype).reshape(shape)
 
 
-class _Pickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
-            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            return _tensor_from_buffer, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape))
-        return NotImplemented
+def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        return tensor.__reduce_ex__(5)
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return _tensor_from_buffer, (pickle.PickleBuffer(raw), tensor.dtype, tuple(tensor.shape))
+
+
+# A dispatch table, not `reducer_override`: that is a Python call for every object pickled.
+_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
 
 
 def dumps(obj: Any) -> list[bytes | memoryview]:
     """The frame for `obj`, as pieces to write in order (the buffers are not copied)."""
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+    pickler = pickle.Pickler(out, protocol=5, buffer_callback=buffers.append)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(obj)
     views = [b.raw() for b in buffers]
     head = _HEAD.pack(out.tell(), len(views)) + b"".join(_LEN.pack(v.nbytes) for v in views)
     return [head, out.getbuffer(), *views]
 
 
+SMALL_PIECE = 64 << 10  # pieces below this are joined: one syscall beats a copy of a few KiB
+
+
 async def send(stream: trio.abc.SendStream, obj: Any) -> None:
     """Write one frame. Not safe to call from two tasks at once on one stream."""
+    pending: list[bytes | memoryview] = []
     for piece in dumps(obj):
-        if len(piece):
-            await stream.send_all(piece)
+        if len(piece) < SMALL_PIECE:
+            pending.append(piece)
+            continue
+        if pending:
+            await stream.send_all(b"".join(pending))
+            pending = []
+        await stream.send_all(piece)
+    if pending:
+        await stream.send_all(b"".join(pending))
 
 
 class FrameReader:
