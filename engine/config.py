@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -111,3 +112,7 @@ class RuntimeInfo:
     hidden_size: int
     eos_token_ids: tuple[int, ...]
     dtype: str
+    kind: str = "decoder"  # "encoder": a pooling-only model (BERT)
+    architecture: str = ""
+    pooler: Any = None  # the model's PoolerConfig
+    num_labels: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,15 @@ class RequestOutput:
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.prompt_token_ids)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request: `data` is a float32 tensor ([H] for embed,
+    [T, H] for token_embed, [num_labels] for classify)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: Any
+    finished: bool = True
+    metrics: dict[str, float] = field(default_factory=dict)

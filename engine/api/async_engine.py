@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import uuid
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, AsyncIterator, Sequence
+from functools import partial
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import anyio
 import torch
@@ -24,7 +25,8 @@ from engine.core.engine_core import AddRequest, EngineCore, OutputItem
 from engine.core.stats import StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from engine.executor import Executor, create_executor
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.render.chat import render_chat
 from engine.render.prompt_embeds import EmbedsLimits
 from engine.render.renderer import EngineInput, Prompt, Renderer
@@ -66,7 +68,7 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         # aclosing: closing this generator closes the inner one at once, so its abort is sent now
         # rather than whenever the garbage collector finalizes it.
-        async with aclosing(self._run([prompt], sampling_params, [request_id], priority)) as outputs:
+        async with aclosing(self._generate([prompt], sampling_params, [request_id], priority)) as outputs:
             async for _, output in outputs:
                 yield output
 
@@ -81,18 +83,47 @@ class AsyncEngine:
         """
         request_id = request_id or uuid.uuid4().hex
         request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        async with aclosing(self._run(prompts, sampling_params, request_ids, priority)) as outputs:
+        async with aclosing(self._generate(prompts, sampling_params, request_ids, priority)) as outputs:
             async for item in outputs:
                 yield item
 
-    async def _run(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
-                   request_ids: list[str], priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def encode(self, prompts: Sequence[Prompt], pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, *, priority: int = 0) -> list[PoolingRequestOutput]:
+        """Pool every prompt (embed, token_embed or classify); one output per prompt, in input order.
+
+        Pooling requests are prefill-only requests in the same batches as
+        generation; their KV blocks are freed after their step. All prompts
+        are validated first. Cancellation aborts every unfinished one.
+        """
+        params = pooling_params or PoolingParams()
+        self._check_pooling(params)
+        request_id = request_id or uuid.uuid4().hex
+        request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        results: list[PoolingRequestOutput | None] = [None] * len(prompts)
+        build = partial(self._make_pooling_request, params=params, priority=priority)
+        async with aclosing(self._run(prompts, request_ids, build, RequestOutputKind.FINAL_ONLY)) as outputs:
+            async for index, output in outputs:
+                results[index] = output
+        if any(r is None for r in results):
+            raise EngineDeadError("the engine stopped before every prompt was pooled")
+        return results  # type: ignore[return-value]
+
+    def _generate(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
+                  request_ids: list[str], priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if self.info.kind == "encoder":
+            raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
+                                      "generate; use embeddings, pooling, score or rerank", param="model")
         params = sampling_params or SamplingParams()
+        build = partial(self._make_requests, params=params, priority=priority)
+        return self._run(prompts, request_ids, build, params.output_kind)
+
+    async def _run(self, prompts: Sequence[Prompt], request_ids: list[str],
+                   make_requests: Callable[[str, EngineInput], list[Request]],
+                   output_kind: RequestOutputKind) -> AsyncIterator[tuple[int, Any]]:
         if not prompts:
             raise InvalidRequestError("no prompt given", param="prompt")
         rendered = await self.renderer.render(prompts)
-        batches = [self._make_requests(rid, engine_input, params, priority)
-                   for rid, engine_input in zip(request_ids, rendered)]
+        batches = [make_requests(rid, engine_input) for rid, engine_input in zip(request_ids, rendered)]
         # One output stream for the whole batch: each request gets a clone of the send side,
         # so the outputs of every prompt arrive on one receive side without extra tasks.
         send, receive = anyio.create_memory_object_stream[OutputItem](math.inf)
@@ -105,7 +136,7 @@ class AsyncEngine:
                         self.core.submit(AddRequest(rid, engine_input.prompt, children, send.clone()))
                         open_ids.add(rid)
                 async for item in receive:
-                    for output in _merge_pending(item, receive, params.output_kind):
+                    for output in _merge_pending(item, receive, output_kind):
                         if output.finished:
                             open_ids.discard(output.request_id)
                         yield index_of[output.request_id], output
@@ -161,6 +192,32 @@ class AsyncEngine:
 
     def _check_token_ids(self, token_ids: Sequence[int], allow_empty: bool = False) -> list[int]:
         return self.renderer.check_token_ids(token_ids, allow_empty)
+
+    def _check_pooling(self, params: PoolingParams) -> None:
+        info = self.info
+        if params.task == "classify" and not info.num_labels:
+            raise InvalidRequestError(f"this model ({info.architecture}) has no classification head", param="task")
+        if params.dimensions is not None and not info.pooler.supports_dimensions(params.dimensions):
+            supported = info.pooler.matryoshka_dimensions
+            raise InvalidRequestError(
+                f"this model does not support dimensions={params.dimensions}" +
+                (f" (Matryoshka dimensions up to {max(supported)})" if supported else
+                 " (it does not declare Matryoshka support)"), param="dimensions")
+
+    def _make_pooling_request(self, request_id: str, engine_input: EngineInput, params: PoolingParams,
+                              priority: int) -> list[Request]:
+        """One prefill-only request; its prompt must fit the context and one step (it is not chunked)."""
+        length = len(engine_input.token_ids)
+        limit = min(self.info.max_model_len, self.config.token_budget)
+        if length > limit:
+            raise InvalidRequestError(f"the input (length {length}) is longer than the maximum of {limit} tokens "
+                                      "for this model; shorten it or set truncate_prompt_tokens", param="input")
+        # Placeholder sampling parameters: the scheduler reads them, a pooling request never samples.
+        return [Request(request_id, engine_input.token_ids, SamplingParams(max_tokens=1),
+                        arrival_time=anyio.current_time(), priority=priority, max_tokens=1,
+                        prompt_embeds=engine_input.embeds, pooling_params=params,
+                        token_type_ids=engine_input.token_type_ids,
+                        cache_key=None if engine_input.embeds is None else ("prompt_embeds", request_id))]
 
     def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
                        priority: int) -> list[Request]:
@@ -246,7 +303,9 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
             f"tokens, fewer than max_model_len ({max_model_len}); raise kv_cache_memory_bytes or lower max_model_len")
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + model_info.eos_token_ids))
     return RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_model_len, vocab_size=model_info.vocab_size,
-                       hidden_size=model_info.hidden_size, eos_token_ids=eos, dtype=model_info.dtype)
+                       hidden_size=model_info.hidden_size, eos_token_ids=eos, dtype=model_info.dtype,
+                       kind=model_info.kind, architecture=model_info.architecture, pooler=model_info.pooler,
+                       num_labels=model_info.num_labels)
 
 
 def build_scheduler(config: EngineConfig, info: RuntimeInfo) -> Scheduler:

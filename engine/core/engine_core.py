@@ -26,7 +26,7 @@ from engine.core.output_processor import RequestTracker
 from engine.core.stats import NullObserver, StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor.base import Executor
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.render.tokenizer import Tokenizer
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import RequestUpdate, Scheduler
@@ -183,6 +183,9 @@ class EngineCore:
             tracker = self._child_owner.get(update.request.request_id)
             if tracker is None:
                 continue
+            if update.request.pooling_params is not None:
+                self._publish_pooled(tracker, update, now)
+                continue
             self._apply_update(tracker, update)
             touched[tracker.request_id] = tracker
             new_tokens[tracker.request_id] = new_tokens.get(tracker.request_id, 0) + len(update.new_token_ids)
@@ -197,6 +200,15 @@ class EngineCore:
                 self._forget(rid)
             elif not delivered:
                 self._abort(rid)  # the consumer went away without saying so
+
+    def _publish_pooled(self, tracker: RequestTracker, update: RequestUpdate, now: float) -> None:
+        """A pooling request finishes in the step that computed its prompt: one output, then done."""
+        tracker.metrics["finished_time"] = now
+        self._report_finished(tracker, "stop", now)
+        output = PoolingRequestOutput(tracker.request_id, tracker.prompt_token_ids, update.pooled,
+                                      metrics=dict(tracker.metrics))
+        self._send(tracker.request_id, output)
+        self._forget(tracker.request_id)
 
     def _report_tokens(self, tracker: RequestTracker, num_tokens: int, now: float) -> None:
         if not num_tokens:

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
+from engine.models.bert import BertEncoder, EncoderConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.hf_config import DecoderConfig, parse_decoder_config, read_config_json
 from engine.models.parallel import TensorParallel
@@ -62,4 +63,14 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     with torch.no_grad():
         model.load_weights(iterate_weights(files))
     model.setup_rope(max_positions or cfg.max_position_embeddings)
+    return model.eval()
+
+
+def load_encoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu") -> BertEncoder:
+    """Build and load a BERT encoder. Blocking: run it off the event loop."""
+    model_dir = Path(model_dir)
+    cfg = EncoderConfig.from_hf(read_config_json(model_dir))
+    model = BertEncoder(cfg, resolve_dtype(dtype, cfg.torch_dtype), device)
+    with torch.no_grad():
+        model.load_weights(iterate_weights(safetensors_files(model_dir)))
     return model.eval()

@@ -38,6 +38,7 @@ class EngineInput:
     prompt: str | None
     token_ids: list[int]
     embeds: torch.Tensor | None = None
+    token_type_ids: list[int] | None = None  # segment ids of a sentence pair (cross-encoders)
 
 
 class Renderer:
@@ -91,7 +92,11 @@ class Renderer:
         if prompt.get("prompt_embeds") is not None:
             return await self._embeds_input(prompt["prompt_embeds"])
         if prompt.get("prompt_token_ids") is not None:
-            return EngineInput(prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"]))
+            ids = self.check_token_ids(prompt["prompt_token_ids"])
+            types = prompt.get("token_type_ids")
+            if types is not None and (len(types) != len(ids) or any(t not in (0, 1) for t in types)):
+                raise InvalidRequestError("token_type_ids must be 0 or 1, one per token", param="token_type_ids")
+            return EngineInput(prompt.get("prompt"), ids, token_type_ids=None if types is None else list(types))
         if isinstance(prompt.get("prompt"), str):
             return EngineInput(prompt["prompt"], await self.tokenize(prompt["prompt"]))
         raise InvalidRequestError("a prompt mapping needs 'prompt' (text), 'prompt_token_ids' or 'prompt_embeds'",

@@ -29,6 +29,10 @@ class Tokenizer:
         if not path.is_file():
             raise ModelLoadError(f"{path} is missing: the engine needs a `tokenizers` tokenizer.json")
         self.backend = HFTokenizer.from_file(str(path))
+        # Some tokenizer.json files pad or truncate every encoding (all-MiniLM-L6-v2 pads to 128);
+        # the engine wants the text's own tokens and decides about length itself.
+        self.backend.no_padding()
+        self.backend.no_truncation()
         cfg = self._read_json(model_dir / "tokenizer_config.json")
         gen = self._read_json(model_dir / "generation_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
@@ -68,6 +72,17 @@ class Tokenizer:
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids
         return ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Many texts in one call (the tokenizers library parallelizes it without the GIL)."""
+        if self.add_bos_token:
+            return [self.encode(t, add_special_tokens) for t in texts]
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A sentence pair as one sequence (e.g. `[CLS] a [SEP] b [SEP]`) and its segment ids."""
+        encoding = self.backend.encode(first, second, add_special_tokens=True)
+        return encoding.ids, encoding.type_ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -20,6 +20,8 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     prompt_embeds: Any = None  # a (num prompt tokens, hidden) tensor replacing the prompt's token embeddings
+    pooling_params: Any = None  # a PoolingParams: pool the prompt's hidden states instead of sampling
+    token_type_ids: list[int] | None = None  # segment ids (BERT sentence pairs)
 
 
 @dataclass
@@ -65,3 +67,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> (first prompt position covered, logprobs of the next prompt token per position)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # pooling requests whose prompt completed this step -> their pooled output (a CPU float32 tensor)
+    pooled: dict[str, Any] = field(default_factory=dict)

@@ -55,6 +55,8 @@ class Request:
     cache_key: Hashable | None = None
     max_tokens: int = 16  # resolved by the engine (SamplingParams.max_tokens or the remaining context)
     prompt_embeds: Any = None
+    pooling_params: Any = None  # set: a prefill-only pooling request (no sampling, done after its prompt)
+    token_type_ids: list[int] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -56,6 +56,7 @@ class RequestUpdate:
     finished: bool = False
     logprobs: list = field(default_factory=list)
     prompt_logprobs: tuple[int, list] | None = None
+    pooled: Any = None  # a pooling request's output (it is then finished)
 
 
 class Scheduler:
@@ -135,7 +136,7 @@ class Scheduler:
                 request.known_to_worker = True
                 out.new_requests.append(NewRequestData(
                     request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                    request.prompt_embeds))
+                    request.prompt_embeds, request.pooling_params, request.token_type_ids))
         return out
 
     def _schedule_running(self, scheduled: dict[str, ScheduledRequest], budget: int) -> tuple[int, bool]:
@@ -173,7 +174,8 @@ class Scheduler:
             cached = self._cached_prefix(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            # A pooling request is never chunked: its whole prompt is pooled in one step.
+            if num_new > budget and (not self.config.enable_chunked_prefill or request.pooling_params is not None):
                 break
             num_new = min(num_new, budget)
             if not self.kv.allocate_slots(request, num_new, cached):
@@ -188,8 +190,9 @@ class Scheduler:
             budget -= num_new
 
     def _cached_prefix(self, request: Request) -> list:
-        # A request asking for prompt logprobs needs every prompt position computed.
-        if request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None:
+        # Prompt logprobs and pooling need every prompt position computed.
+        if (request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None
+                or request.pooling_params is not None):
             return []
         return self.kv.find_cached_prefix(request)
 
@@ -235,6 +238,14 @@ class Scheduler:
         return undone.num_tokens if undone else 0
 
     # ---- after the step ------------------------------------------------------------------
+    def _finish_pooled(self, request: Request, update: "RequestUpdate", result: ModelRunnerOutput) -> None:
+        """A pooling request is done after the step that computed its prompt; its blocks go now."""
+        update.pooled = result.pooled.get(request.request_id)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.running.remove(request)
+        self._release(request)
+        update.finished = True
+
     def update_from_output(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by what the step computed and sampled."""
         updates = []
@@ -245,6 +256,10 @@ class Scheduler:
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(request)
             update = RequestUpdate(request, prompt_logprobs=result.prompt_logprobs.get(item.request_id))
+            if request.pooling_params is not None:
+                self._finish_pooled(request, update, result)
+                updates.append(update)
+                continue
             token = result.sampled_token_ids.get(item.request_id)
             if token is not None:
                 request.append_output_token(token)

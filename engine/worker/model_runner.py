@@ -14,6 +14,8 @@ import torch
 
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
+from engine.models.pooler import PoolerConfig, finish, pool
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.worker.sampler import SamplingRow, sample, top_logprobs
@@ -25,6 +27,7 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_embeds: torch.Tensor | None = None
+    pooling: PoolingParams | None = None
     output_token_ids: list[int] = field(default_factory=list)
 
     @property
@@ -35,7 +38,8 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 device: torch.device, seed: int, is_driver: bool = True) -> None:
+                 device: torch.device, seed: int, is_driver: bool = True,
+                 pooler: PoolerConfig = PoolerConfig()) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -47,6 +51,7 @@ class ModelRunner:
         # Under tensor parallelism every rank computes the logits (a collective), only the
         # driver (rank 0) samples and reports; the others return an empty output.
         self.is_driver = is_driver
+        self.pooler = pooler
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -59,7 +64,22 @@ class ModelRunner:
         out = ModelRunnerOutput()
         self._sample(batch, hidden, out)
         self._prompt_logprobs(batch, hidden, out)
+        self._pool(batch, hidden, out)
         return out
+
+    def _pool(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Pooling requests (the decoder as an embedder) are scheduled whole: pool their rows."""
+        offset = 0
+        for item in batch:
+            params = self.requests[item.request_id].pooling
+            rows = hidden[offset:offset + item.num_tokens]
+            offset += item.num_tokens
+            if params is None or not self.is_driver:
+                continue
+            if params.task == "token_embed":
+                out.pooled[item.request_id] = finish(rows, params, self.pooler).cpu()
+            else:
+                out.pooled[item.request_id] = finish(pool(rows, self.pooler.pooling), params, self.pooler).cpu()
 
     def _update_states(self, sched_out: SchedulerOutput) -> None:
         for rid in sched_out.finished_request_ids:
@@ -71,7 +91,7 @@ class ModelRunner:
                 generator.manual_seed(new.sampling_params.seed)
             embeds = None if new.prompt_embeds is None else new.prompt_embeds.to(self.device, self.model.dtype)
             self.requests[new.request_id] = RequestState(new.prompt_token_ids, new.sampling_params, generator,
-                                                         embeds)
+                                                         embeds, new.pooling_params)
 
     def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         token_ids: list[int] = []
@@ -105,7 +125,7 @@ class ModelRunner:
         offset = 0
         for item in batch:
             offset += item.num_tokens
-            if item.sample:
+            if item.sample and self.requests[item.request_id].pooling is None:
                 last_rows.append(offset - 1)
                 states.append(self.requests[item.request_id])
                 ids.append(item.request_id)

@@ -12,7 +12,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.loader import load_decoder
+from engine.errors import ModelLoadError
+from engine.models.bert import BertEncoder, is_encoder_config
+from engine.models.hf_config import read_config_json
+from engine.models.loader import load_decoder, load_encoder
+from engine.models.pooler import PoolerConfig, read_pooler_config
+from engine.worker.encoder_runner import EncoderRunner
 from engine.models.parallel import TensorParallel, init_distributed
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
@@ -27,6 +32,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str
     kv_bytes_per_block: int
+    kind: str = "decoder"  # "decoder" (generation, or pooling as an embedder) or "encoder" (pooling only)
+    architecture: str = ""
+    pooler: PoolerConfig = PoolerConfig()
+    num_labels: int = 0  # classification heads (cross-encoders)
 
 
 class Worker:
@@ -45,10 +54,15 @@ class Worker:
             if distributed_init_method is None:
                 raise ValueError("tensor parallelism needs a distributed_init_method")
             init_distributed(self.tp, distributed_init_method, self.device)
-        self.model: DecoderForCausalLM | None = None
-        self.runner: ModelRunner | None = None
+        self.model: DecoderForCausalLM | BertEncoder | None = None
+        self.runner: ModelRunner | EncoderRunner | None = None
+        self.pooler = PoolerConfig()
 
     def load_model(self) -> ModelInfo:
+        raw = read_config_json(self.config.model)
+        if is_encoder_config(raw):
+            return self._load_encoder(raw)
+        self.pooler = read_pooler_config(self.config.model, raw, default_pooling="last")
         max_positions = self.config.max_model_len
         self.model = load_decoder(self.config.model, self.config.dtype, self.config.device, max_positions, self.tp)
         cfg = self.model.config
@@ -57,10 +71,27 @@ class Worker:
         kv_heads = self.model.num_local_kv_heads
         per_block = 2 * cfg.num_layers * self.config.block_size * kv_heads * cfg.head_dim * element_size
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
-                         str(self.model.dtype).removeprefix("torch."), per_block)
+                         str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
+                         self.pooler)
+
+    def _load_encoder(self, raw: dict) -> ModelInfo:
+        if self.tp.size > 1:
+            raise ModelLoadError("tensor parallelism is not supported for encoder (BERT) models")
+        self.model = load_encoder(self.config.model, self.config.dtype, self.config.device)
+        self.pooler = read_pooler_config(self.config.model, raw, default_pooling="cls")
+        cfg = self.model.config
+        # Encoders keep no KV cache; blocks are only the scheduler's accounting of a step's tokens.
+        nominal_block = self.config.block_size * cfg.hidden_size * 4
+        num_labels = cfg.num_labels if self.model.classifier is not None else 0
+        return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, (),
+                         str(self.model.dtype).removeprefix("torch."), nominal_block, "encoder", cfg.architecture,
+                         self.pooler, num_labels)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.model is not None, "load_model() first"
+        if isinstance(self.model, BertEncoder):
+            self.runner = EncoderRunner(self.model, self.pooler, self.device)
+            return
         if self.runner is not None and self.runner.num_blocks == num_blocks:
             self.runner.requests.clear()  # a new engine run over the same cache: forget old requests
             return
@@ -70,7 +101,7 @@ class Worker:
                    torch.zeros(shape, dtype=self.model.dtype, device=self.device))
                   for _ in range(cfg.num_layers)]
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
-                                  is_driver=self.rank == 0)
+                                  is_driver=self.rank == 0, pooler=self.pooler)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
@@ -81,6 +112,6 @@ class Worker:
 
     def model_summary(self) -> dict:
         """What this rank holds (for operators and tests): its rank and share of the model."""
-        assert self.model is not None, "load_model() first"
+        assert isinstance(self.model, DecoderForCausalLM), "a loaded decoder"
         return {"rank": self.rank, "world_size": self.tp.size, "local_kv_heads": self.model.num_local_kv_heads,
                 "num_parameters": sum(p.numel() for p in self.model.parameters())}

@@ -1,0 +1,78 @@
+"""How a model turns hidden states into pooled outputs, and the pooling itself.
+
+The pooling config comes from sentence-transformers files when present
+(`modules.json`, `1_Pooling/config.json`, a `Normalize` module); otherwise
+BERT checkpoints pool the CLS token and decoders the last token, normalized.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ModelLoadError
+from engine.pooling_params import PoolingParams
+
+POOLING_TYPES = ("mean", "cls", "last")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling: str = "last"
+    normalize: bool = True
+    matryoshka_dimensions: tuple[int, ...] | None = None  # None: `dimensions` is refused
+
+    def supports_dimensions(self, dimensions: int) -> bool:
+        return bool(self.matryoshka_dimensions) and dimensions <= max(self.matryoshka_dimensions)
+
+
+def read_pooler_config(model_dir: str | Path, raw_config: dict, default_pooling: str) -> PoolerConfig:
+    model_dir = Path(model_dir)
+    matryoshka = raw_config.get("matryoshka_dimensions")
+    dims = tuple(int(d) for d in matryoshka) if matryoshka else None
+    modules_path = model_dir / "modules.json"
+    if not modules_path.is_file():
+        return PoolerConfig(default_pooling, True, dims)
+    try:
+        modules = json.loads(modules_path.read_text())
+        pooling_dir = next((m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")), None)
+        normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
+        pooling = default_pooling
+        if pooling_dir is not None:
+            cfg = json.loads((model_dir / pooling_dir / "config.json").read_text())
+            pooling = _pooling_mode(cfg)
+    except (OSError, json.JSONDecodeError, StopIteration) as exc:
+        raise ModelLoadError(f"{model_dir}: unreadable sentence-transformers pooling config: {exc}") from exc
+    return PoolerConfig(pooling, normalize, dims)
+
+
+def _pooling_mode(cfg: dict) -> str:
+    if cfg.get("pooling_mode_mean_tokens"):
+        return "mean"
+    if cfg.get("pooling_mode_cls_token"):
+        return "cls"
+    if cfg.get("pooling_mode_lasttoken"):
+        return "last"
+    raise ModelLoadError(f"unsupported pooling mode in 1_Pooling/config.json: {cfg}")
+
+
+def pool(hidden: torch.Tensor, pooling: str) -> torch.Tensor:
+    """hidden: one sequence's states [T, H] -> [H]."""
+    if pooling == "mean":
+        return hidden.float().mean(dim=0)
+    if pooling == "cls":
+        return hidden[0].float()
+    return hidden[-1].float()
+
+
+def finish(vectors: torch.Tensor, params: PoolingParams, config: PoolerConfig) -> torch.Tensor:
+    """Truncate to `dimensions` (Matryoshka) and normalize as asked: [..., H] float32."""
+    vectors = vectors.float()
+    if params.dimensions is not None:
+        vectors = vectors[..., :params.dimensions]
+    normalize = config.normalize if params.normalize is None else params.normalize
+    return F.normalize(vectors, dim=-1) if normalize else vectors

@@ -1,0 +1,61 @@
+"""One step of an encoder (BERT): every scheduled request whole, pooled, no sampling, no KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.bert import BertEncoder
+from engine.models.pooler import PoolerConfig, finish, pool
+from engine.pooling_params import PoolingParams
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass
+class EncoderRequest:
+    token_type_ids: list[int] | None
+    params: PoolingParams
+
+
+class EncoderRunner:
+    def __init__(self, model: BertEncoder, pooler: PoolerConfig, device: torch.device) -> None:
+        self.model = model
+        self.pooler = pooler
+        self.device = device
+        self.requests: dict[str, EncoderRequest] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched_out.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched_out.new_requests:
+            self.requests[new.request_id] = EncoderRequest(new.token_type_ids, new.pooling_params)
+        out = ModelRunnerOutput()
+        if sched_out.is_empty:
+            return out
+        batch = sched_out.scheduled
+        hidden = self._encode(batch)
+        for row, item in enumerate(batch):
+            state = self.requests[item.request_id]
+            out.pooled[item.request_id] = self._output(hidden[row, :item.num_tokens], state.params)
+        return out
+
+    def _encode(self, batch) -> torch.Tensor:
+        length = max(item.num_tokens for item in batch)
+        ids = torch.zeros(len(batch), length, dtype=torch.long)
+        types = torch.zeros(len(batch), length, dtype=torch.long)
+        for row, item in enumerate(batch):
+            ids[row, :item.num_tokens] = torch.tensor(item.token_ids)
+            token_types = self.requests[item.request_id].token_type_ids
+            if token_types:
+                types[row, :item.num_tokens] = torch.tensor(token_types)
+        lengths = torch.tensor([item.num_tokens for item in batch])
+        return self.model(ids.to(self.device), types.to(self.device), lengths.to(self.device))
+
+    def _output(self, hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        if params.task == "classify":
+            return self.model.classify(hidden[0:1])[0].cpu()
+        if params.task == "token_embed":
+            return finish(hidden, params, self.pooler).cpu()
+        return finish(pool(hidden, self.pooler.pooling), params, self.pooler).cpu()
