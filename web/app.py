@@ -23,7 +23,7 @@ from engine.concurrency.loop_lag import run_loop_lag_probe
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor.base import Executor
-from web import admin_api, openai_api
+from web import admin_api, openai_api, pooling_api
 from web.errors import APIError
 from web.settings import ServerSettings
 from web.state import ServerState
@@ -58,6 +58,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
 
     _register_error_handlers(app)
     openai_api.register(app, state)
+    pooling_api.register(app, state)
     admin_api.register(app, state)
     return app
 

@@ -89,9 +89,18 @@ async def final_outputs(first: Any, outputs: AsyncIterator[Any], num_prompts: in
 
 
 # ---- completions ---------------------------------------------------------------------------------
+def generation_engine(state: ServerState):
+    """The engine, if its model can generate; a pooling model (BERT) answers 400 here."""
+    engine = state.engine_for_request()
+    if engine.info.kind == "encoder":
+        raise bad_request(f"the model {state.model_name} is a pooling model ({engine.info.architecture}): it "
+                          "serves /v1/embeddings, /pooling, /score and /rerank, not generation", "model")
+    return engine
+
+
 async def create_completion(state: ServerState) -> Response:
     req: CompletionRequest = await read_request(state, CompletionRequest)
-    engine = state.engine_for_request()
+    engine = generation_engine(state)
     prompts = req.prompts()
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt")
@@ -115,7 +124,7 @@ async def create_completion(state: ServerState) -> Response:
 # ---- chat ----------------------------------------------------------------------------------------
 async def create_chat_completion(state: ServerState) -> Response:
     req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
-    engine = state.engine_for_request()
+    engine = generation_engine(state)
     prompt = await engine.apply_chat_template(req.text_messages(), add_generation_prompt=req.add_generation_prompt)
     token_ids = await engine.tokenize(prompt, add_special_tokens=False)
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

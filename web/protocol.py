@@ -143,6 +143,7 @@ _UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "a string or a list of strings",
     "prompt_embeds": "a base64 string or a list of base64 strings",
+    "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
 }
 
 
@@ -186,3 +187,68 @@ def _validate(model: type[_Body], body: bytes | bytearray) -> Any:
 def check_model(requested: str | None, served: set[str]) -> None:
     if requested is not None and requested not in served:
         raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+# ---- pooling -------------------------------------------------------------------------------------
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Every input: a text or a list of token ids. Empty lists and empty strings are 400s."""
+        raw = self.input
+        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        if not items:
+            raise bad_request("input must not be empty", "input")
+        for i, item in enumerate(items):
+            if not item:
+                raise bad_request(f"input[{i}] is empty", "input")
+        return items
+
+
+class PoolingRequest(EmbeddingRequest):
+    task: Literal["embed", "token_embed"] = "embed"
+
+
+class ScoreRequest(_Body):
+    model: str | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    score_type: Literal["embedding", "cross-encoder", "late-interaction"] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        """(queries, documents) of equal length: one query against many documents, or pairwise."""
+        first = self.queries if self.queries is not None else self.text_1
+        second = self.documents if self.documents is not None else self.text_2
+        if first is None or second is None:
+            raise bad_request("score needs queries and documents (or text_1 and text_2)", "queries")
+        firsts = [first] if isinstance(first, str) else list(first)
+        seconds = [second] if isinstance(second, str) else list(second)
+        if not firsts or not seconds:
+            raise bad_request("queries and documents must not be empty", "documents")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise bad_request(f"{len(firsts)} queries and {len(seconds)} documents: give one query, or one "
+                              "per document", "queries")
+        for name, texts in (("queries", firsts), ("documents", seconds)):
+            if any(not t for t in texts):
+                raise bad_request(f"{name} must not contain empty strings", name)
+        return firsts, seconds
+
+
+class RerankRequest(_Body):
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(default=None, ge=0)
+    return_documents: bool = True
+    score_type: Literal["embedding", "cross-encoder", "late-interaction"] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)

@@ -79,6 +79,12 @@ class Tokenizer:
             return [self.encode(t, add_special_tokens) for t in texts]
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
+    def encode_truncated(self, text: str, max_tokens: int) -> list[int]:
+        """Token ids with special tokens, the text cut from the right so that all fit `max_tokens`."""
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        encoding.truncate(max(0, max_tokens - self.backend.num_special_tokens_to_add(False)))
+        return self.backend.post_process(encoding).ids[:max_tokens]
+
     def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
         """A sentence pair as one sequence (e.g. `[CLS] a [SEP] b [SEP]`) and its segment ids."""
         encoding = self.backend.encode(first, second, add_special_tokens=True)

