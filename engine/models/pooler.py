@@ -69,6 +69,16 @@ def pool(hidden: torch.Tensor, pooling: str) -> torch.Tensor:
     return hidden[-1].float()
 
 
+def pool_batch(hidden: torch.Tensor, lengths: torch.Tensor, pooling: str) -> torch.Tensor:
+    """A padded batch's states [B, L, H] with real lengths [B] -> [B, H], as `pool` per row."""
+    if pooling == "cls":
+        return hidden[:, 0].float()
+    if pooling == "last":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1].float()
+    mask = (torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]).unsqueeze(-1)
+    return (hidden.float() * mask).sum(dim=1) / lengths[:, None].float()
+
+
 def finish(vectors: torch.Tensor, params: PoolingParams, config: PoolerConfig) -> torch.Tensor:
     """Truncate to `dimensions` (Matryoshka) and normalize as asked: [..., H] float32."""
     vectors = vectors.float()

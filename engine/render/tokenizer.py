@@ -74,8 +74,9 @@ class Tokenizer:
         return ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Many texts in one call (the tokenizers library parallelizes it without the GIL)."""
-        if self.add_bos_token:
+        """Many texts in one call (the tokenizers library parallelizes it without the GIL); a few
+        texts one by one, which skips starting its thread pool."""
+        if self.add_bos_token or len(texts) < 8:
             return [self.encode(t, add_special_tokens) for t in texts]
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 

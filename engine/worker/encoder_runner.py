@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.bert import BertEncoder
-from engine.models.pooler import PoolerConfig, finish, pool
+from engine.models.pooler import PoolerConfig, finish, pool, pool_batch
 from engine.pooling_params import PoolingParams
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -35,13 +35,17 @@ class EncoderRunner:
         if sched_out.is_empty:
             return out
         batch = sched_out.scheduled
-        hidden = self._encode(batch)
+        hidden, lengths = self._encode(batch)
+        pooled = pool_batch(hidden, lengths, self.pooler.pooling)  # every row at once: cheap per request
         for row, item in enumerate(batch):
-            state = self.requests[item.request_id]
-            out.pooled[item.request_id] = self._output(hidden[row, :item.num_tokens], state.params)
+            params = self.requests[item.request_id].params
+            if params.task == "embed":
+                out.pooled[item.request_id] = finish(pooled[row], params, self.pooler).cpu()
+            else:
+                out.pooled[item.request_id] = self._output(hidden[row, :item.num_tokens], params)
         return out
 
-    def _encode(self, batch) -> torch.Tensor:
+    def _encode(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         length = max(item.num_tokens for item in batch)
         ids = torch.zeros(len(batch), length, dtype=torch.long)
         types = torch.zeros(len(batch), length, dtype=torch.long)
@@ -50,8 +54,8 @@ class EncoderRunner:
             token_types = self.requests[item.request_id].token_type_ids
             if token_types:
                 types[row, :item.num_tokens] = torch.tensor(token_types)
-        lengths = torch.tensor([item.num_tokens for item in batch])
-        return self.model(ids.to(self.device), types.to(self.device), lengths.to(self.device))
+        lengths = torch.tensor([item.num_tokens for item in batch], device=self.device)
+        return self.model(ids.to(self.device), types.to(self.device), lengths), lengths
 
     def _output(self, hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         if params.task == "classify":
