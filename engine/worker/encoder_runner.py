@@ -12,6 +12,9 @@ from engine.pooling_params import PoolingParams
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
+MAX_ROWS_PER_FORWARD = 32
+
+
 @dataclass
 class EncoderRequest:
     token_type_ids: list[int] | None
@@ -34,7 +37,13 @@ class EncoderRunner:
         out = ModelRunnerOutput()
         if sched_out.is_empty:
             return out
-        batch = sched_out.scheduled
+        # Length-sorted groups: padding every sequence to the step's longest one wastes compute.
+        ordered = sorted(sched_out.scheduled, key=lambda item: item.num_tokens)
+        for start in range(0, len(ordered), MAX_ROWS_PER_FORWARD):
+            self._encode_group(ordered[start:start + MAX_ROWS_PER_FORWARD], out)
+        return out
+
+    def _encode_group(self, batch, out: ModelRunnerOutput) -> None:
         hidden, lengths = self._encode(batch)
         pooled = pool_batch(hidden, lengths, self.pooler.pooling)  # every row at once: cheap per request
         for row, item in enumerate(batch):
@@ -43,7 +52,6 @@ class EncoderRunner:
                 out.pooled[item.request_id] = finish(pooled[row], params, self.pooler).cpu()
             else:
                 out.pooled[item.request_id] = self._output(hidden[row, :item.num_tokens], params)
-        return out
 
     def _encode(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         length = max(item.num_tokens for item in batch)
