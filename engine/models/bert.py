@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.models.weights import load_named_weights
 
 ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
 
@@ -132,26 +133,19 @@ class BertEncoder(nn.Module):
     # ---- weight loading ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        pending = {(n, s) for n in params for s in ((0, 1, 2) if ".qkv." in n else (None,))}
-        for hf_name, tensor in weights:
-            target = self._map_name(hf_name)
-            if target is None:
-                continue
-            name, slot = target
-            if name not in params:
-                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
-            dest = params[name].data
-            if slot is not None:
-                size = self.config.hidden_size
-                dest = dest.narrow(0, slot * size, size)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            pending.discard((name, slot))
-        if pending:
-            names = sorted(n if s is None else f"{n}[{s}]" for n, s in pending)
-            raise ModelLoadError(f"checkpoint lacks {len(names)} weights, e.g. {names[:6]}")
+        expected = {(n, s) for n in params for s in ((0, 1, 2) if ".qkv." in n else (None,))}
+        load_named_weights(params, weights, self._map_name, self._copy_into, expected, self.config.architecture)
+
+    def _copy_into(self, param: torch.Tensor, name: str, slot: int | None, tensor: torch.Tensor,
+                   hf_name: str) -> None:
+        dest = param.data
+        if slot is not None:  # q, k or v inside the fused projection
+            size = self.config.hidden_size
+            dest = dest.narrow(0, slot * size, size)
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(dest.shape)}")
+        dest.copy_(tensor)
 
     _LAYER_NAMES = {
         "attention.self.query": ("qkv", 0), "attention.self.key": ("qkv", 1), "attention.self.value": ("qkv", 2),

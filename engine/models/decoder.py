@@ -19,6 +19,7 @@ from engine.models.attention import AttentionMetadata, paged_attention, write_kv
 from engine.models.hf_config import DecoderConfig
 from engine.models.parallel import TensorParallel
 from engine.models.rope import RotaryEmbedding
+from engine.models.weights import load_named_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -184,19 +185,8 @@ class DecoderForCausalLM(nn.Module):
         unexpected tensor, or parameters the checkpoint never provided.
         """
         params = dict(self.named_parameters())
-        pending = {slot for name in params for slot in self._slots_of(name)}
-        for hf_name, tensor in weights:
-            target = self._map_name(hf_name)
-            if target is None:
-                continue
-            name, slot = target
-            if name not in params:
-                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
-            self._copy_into(params[name], name, slot, tensor, hf_name)
-            pending.discard((name, slot))
-        if pending:
-            names = sorted(n if s is None else f"{n}[{s}]" for n, s in pending)
-            raise ModelLoadError(f"checkpoint lacks {len(names)} weights, e.g. {names[:6]}")
+        expected = {slot for name in params for slot in self._slots_of(name)}
+        load_named_weights(params, weights, self._map_name, self._copy_into, expected, self.config.architecture)
         self.tie_weights()
 
     def _slots_of(self, name: str) -> list[tuple[str, int | None]]:

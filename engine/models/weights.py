@@ -1,0 +1,34 @@
+"""Copying HF-named checkpoint tensors into a model's own (partly fused) parameters."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from engine.errors import ModelLoadError
+
+Slot = tuple[str, int | None]  # (our parameter name, part of a fused parameter or None)
+
+
+def load_named_weights(params: dict[str, torch.nn.Parameter], weights: Iterable[tuple[str, torch.Tensor]],
+                       map_name: Callable[[str], Slot | None],
+                       copy_into: Callable[[torch.nn.Parameter, str, int | None, torch.Tensor, str], None],
+                       expected: set[Slot], architecture: str) -> None:
+    """Put each checkpoint tensor where `map_name` says (None: skip it); every expected slot must be filled.
+
+    Raises `ModelLoadError` naming the tensor that has no place, or the weights the checkpoint lacks
+    (`copy_into` raises it for shape mismatches)."""
+    pending = set(expected)
+    for hf_name, tensor in weights:
+        target = map_name(hf_name)
+        if target is None:
+            continue
+        name, slot = target
+        if name not in params:
+            raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {architecture}")
+        copy_into(params[name], name, slot, tensor, hf_name)
+        pending.discard((name, slot))
+    if pending:
+        names = sorted(n if s is None else f"{n}[{s}]" for n, s in pending)
+        raise ModelLoadError(f"checkpoint lacks {len(names)} weights, e.g. {names[:6]}")
