@@ -37,6 +37,7 @@ class EngineConfig:
     executor: str | None = None  # "inproc" or "mp" (worker processes); default: mp when tensor_parallel_size > 1
     tensor_parallel_size: int = 1
     renderer_workers: int | None = None  # threads for long tokenizations and embeddings decoding; see below
+    pooling_type: str | None = None  # "mean", "cls" or "last": overrides the model's pooling config
     enable_prompt_embeds: bool = False  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
     max_prompt_embeds_bytes: int | None = None  # decoded payload limit; default: a float32 tensor filling the context
     served_model_name: str | None = None
@@ -48,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
+        if self.pooling_type is not None and self.pooling_type not in ("mean", "cls", "last"):
+            raise ValueError(f"pooling_type must be mean, cls or last, got {self.pooling_type!r}")
         if self.executor is not None and self.executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
         if self.executor == "inproc" and self.tensor_parallel_size > 1:

@@ -196,3 +196,12 @@ async def test_a_decoder_embeds_with_last_token_pooling(tiny_model_dir):
             assert torch.allclose(vector.data, tokens.data[-1], atol=1e-5)
             assert vector.data.norm().item() == pytest.approx(1.0, abs=1e-5)
         assert engine.core.scheduler.kv.usage == 0  # no blocks kept after the step
+
+
+async def test_decoder_pooling_is_selectable(tiny_model_dir):
+    prompt = list(range(10, 30))
+    async with open_engine(engine_config(tiny_model_dir, pooling_type="mean")) as engine:
+        (mean,) = await engine.encode([prompt])
+        (raw,) = await engine.encode([prompt], PoolingParams(task="token_embed", normalize=False))
+    assert torch.allclose(mean.data, F.normalize(raw.data.mean(dim=0), dim=-1), atol=1e-5)
+    assert not torch.allclose(mean.data, F.normalize(raw.data[-1], dim=-1), atol=1e-3)  # not the last token

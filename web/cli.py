@@ -22,6 +22,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one per rank")
     p.add_argument("--executor", default=None, choices=["inproc", "mp"],
                    help="where the model runs (default: in-process, or worker processes with tensor parallelism)")
+    p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
+                   help="how embeddings pool hidden states (default: the model's config; decoders: last)")
     p.add_argument("--enable-prompt-embeds", action="store_true",
                    help="accept prompt_embeds (base64 torch.save tensors) in completions")
     p.add_argument("--renderer-workers", type=int, default=None,
@@ -32,7 +34,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
             "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "device": args.device,
             "enable_prompt_embeds": args.enable_prompt_embeds, "renderer_workers": args.renderer_workers,
-            "tensor_parallel_size": args.tensor_parallel_size, "executor": args.executor}
+            "tensor_parallel_size": args.tensor_parallel_size, "executor": args.executor,
+            "pooling_type": args.pooling_type}
 
 
 def _parser() -> argparse.ArgumentParser:

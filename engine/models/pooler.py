@@ -8,7 +8,7 @@ BERT checkpoints pool the CLS token and decoders the last token, normalized.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,8 +30,14 @@ class PoolerConfig:
         return bool(self.matryoshka_dimensions) and dimensions <= max(self.matryoshka_dimensions)
 
 
-def read_pooler_config(model_dir: str | Path, raw_config: dict, default_pooling: str) -> PoolerConfig:
-    model_dir = Path(model_dir)
+def read_pooler_config(model_dir: str | Path, raw_config: dict, default_pooling: str,
+                       override: str | None = None) -> PoolerConfig:
+    """The model's pooling; `override` (EngineConfig.pooling_type) replaces its pooling mode."""
+    config = _read_pooler_config(Path(model_dir), raw_config, default_pooling)
+    return config if override is None else replace(config, pooling=override)
+
+
+def _read_pooler_config(model_dir: Path, raw_config: dict, default_pooling: str) -> PoolerConfig:
     matryoshka = raw_config.get("matryoshka_dimensions")
     dims = tuple(int(d) for d in matryoshka) if matryoshka else None
     modules_path = model_dir / "modules.json"

@@ -62,7 +62,7 @@ class Worker:
         raw = read_config_json(self.config.model)
         if is_encoder_config(raw):
             return self._load_encoder(raw)
-        self.pooler = read_pooler_config(self.config.model, raw, default_pooling="last")
+        self.pooler = read_pooler_config(self.config.model, raw, "last", self.config.pooling_type)
         max_positions = self.config.max_model_len
         self.model = load_decoder(self.config.model, self.config.dtype, self.config.device, max_positions, self.tp)
         cfg = self.model.config
@@ -78,7 +78,7 @@ class Worker:
         if self.tp.size > 1:
             raise ModelLoadError("tensor parallelism is not supported for encoder (BERT) models")
         self.model = load_encoder(self.config.model, self.config.dtype, self.config.device)
-        self.pooler = read_pooler_config(self.config.model, raw, default_pooling="cls")
+        self.pooler = read_pooler_config(self.config.model, raw, "cls", self.config.pooling_type)
         cfg = self.model.config
         # Encoders keep no KV cache; blocks are only the scheduler's accounting of a step's tokens.
         nominal_block = self.config.block_size * cfg.hidden_size * 4
