@@ -22,6 +22,8 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "Logprob": "engine.outputs",
+    "PoolingRequestOutput": "engine.outputs",
+    "PoolingParams": "engine.pooling_params",
     "InvalidRequestError": "engine.errors",
     "EngineDeadError": "engine.errors",
     "ModelLoadError": "engine.errors",

@@ -205,3 +205,11 @@ async def test_decoder_pooling_is_selectable(tiny_model_dir):
         (raw,) = await engine.encode([prompt], PoolingParams(task="token_embed", normalize=False))
     assert torch.allclose(mean.data, F.normalize(raw.data.mean(dim=0), dim=-1), atol=1e-5)
     assert not torch.allclose(mean.data, F.normalize(raw.data[-1], dim=-1), atol=1e-3)  # not the last token
+
+
+def test_the_blocking_facade_embeds(minilm_dir, reference):
+    from engine import LLM
+    llm = LLM(minilm_dir, num_kv_blocks=64)
+    outputs = llm.embed(SENTENCES[:2])
+    got = torch.stack([o.data for o in outputs])
+    assert F.cosine_similarity(got, reference[:2], dim=-1).min().item() >= 0.99999

@@ -20,7 +20,8 @@ from engine.api.async_engine import AsyncEngine, Prompt, open_engine
 from engine.config import EngineConfig
 from engine.executor.inproc import InProcExecutor
 from engine.models.tiny import ensure_default_model
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -53,6 +54,17 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = sampling_params or SamplingParams()
         return trio.run(self._run_batch, [("chat", c) for c in conversations], params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
+        """One pooled output per prompt, in prompt order (`PoolingParams(task=...)` for token
+        embeddings or classification)."""
+        batch = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
+        return trio.run(self._encode, batch, pooling_params)
+
+    async def _encode(self, prompts: list[Prompt], params: PoolingParams | None) -> list[PoolingRequestOutput]:
+        async with open_engine(self.config, executor=self._executor, tokenizer=self._tokenizer) as engine:
+            return await engine.encode(prompts, params)
 
     def get_tokenizer(self) -> Tokenizer:
         return self._tokenizer
