@@ -36,7 +36,7 @@ from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor import wire
 from engine.executor.base import Executor
 from engine.executor.fast_socket import FastSocketStream
-from engine.executor.rpc import Init, Ready, StartupFailed, WorkerConnection, WorkerGroup
+from engine.executor.rpc import Init, Ready, StartupFailed, WorkerConnection, WorkerError, WorkerGroup
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import ModelInfo
 
@@ -53,6 +53,7 @@ class MultiprocExecutor(Executor):
         self.processes: list[Process] = []
         self.group: WorkerGroup | None = None
         self._closing = False
+        self._a_worker_exited = anyio.Event()
         self._stack: AsyncExitStack | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -148,6 +149,7 @@ class MultiprocExecutor(Executor):
 
     async def _watch(self, rank: int, process: Process) -> None:
         await process.wait()
+        self._a_worker_exited.set()
         self._report_exit(rank)
 
     async def _connection_lost(self, rank: int) -> None:
@@ -200,7 +202,18 @@ class MultiprocExecutor(Executor):
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         # Every rank runs the step; only rank 0 samples and replies. Cancelling this call
         # abandons it: the workers still finish the step in order before any later call.
-        return await self.collective_rpc("execute_model", (sched_out,), unique_reply_rank=0)
+        try:
+            return await self.collective_rpc("execute_model", (sched_out,), unique_reply_rank=0)
+        except WorkerError as exc:
+            raise await self._root_cause(exc) from exc
+
+    async def _root_cause(self, error: WorkerError) -> BaseException:
+        """Under tensor parallelism a rank's death shows first as its peers' collective errors
+        ("connection reset by peer"): wait a moment for a watcher to name the real cause."""
+        if self.world_size > 1:
+            with anyio.move_on_after(1.0):
+                await self._a_worker_exited.wait()  # set together with the exit's report
+        return self.group.failure if self.group is not None and self.group.failure is not None else error
 
 
 def _signal(process: Process, sig: signal.Signals) -> None:
