@@ -136,7 +136,7 @@ async def test_unique_reply_rank_makes_only_that_rank_reply(autojump_clock):
 async def test_a_lost_worker_fails_pending_and_later_calls(autojump_clock):
     async with fake_group(2) as (group, _, connections):
         pending = group.call("echo", ("never", 10.0))
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)  # virtual time: the call is now under way on both workers
         await connections[1].stream.aclose()  # as if rank 1's process died
         with pytest.raises(EngineDeadError, match="rank 1"):
             await pending.result()

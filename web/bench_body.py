@@ -1,10 +1,11 @@
 """Part of `trio-llm bench loop-lag`: what parsing one prompt_embeds request body costs the loop.
 
-The body is parsed in a worker thread in both cases; what matters is how long
-the GIL is held, because that is how long the loop can be stalled. Measured
-as the max lateness of 1 ms sleeps on the calling thread while another
-thread parses the body `repeats` times, for the ordinary parse (pydantic-core
-builds the payload string) and for the view path (`web.embeds_body`).
+The body is parsed in a worker thread in both cases, as the server does;
+what matters is how long the GIL is held, because that is how long the loop
+can be stalled. Measured with the loop-lag probe (1 ms sleeps) on this trio
+loop while a worker thread parses the body `repeats` times, for the ordinary
+parse (pydantic-core builds the payload string) and for the view path
+(`web.embeds_body`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 import time
 
+import anyio
 import torch
+
+from engine.concurrency.loop_lag import run_loop_lag_probe
 
 from web import protocol
 from web.protocol import CompletionRequest, parse_body
@@ -28,38 +31,33 @@ def _body(rows: int, hidden: int) -> bytearray:
     return bytearray(json.dumps({"prompt_embeds": payload, "max_tokens": 4}).encode())
 
 
-def _parse_while_sleeping(body: bytearray, repeats: int) -> tuple[float, float]:
-    """(median parse seconds, max lateness of a 1 ms sleep on this thread meanwhile)"""
+async def _parse_while_probing(body: bytearray, repeats: int) -> tuple[float, float]:
+    """(median parse seconds, max loop lag meanwhile)"""
     durations: list[float] = []
-    done = threading.Event()
+    lags: list[float] = [0.0]
 
     def parse_all() -> None:
         for _ in range(repeats):
             start = time.perf_counter()
             parse_body(CompletionRequest, body)
             durations.append(time.perf_counter() - start)
-        done.set()
 
-    lateness: list[float] = [0.0]
-    thread = threading.Thread(target=parse_all)
-    thread.start()
-    while not done.is_set():
-        start = time.perf_counter()
-        time.sleep(0.001)
-        lateness.append(time.perf_counter() - start - 0.001)
-    thread.join()
-    return sorted(durations)[len(durations) // 2], max(lateness)
+    async with anyio.create_task_group() as tg:
+        await tg.start(run_loop_lag_probe, lags.append, 0.001)
+        await anyio.to_thread.run_sync(parse_all)
+        tg.cancel_scope.cancel()
+    return sorted(durations)[len(durations) // 2], max(lags)
 
 
-def run(rows: int, hidden: int, repeats: int = 5) -> str:
+async def run(rows: int, hidden: int, repeats: int = 5) -> str:
     body = _body(rows, hidden)
     split_at = protocol.SPLIT_EMBEDS_BYTES
     try:
         protocol.SPLIT_EMBEDS_BYTES = len(body) + 1
-        ordinary = _parse_while_sleeping(body, repeats)
+        ordinary = await _parse_while_probing(body, repeats)
     finally:
         protocol.SPLIT_EMBEDS_BYTES = split_at
-    views = _parse_while_sleeping(body, repeats)
+    views = await _parse_while_probing(body, repeats)
     return "\n".join([
         f"HTTP body with one {rows}x{hidden} bfloat16 payload ({len(body) / 1e6:.1f} MB), parsed in a thread:",
         f"  ordinary JSON parse   {ordinary[0] * 1e3:7.2f} ms each, loop stalled up to {ordinary[1] * 1e3:6.2f} ms",

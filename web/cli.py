@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = (args.requests, args.rows, args.hidden, args.rounds, workers)
         print(loop_lag.report(trio.run(loop_lag.run, *shape), *shape))
         from web import bench_body
-        print(bench_body.run(args.rows, args.hidden))
+        print(trio.run(bench_body.run, args.rows, args.hidden))
         return 0
     return 2
 
