@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from engine import EngineConfig, InvalidRequestError, RequestOutputKind, SamplingParams, open_engine
+from engine import InvalidRequestError, RequestOutputKind, SamplingParams, open_engine
 from tests.conftest import engine_config
 from tests.helpers import final_output, greedy
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.core.output_processor import RequestTracker
 from engine.core.stats import NullObserver, StatsObserver

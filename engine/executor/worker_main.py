@@ -24,7 +24,6 @@ import threading
 import traceback
 from typing import Any, Callable
 
-import anyio
 import trio
 
 from engine.executor import wire
