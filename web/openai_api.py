@@ -8,7 +8,6 @@ collect the final outputs and build the body (off the loop when large).
 from __future__ import annotations
 
 import time
-import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
@@ -18,6 +17,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from engine.errors import EngineDeadError
+from engine.ids import random_id
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 from web import sse
@@ -107,7 +107,7 @@ async def create_completion(state: ServerState) -> Response:
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = req.sampling_params(req.max_tokens, req.logprobs, kind, prompt_logprobs)
-    response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    response_id, created = f"cmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch(prompts, params, request_id=response_id)
     first = await first_item(outputs)
     if req.stream:
@@ -130,7 +130,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind)
-    response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    response_id, created = f"chatcmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([{"prompt": prompt, "prompt_token_ids": token_ids}], params,
                                     request_id=response_id)
     first = await first_item(outputs)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
 from typing import Any, Callable
 
 import anyio
@@ -25,6 +24,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from engine.api.async_engine import AsyncEngine
+from engine.ids import random_id
 from engine.outputs import PoolingRequestOutput
 from engine.pooling_params import PoolingParams
 from engine.render.tokenizer import Tokenizer
@@ -121,7 +121,7 @@ def embeddings_body(outputs: list[PoolingRequestOutput], encoding_format: str, m
     data = [{"object": object_name, "index": i, key: encode_vector(o.data, encoding_format)}
             for i, o in enumerate(outputs)]
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    return to_json({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+    return to_json({"id": f"embd-{random_id()}", "object": "list", "created": int(time.time()),
                     "model": model, "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
@@ -185,7 +185,7 @@ async def create_score(state: ServerState) -> Response:
     engine = state.engine_for_request()
     firsts, seconds = req.pairs()
     scores, tokens = await compute_scores(state, engine, firsts, seconds, req.score_type, req.truncate_prompt_tokens)
-    body = {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+    body = {"id": f"score-{random_id()}", "object": "list", "created": int(time.time()),
             "model": state.model_name, "data": [{"index": i, "object": "score", "score": s}
                                                 for i, s in enumerate(scores)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -204,6 +204,6 @@ async def create_rerank(state: ServerState) -> Response:
     order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)[:req.top_n or len(scores)]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": req.documents[i]}}
                                                               if req.return_documents else {})} for i in order]
-    body = {"id": f"rerank-{uuid.uuid4().hex}", "model": state.model_name, "results": results,
+    body = {"id": f"rerank-{random_id()}", "model": state.model_name, "results": results,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     return Response(await offload(state, to_json, body, size=len(results) * 8), content_type="application/json")

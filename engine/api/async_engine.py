@@ -12,7 +12,6 @@ leaving the `async with` block stops it and fails any request still open with
 from __future__ import annotations
 
 import math
-import uuid
 from contextlib import aclosing, asynccontextmanager
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -25,6 +24,7 @@ from engine.core.engine_core import AddRequest, EngineCore, OutputItem
 from engine.core.stats import StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from engine.executor import Executor, create_executor
+from engine.ids import random_id
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.render.chat import render_chat
@@ -65,7 +65,7 @@ class AsyncEngine:
         request: it is dropped between two steps and its KV blocks are freed.
         If the engine stops first, `EngineDeadError` is raised.
         """
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or random_id()
         # aclosing: closing this generator closes the inner one at once, so its abort is sent now
         # rather than whenever the garbage collector finalizes it.
         async with aclosing(self._generate([prompt], sampling_params, [request_id], priority)) as outputs:
@@ -81,7 +81,7 @@ class AsyncEngine:
         the whole batch with nothing run. Request ids are `{request_id}-{i}`.
         Cancellation or closing the generator aborts every unfinished one.
         """
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or random_id()
         request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         async with aclosing(self._generate(prompts, sampling_params, request_ids, priority)) as outputs:
             async for item in outputs:
@@ -97,7 +97,7 @@ class AsyncEngine:
         """
         params = pooling_params or PoolingParams()
         self._check_pooling(params)
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or random_id()
         request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         results: list[PoolingRequestOutput | None] = [None] * len(prompts)
         build = partial(self._make_pooling_request, params=params, priority=priority)
