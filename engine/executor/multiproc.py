@@ -54,6 +54,7 @@ class MultiprocExecutor(Executor):
         self.group: WorkerGroup | None = None
         self._closing = False
         self._a_worker_exited = anyio.Event()
+        self._init_method: str | None = None  # torch.distributed's rendezvous, chosen once
         self._stack: AsyncExitStack | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -111,7 +112,7 @@ class MultiprocExecutor(Executor):
     def _distributed_init_method(self) -> str | None:
         if self.world_size == 1:
             return None
-        if not hasattr(self, "_init_method"):
+        if self._init_method is None:
             with socket.socket() as probe:  # a free port for torch.distributed's rendezvous
                 probe.bind(("127.0.0.1", 0))
                 self._init_method = f"tcp://127.0.0.1:{probe.getsockname()[1]}"

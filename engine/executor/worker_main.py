@@ -101,6 +101,7 @@ def _die_with_parent(parent_pid: int) -> None:
         select.select([parent], [], [])
         os._exit(1)
 
+    # A thread, not a task: calls run inline on the loop's thread, and this must fire mid-call.
     threading.Thread(target=wait_for_parent, name="parent-watch", daemon=True).start()
 
 
