@@ -9,6 +9,8 @@ from functools import partial
 import logging
 import sys
 
+import trio
+
 from engine.models.tiny import ARCHITECTURES, TinyModelSpec
 from web.settings import ServerSettings
 
@@ -156,8 +158,6 @@ def _model_dir(model: str | None) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import trio
-
     from engine.config import EngineConfig
     from web.serve import serve
     engine_config = EngineConfig(model=_model_dir(args.model), **_engine_options(args))
@@ -168,66 +168,75 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_model(args: argparse.Namespace) -> int:
+    from engine.models.tiny import make_model
+    spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                         kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
+                         max_positions=args.max_positions, dtype=args.dtype, seed=args.seed)
+    print(make_model(args.dir, spec))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+    llm = LLM(_model_dir(args.model), **_engine_options(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    for output in llm.generate(args.prompts, params, use_tqdm=False):
+        print(f"{output.prompt!r} -> {output.outputs[0].text!r} ({output.outputs[0].finish_reason})")
+    return 0
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from engine.bench import throughput
+    spec = throughput.BenchSpec(args.num_prompts, args.input_len, args.output_len, args.concurrency)
+    results = throughput.run(_model_dir(args.model), spec, not args.no_transformers, args.repeats, dtype=args.dtype)
+    print(throughput.report(results, spec, args.repeats))
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from web import bench_serve
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len, args.output_len,
+                           model=args.model, vocab=args.vocab, max_seconds=args.max_seconds, api_key=args.api_key)))
+    return 0
+
+
+def _bench_embed(args: argparse.Namespace) -> int:
+    from web import bench_embed
+    print(trio.run(bench_embed.run, _embedding_model(args.model), args.num_sentences, args.concurrency,
+                   args.batch, args.rounds, args.port))
+    return 0
+
+
+def _bench_rpc(args: argparse.Namespace) -> int:
+    from engine.bench import rpc
+    print(rpc.report(trio.run(rpc.run, _model_dir(args.model), args.rounds, args.batch, args.steps)))
+    return 0
+
+
+def _bench_loop_lag(args: argparse.Namespace) -> int:
+    from engine.bench import loop_lag
+    from engine.config import EngineConfig
+    from web import bench_body
+    workers = EngineConfig(model="-", renderer_workers=args.renderer_workers).renderer_threads
+    shape = (args.requests, args.rows, args.hidden, args.rounds, workers)
+    print(loop_lag.report(trio.run(loop_lag.run, *shape), *shape))
+    print(trio.run(bench_body.run, args.rows, args.hidden))
+    return 0
+
+
+_COMMANDS = {
+    ("serve", None): _serve, ("make-model", None): _make_model, ("generate", None): _generate,
+    ("bench", "throughput"): _bench_throughput, ("bench", "serve"): _bench_serve, ("bench", "embed"): _bench_embed,
+    ("bench", "rpc"): _bench_rpc, ("bench", "loop-lag"): _bench_loop_lag,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "make-model":
-        from engine.models.tiny import make_model
-        spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
-                             max_positions=args.max_positions, dtype=args.dtype, seed=args.seed)
-        print(make_model(args.dir, spec))
-        return 0
-    if args.command == "generate":
-        from engine import LLM, SamplingParams
-        llm = LLM(_model_dir(args.model), **_engine_options(args))
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        for output in llm.generate(args.prompts, params, use_tqdm=False):
-            print(f"{output.prompt!r} -> {output.outputs[0].text!r} ({output.outputs[0].finish_reason})")
-        return 0
-    if args.command == "bench" and args.bench == "throughput":
-        from engine.bench import throughput
-        spec = throughput.BenchSpec(args.num_prompts, args.input_len, args.output_len, args.concurrency)
-        results = throughput.run(_model_dir(args.model), spec, not args.no_transformers, args.repeats,
-                                 dtype=args.dtype)
-        print(throughput.report(results, spec, args.repeats))
-        return 0
-    if args.command == "bench" and args.bench == "serve":
-        import trio
-
-        from web import bench_serve
-        levels = [int(c) for c in args.concurrency.split(",")]
-        print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len,
-                               args.output_len, model=args.model, vocab=args.vocab, max_seconds=args.max_seconds,
-                               api_key=args.api_key)))
-        return 0
-    if args.command == "bench" and args.bench == "embed":
-        import trio
-
-        from web import bench_embed
-        print(trio.run(bench_embed.run, _embedding_model(args.model), args.num_sentences, args.concurrency,
-                       args.batch, args.rounds, args.port))
-        return 0
-    if args.command == "bench" and args.bench == "rpc":
-        import trio
-
-        from engine.bench import rpc
-        print(rpc.report(trio.run(rpc.run, _model_dir(args.model), args.rounds, args.batch, args.steps)))
-        return 0
-    if args.command == "bench" and args.bench == "loop-lag":
-        import trio
-
-        from engine.bench import loop_lag
-        from engine.config import EngineConfig
-        workers = EngineConfig(model="-", renderer_workers=args.renderer_workers).renderer_threads
-        shape = (args.requests, args.rows, args.hidden, args.rounds, workers)
-        print(loop_lag.report(trio.run(loop_lag.run, *shape), *shape))
-        from web import bench_body
-        print(trio.run(bench_body.run, args.rows, args.hidden))
-        return 0
-    return 2
+    return _COMMANDS[(args.command, getattr(args, "bench", None))](args)
 
 
 if __name__ == "__main__":
