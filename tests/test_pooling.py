@@ -164,6 +164,53 @@ async def test_late_interaction_is_max_sim_over_token_embeddings(server):
     assert cross.status == 400 and cross.json()["error"]["param"] == "score_type"
 
 
+def make_colbert(path, tokenizer_dir: str):
+    """A tiny ColBERT as colbert-ai saves one: `HF_ColBERT`, `bert.`-prefixed weights, a bias-free
+    `linear` projection, and no projection size in config.json. Returns (BertModel, projection)."""
+    import json
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, BertConfig, BertModel
+    torch.manual_seed(1)
+    bert = BertModel(BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128), add_pooling_layer=False).eval()
+    projection = torch.randn(24, 64) / 8
+    weights = {f"bert.{name}": tensor.contiguous() for name, tensor in bert.state_dict().items()}
+    save_file({**weights, "linear.weight": projection}, str(path / "model.safetensors"))
+    config = bert.config.to_dict() | {"architectures": ["HF_ColBERT"]}
+    (path / "config.json").write_text(json.dumps(config))
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return bert, projection
+
+
+async def test_a_colbert_model_scores_by_late_interaction_from_its_config(tmp_path, minilm_dir):
+    from transformers import AutoTokenizer
+    bert, projection = make_colbert(tmp_path, minilm_dir)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+
+    def reference_tokens(text: str) -> torch.Tensor:
+        with torch.inference_mode():
+            hidden = bert(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+        return F.normalize(hidden @ projection.T, dim=-1)
+
+    query, documents = SENTENCES[1], [SENTENCES[3], SENTENCES[0]]
+    async with running_server(engine_config(str(tmp_path), num_kv_blocks=None)) as colbert:
+        tokens = await request(colbert.url, "POST", "/pooling", {"input": query, "task": "token_embed"})
+        got = torch.tensor(tokens.json()["data"][0]["data"])
+        assert got.shape[1] == 24 and torch.allclose(got, reference_tokens(query), atol=1e-5)
+        scored = await request(colbert.url, "POST", "/score", {"queries": query, "documents": documents})
+        q = reference_tokens(query)
+        expected = [float((q @ reference_tokens(d).T).max(dim=1).values.sum()) for d in documents]
+        assert [d["score"] for d in scored.json()["data"]] == pytest.approx(expected, rel=1e-5)
+        reranked = await request(colbert.url, "POST", "/rerank", {"query": query, "documents": documents})
+        assert [r["index"] for r in reranked.json()["results"]] == sorted(
+            range(2), key=lambda i: expected[i], reverse=True)
+        single = await request(colbert.url, "POST", "/v1/embeddings", {"input": query})
+        assert single.status == 400 and "late-interaction" in single.json()["error"]["message"]
+        cosine = await request(colbert.url, "POST", "/score", {"queries": query, "documents": documents,
+                                                               "score_type": "embedding"})
+        assert cosine.status == 400 and cosine.json()["error"]["param"] == "score_type"
+
+
 async def test_a_cross_encoder_scores_pairs_with_its_head(tmp_path, minilm_dir):
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
     torch.manual_seed(0)

@@ -127,14 +127,17 @@ def embeddings_body(outputs: list[PoolingRequestOutput], encoding_format: str, m
 
 # ---- score and rerank ---------------------------------------------------------------------------
 def score_type_for(engine: AsyncEngine, requested: str | None) -> str:
-    """A cross-encoder scores pairs with its head; other models compare embeddings (cosine, or
-    MaxSim over token embeddings for late interaction)."""
-    cross = bool(engine.info.num_labels)
-    kind = requested or ("cross-encoder" if cross else "embedding")
+    """A cross-encoder scores pairs with its head; a late-interaction (ColBERT) model by MaxSim over
+    token embeddings; other models by the cosine of their embeddings, or MaxSim when asked."""
+    cross, late = bool(engine.info.num_labels), engine.info.pooler.late_interaction
+    kind = requested or ("cross-encoder" if cross else "late-interaction" if late else "embedding")
     if (kind == "cross-encoder") != cross:
         reason = ("has no classification head: it cannot score as a cross-encoder" if not cross
                   else "is a cross-encoder: it scores pairs with its classification head")
         raise bad_request(f"this model {reason}", "score_type")
+    if late and kind != "late-interaction":
+        raise bad_request("this model is a late-interaction model: it scores by MaxSim over token embeddings",
+                          "score_type")
     return kind
 
 

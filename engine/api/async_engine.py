@@ -197,6 +197,10 @@ class AsyncEngine:
         info = self.info
         if params.task == "classify" and not info.num_labels:
             raise InvalidRequestError(f"this model ({info.architecture}) has no classification head", param="task")
+        if params.task == "embed" and info.pooler.late_interaction:
+            raise InvalidRequestError(f"this model ({info.architecture}) is a late-interaction model: it gives "
+                                      "token embeddings (/pooling with task token_embed) and scores by MaxSim "
+                                      "(/score, /rerank), not a single embedding", param="task")
         if params.dimensions is not None and not info.pooler.supports_dimensions(params.dimensions):
             supported = info.pooler.matryoshka_dimensions
             raise InvalidRequestError(

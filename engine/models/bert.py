@@ -1,4 +1,4 @@
-"""BERT encoders (`BertModel`, `BertForSequenceClassification`) for pooling.
+"""BERT encoders (`BertModel`, `BertForSequenceClassification`, ColBERT) for pooling.
 
 Absolute position embeddings, token type ids, GELU, post-layer-norm. Every
 request is encoded whole in one step (attention is bidirectional, so there
@@ -19,7 +19,10 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.weights import load_named_weights
 
-ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
+# ColBERT checkpoints are a BertModel plus a bias-free projection `linear` (hidden -> dim) applied to
+# every token; they are scored by late interaction (MaxSim). "HF_ColBERT" is what colbert-ai saves.
+LATE_INTERACTION_ARCHITECTURES = ("HF_ColBERT", "ColBERTModel")
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", *LATE_INTERACTION_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class EncoderConfig:
     hidden_act: str
     num_labels: int  # classification heads only
     torch_dtype: str
+    projection_dim: int | None = None  # ColBERT: None until read from the checkpoint's `linear.weight`
+
+    @property
+    def late_interaction(self) -> bool:
+        return self.architecture in LATE_INTERACTION_ARCHITECTURES
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> "EncoderConfig":
@@ -46,7 +54,8 @@ class EncoderConfig:
         return cls(arch, raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"], raw["num_hidden_layers"],
                    raw["num_attention_heads"], raw["max_position_embeddings"], raw.get("type_vocab_size", 2),
                    raw.get("layer_norm_eps", 1e-12), raw.get("hidden_act", "gelu"),
-                   raw.get("num_labels", len(labels) or 1), raw.get("torch_dtype") or raw.get("dtype") or "float32")
+                   raw.get("num_labels", len(labels) or 1), raw.get("torch_dtype") or raw.get("dtype") or "float32",
+                   raw.get("colbert_dim") or raw.get("dim") or raw.get("projection_dim"))
 
 
 def is_encoder_config(raw: dict[str, Any]) -> bool:
@@ -111,6 +120,11 @@ class BertEncoder(nn.Module):
         if cfg.architecture == "BertForSequenceClassification":
             self.pooler = _empty_linear(cfg.hidden_size, cfg.hidden_size, **factory)
             self.classifier = _empty_linear(cfg.hidden_size, cfg.num_labels, **factory)
+        self.projection: nn.Parameter | None = None  # ColBERT's per-token projection [dim, hidden]
+        if cfg.late_interaction:
+            if not cfg.projection_dim:
+                raise ModelLoadError(f"{cfg.architecture}: the projection size is unknown (no `linear.weight`)")
+            self.projection = nn.Parameter(torch.empty(cfg.projection_dim, cfg.hidden_size, **factory))
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         batch, length = input_ids.shape
@@ -129,6 +143,10 @@ class BertEncoder(nn.Module):
         """The sequence-classification head over the CLS token's hidden state: logits [B, labels]."""
         assert self.classifier is not None
         return self.classifier(torch.tanh(self.pooler(cls_hidden))).float()
+
+    def project_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Per-token vectors for late interaction: ColBERT's projection, or the hidden states as they are."""
+        return hidden if self.projection is None else F.linear(hidden, self.projection)
 
     # ---- weight loading ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -160,10 +178,11 @@ class BertEncoder(nn.Module):
         "embeddings.LayerNorm.weight": "embed_norm.weight", "embeddings.LayerNorm.bias": "embed_norm.bias",
         "pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias",
         "classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias",
+        "linear.weight": "projection", "colbert_linear.weight": "projection",
     }
 
     def _map_name(self, hf_name: str) -> tuple[str, int | None] | None:
-        name = hf_name.removeprefix("bert.")
+        name = hf_name.removeprefix("bert.").removeprefix("model.")
         if name.endswith("position_ids"):
             return None
         if name.startswith("pooler.") and self.classifier is None:

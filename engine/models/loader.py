@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -70,7 +71,22 @@ def load_encoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     """Build and load a BERT encoder. Blocking: run it off the event loop."""
     model_dir = Path(model_dir)
     cfg = EncoderConfig.from_hf(read_config_json(model_dir))
+    if cfg.late_interaction and cfg.projection_dim is None:  # colbert-ai does not write it into config.json
+        cfg = replace(cfg, projection_dim=_checkpoint_rows(safetensors_files(model_dir), PROJECTION_NAMES))
     model = BertEncoder(cfg, resolve_dtype(dtype, cfg.torch_dtype), device)
     with torch.no_grad():
         model.load_weights(iterate_weights(safetensors_files(model_dir)))
     return model.eval()
+
+
+PROJECTION_NAMES = ("linear.weight", "colbert_linear.weight")
+
+
+def _checkpoint_rows(files: list[Path], names: tuple[str, ...]) -> int | None:
+    """The first dimension of the first tensor named one of `names`, read from the headers only."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.removeprefix("model.") in names:
+                    return int(f.get_slice(name).get_shape()[0])
+    return None

@@ -25,6 +25,9 @@ class PoolerConfig:
     pooling: str = "last"
     normalize: bool = True
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: `dimensions` is refused
+    # A late-interaction (ColBERT) model: its outputs are per-token vectors, scored by MaxSim;
+    # it has no single-vector embedding.
+    late_interaction: bool = False
 
     def supports_dimensions(self, dimensions: int) -> bool:
         return bool(self.matryoshka_dimensions) and dimensions <= max(self.matryoshka_dimensions)

@@ -69,5 +69,5 @@ class EncoderRunner:
         if params.task == "classify":
             return self.model.classify(hidden[0:1])[0].cpu()
         if params.task == "token_embed":
-            return finish(hidden, params, self.pooler).cpu()
+            return finish(self.model.project_tokens(hidden), params, self.pooler).cpu()
         return finish(pool(hidden, self.pooler.pooling), params, self.pooler).cpu()

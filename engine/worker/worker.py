@@ -6,7 +6,7 @@ arguments and results are plain picklable data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -78,7 +78,8 @@ class Worker:
         if self.tp.size > 1:
             raise ModelLoadError("tensor parallelism is not supported for encoder (BERT) models")
         self.model = load_encoder(self.config.model, self.config.dtype, self.config.device)
-        self.pooler = read_pooler_config(self.config.model, raw, "cls", self.config.pooling_type)
+        self.pooler = replace(read_pooler_config(self.config.model, raw, "cls", self.config.pooling_type),
+                              late_interaction=self.model.config.late_interaction)
         cfg = self.model.config
         # Encoders keep no KV cache; blocks are only the scheduler's accounting of a step's tokens.
         nominal_block = self.config.block_size * cfg.hidden_size * 4
