@@ -8,19 +8,30 @@ blocking sockets. Here a ready socket costs one syscall; only a socket that
 is not ready parks the task (`wait_readable` / `wait_writable`, which are
 cancellable). So these methods do not checkpoint when they need not wait:
 callers loop on something that does (a memory channel, a wait).
+
+Until `poll_until` (a `perf_counter()` time, set by the RPC layer from its
+`PollPolicy`) an empty socket is polled instead of waited on: each try
+gives the CPU away (`sched_yield`) so that the peer process can run on a
+small machine, and with `cooperative` it also lets the loop's other tasks
+run (the engine's side; a worker has nothing else to run and only spins).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 
 import trio
 
+from engine.executor.polling import now
+
 
 class FastSocketStream(trio.abc.Stream):
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, cooperative: bool = True) -> None:
         sock.setblocking(False)
         self.socket = sock
+        self.cooperative = cooperative
+        self.poll_until = 0.0
 
     def try_send(self, data: bytes | memoryview) -> int:
         """Send what the socket takes now, without waiting; the number of bytes sent."""
@@ -47,9 +58,17 @@ class FastSocketStream(trio.abc.Stream):
             try:
                 return self.socket.recv(max_bytes or 65536)
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.socket)
+                if now() < self.poll_until:
+                    await self._yield()
+                else:
+                    await trio.lowlevel.wait_readable(self.socket)
             except OSError as exc:
                 raise trio.BrokenResourceError(f"socket receive failed: {exc}") from exc
+
+    async def _yield(self) -> None:
+        os.sched_yield()
+        if self.cooperative:
+            await trio.lowlevel.checkpoint()
 
     async def send_eof(self) -> None:
         self.socket.shutdown(socket.SHUT_WR)

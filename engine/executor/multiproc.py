@@ -105,9 +105,11 @@ class MultiprocExecutor(Executor):
         self.processes.append(process)
         stream = FastSocketStream(ours)
         threads = max(1, usable_cpus() // self.world_size)
-        init = Init(rank, self.world_size, self.config, self._distributed_init_method(), threads)
+        # Polling sockets pays only while every polling process has a core; past that it steals them.
+        poll = self.world_size + 1 <= usable_cpus()
+        init = Init(rank, self.world_size, self.config, self._distributed_init_method(), threads, poll)
         await wire.send(stream, init)
-        return WorkerConnection(rank, stream)
+        return WorkerConnection(rank, stream, poll=poll)
 
     def _distributed_init_method(self) -> str | None:
         if self.world_size == 1:

@@ -32,6 +32,7 @@ import trio
 
 from engine.errors import EngineDeadError
 from engine.executor import wire
+from engine.executor.polling import POLL_WINDOW, PollPolicy, now
 
 
 # ---- messages ---------------------------------------------------------------------------------------
@@ -72,6 +73,7 @@ class Init:
     config: Any  # EngineConfig
     distributed_init_method: str | None = None
     torch_threads: int | None = None
+    poll: bool = True  # poll for the next call while calls come quickly (only with a core to spare)
 
 
 @dataclass
@@ -104,11 +106,16 @@ SlotItem = Reply | Failure | BaseException
 class WorkerConnection:
     """The writer and reader of one worker's stream, and its FIFO of pending reply slots."""
 
-    def __init__(self, rank: int, stream: trio.abc.Stream, reader: wire.FrameReader | None = None) -> None:
+    def __init__(self, rank: int, stream: trio.abc.Stream, reader: wire.FrameReader | None = None,
+                 poll: bool = True) -> None:
         self.rank = rank
         self.stream = stream
         self.reader = reader or wire.FrameReader(stream)
-        self.pending: collections.deque[tuple[int, trio.MemorySendChannel[SlotItem]]] = collections.deque()
+        # (seq, slot, method, sent at) per call awaiting this worker's reply, oldest first
+        self.pending: collections.deque[tuple[int, trio.MemorySendChannel[SlotItem], str, float]] = \
+            collections.deque()
+        # Poll the socket for replies of methods that answer within microseconds (see polling.py).
+        self.polling = PollPolicy(POLL_WINDOW if poll else 0.0)
         # (Channels are created unsubscripted: `open_memory_channel[T](...)` costs a typing lookup per call.)
         self._outbox_send, self._outbox = trio.open_memory_channel(math.inf)
         self._queued = 0  # items in the outbox that still need writing
@@ -120,15 +127,28 @@ class WorkerConnection:
         with `seq`, also register and return its reply slot."""
         if self.failure is not None:
             raise self.failure
-        slot = None
-        if seq is not None:
-            slot_send, slot = trio.open_memory_channel(1)
-            self.pending.append((seq, slot_send))
+        slot = None if seq is None else self._register(seq, message.method)
         leftover = self._send_now(message)
         if leftover != b"":
             self._queued += 1
             self._outbox_send.send_nowait(leftover)
         return slot
+
+    def _register(self, seq: int, method: str) -> trio.MemoryReceiveChannel[SlotItem]:
+        """Queue the call's reply slot; poll for the reply if `method` usually answers at once."""
+        slot_send, slot = trio.open_memory_channel(1)
+        sent_at = now()
+        self.pending.append((seq, slot_send, method, sent_at))
+        self._poll_until(max(self._polled_until, self.polling.poll_until(method, sent_at)))
+        return slot
+
+    @property
+    def _polled_until(self) -> float:
+        return getattr(self.stream, "poll_until", 0.0)
+
+    def _poll_until(self, deadline: float) -> None:
+        if hasattr(self.stream, "poll_until"):  # a FastSocketStream (tests use memory streams)
+            self.stream.poll_until = deadline
 
     def _send_now(self, message: Any) -> Any:
         """Fast path (no task switch): write a small frame straight to an idle socket. Returns
@@ -160,10 +180,13 @@ class WorkerConnection:
                 raise RuntimeError(f"worker rank {self.rank} sent {type(message).__name__}, expected a reply")
             if not self.pending:
                 raise RuntimeError(f"worker rank {self.rank} replied to call {message.seq}, which is not pending")
-            seq, slot = self.pending.popleft()
+            seq, slot, method, sent_at = self.pending.popleft()
             if message.seq != seq:
                 raise RuntimeError(f"worker rank {self.rank} replied to call {message.seq} while call {seq} "
                                    "was next: the reply order is broken")
+            self.polling.observe(method, now() - sent_at)
+            # The polling window runs on after this reply even when nothing else is pending: a call
+            # made right after it is then polled for too (a reader parked in epoll would not see it).
             _deliver(slot, message)
 
     def fail(self, error: BaseException) -> None:
@@ -171,7 +194,7 @@ class WorkerConnection:
         if self.failure is None:
             self.failure = error
         while self.pending:
-            _, slot = self.pending.popleft()
+            slot = self.pending.popleft()[1]
             _deliver(slot, self.failure)
         self._outbox_send.close()
 

@@ -28,6 +28,7 @@ import trio
 
 from engine.executor import wire
 from engine.executor.fast_socket import FastSocketStream
+from engine.executor.polling import POLL_WINDOW, PollPolicy, now
 from engine.executor.rpc import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed
 
 
@@ -45,9 +46,13 @@ async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) ->
         await wire.send(stream, StartupFailed(init.rank, traceback.format_exc()))
         return
     await wire.send(stream, Ready(init.rank, os.getpid()))
+    # Poll for the next call while calls have lately come soon after the last reply (see polling.py).
+    policy, idle_since = PollPolicy(POLL_WINDOW if init.poll else 0.0), None
     try:
         while True:
             message = await reader.receive()
+            if idle_since is not None:
+                policy.observe("next call", now() - idle_since)
             if isinstance(message, Shutdown):
                 return
             if not isinstance(message, Call):
@@ -55,6 +60,9 @@ async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) ->
             reply = await _run_call(worker, message)
             if message.reply_rank is None or message.reply_rank == init.rank:
                 await wire.send(stream, reply)
+            idle_since = now()
+            if hasattr(stream, "poll_until"):
+                stream.poll_until = policy.poll_until("next call", idle_since)
     except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
         return  # the parent is gone: nobody wants more results
 
@@ -106,7 +114,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 async def _main(fd: int) -> None:
-    async with FastSocketStream(socket.socket(fileno=fd)) as stream:
+    async with FastSocketStream(socket.socket(fileno=fd), cooperative=False) as stream:
         await serve_worker(stream, build_worker)
 
 
