@@ -36,6 +36,9 @@ from engine.sched.block_manager import KVBlockManager
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 
+# Placeholder sampling parameters: the scheduler reads them, a pooling request never samples.
+# One frozen instance for all (building and validating one per request showed in the server profile).
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1)
 
 
 class AsyncEngine:
@@ -216,8 +219,7 @@ class AsyncEngine:
         if length > limit:
             raise InvalidRequestError(f"the input (length {length}) is longer than the maximum of {limit} tokens "
                                       "for this model; shorten it or set truncate_prompt_tokens", param="input")
-        # Placeholder sampling parameters: the scheduler reads them, a pooling request never samples.
-        return [Request(request_id, engine_input.token_ids, SamplingParams(max_tokens=1),
+        return [Request(request_id, engine_input.token_ids, POOLING_SAMPLING_PARAMS,
                         arrival_time=anyio.current_time(), priority=priority, max_tokens=1,
                         prompt_embeds=engine_input.embeds, pooling_params=params,
                         token_type_ids=engine_input.token_type_ids,
