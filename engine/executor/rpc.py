@@ -116,6 +116,7 @@ class WorkerConnection:
             collections.deque()
         # Poll the socket for replies of methods that answer within microseconds (see polling.py).
         self.polling = PollPolicy(POLL_WINDOW if poll else 0.0)
+        self._pollable = stream if hasattr(stream, "poll_until") else None  # a FastSocketStream; tests use others
         # (Channels are created unsubscripted: `open_memory_channel[T](...)` costs a typing lookup per call.)
         self._outbox_send, self._outbox = trio.open_memory_channel(math.inf)
         self._queued = 0  # items in the outbox that still need writing
@@ -139,16 +140,10 @@ class WorkerConnection:
         slot_send, slot = trio.open_memory_channel(1)
         sent_at = now()
         self.pending.append((seq, slot_send, method, sent_at))
-        self._poll_until(max(self._polled_until, self.polling.poll_until(method, sent_at)))
+        if self._pollable is not None:
+            until = self.polling.poll_until(method, sent_at)
+            self._pollable.poll_until = max(self._pollable.poll_until, until)
         return slot
-
-    @property
-    def _polled_until(self) -> float:
-        return getattr(self.stream, "poll_until", 0.0)
-
-    def _poll_until(self, deadline: float) -> None:
-        if hasattr(self.stream, "poll_until"):  # a FastSocketStream (tests use memory streams)
-            self.stream.poll_until = deadline
 
     def _send_now(self, message: Any) -> Any:
         """Fast path (no task switch): write a small frame straight to an idle socket. Returns
