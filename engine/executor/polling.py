@@ -18,7 +18,7 @@ spinning, which must be real elapsed time even under a test's mock clock.
 from __future__ import annotations
 
 import time
-from typing import Hashable
+from typing import Any, Hashable
 
 POLL_WINDOW = 500e-6  # seconds; a wait expected to be longer sleeps: the spin would cost more than the wake-up
 EWMA_WEIGHT = 0.25
@@ -45,3 +45,9 @@ class PollPolicy:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def pollable(stream: Any) -> Any | None:
+    """`stream` if it can be polled (a `FastSocketStream`: it has `poll_until`), else None
+    (the memory streams of the tests)."""
+    return stream if hasattr(stream, "poll_until") else None

@@ -32,7 +32,7 @@ import trio
 
 from engine.errors import EngineDeadError
 from engine.executor import wire
-from engine.executor.polling import POLL_WINDOW, PollPolicy, now
+from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
 
 
 # ---- messages ---------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class WorkerConnection:
             collections.deque()
         # Poll the socket for replies of methods that answer within microseconds (see polling.py).
         self.polling = PollPolicy(POLL_WINDOW if poll else 0.0)
-        self._pollable = stream if hasattr(stream, "poll_until") else None  # a FastSocketStream; tests use others
+        self._pollable = pollable(stream)
         # (Channels are created unsubscripted: `open_memory_channel[T](...)` costs a typing lookup per call.)
         self._outbox_send, self._outbox = trio.open_memory_channel(math.inf)
         self._queued = 0  # items in the outbox that still need writing

@@ -28,7 +28,7 @@ import trio
 
 from engine.executor import wire
 from engine.executor.fast_socket import FastSocketStream
-from engine.executor.polling import POLL_WINDOW, PollPolicy, now
+from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
 from engine.executor.rpc import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed
 
 
@@ -46,25 +46,32 @@ async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) ->
         await wire.send(stream, StartupFailed(init.rank, traceback.format_exc()))
         return
     await wire.send(stream, Ready(init.rank, os.getpid()))
-    # Poll for the next call while calls have lately come soon after the last reply (see polling.py).
-    policy, idle_since = PollPolicy(POLL_WINDOW if init.poll else 0.0), None
     try:
-        while True:
-            message = await reader.receive()
-            if idle_since is not None:
-                policy.observe("next call", now() - idle_since)
-            if isinstance(message, Shutdown):
-                return
-            if not isinstance(message, Call):
-                raise RuntimeError(f"unexpected message {type(message).__name__}")
-            reply = await _run_call(worker, message)
-            if message.reply_rank is None or message.reply_rank == init.rank:
-                await wire.send(stream, reply)
-            idle_since = now()
-            if hasattr(stream, "poll_until"):
-                stream.poll_until = policy.poll_until("next call", idle_since)
+        await _serve_calls(stream, reader, worker, init)
     except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
         return  # the parent is gone: nobody wants more results
+
+
+async def _serve_calls(stream: trio.abc.Stream, reader: wire.FrameReader, worker: Any, init: Init) -> None:
+    """Read a call, run it, reply; until `Shutdown`. After a reply, the socket is polled for the
+    next call while calls have lately come soon after replies (see polling.py)."""
+    policy = PollPolicy(POLL_WINDOW if init.poll else 0.0)
+    socket_to_poll = pollable(stream)
+    idle_since = None
+    while True:
+        message = await reader.receive()
+        if idle_since is not None:
+            policy.observe("next call", now() - idle_since)
+        if isinstance(message, Shutdown):
+            return
+        if not isinstance(message, Call):
+            raise RuntimeError(f"unexpected message {type(message).__name__}")
+        reply = await _run_call(worker, message)
+        if message.reply_rank is None or message.reply_rank == init.rank:
+            await wire.send(stream, reply)
+        idle_since = now()
+        if socket_to_poll is not None:
+            socket_to_poll.poll_until = policy.poll_until("next call", idle_since)
 
 
 async def _run_call(worker: Any, call: Call) -> Reply | Failure:
