@@ -88,6 +88,26 @@ class StartupFailed:
     error: str
 
 
+# On the wire a call and a reply are plain tuples: pickling a dataclass goes through copyreg and its
+# `__dict__` (~4 us each way on the machine measured), a tuple of builtins ~0.4 us, and every call
+# pays for four of them on its round trip. The other messages are rare and stay as they are.
+_CALL, _REPLY = 0, 1
+
+
+def to_wire(message: Any) -> Any:
+    if type(message) is Call:
+        return (_CALL, message.seq, message.method, message.args, message.kwargs, message.reply_rank)
+    if type(message) is Reply:
+        return (_REPLY, message.seq, message.value)
+    return message
+
+
+def from_wire(obj: Any) -> Any:
+    if type(obj) is tuple:
+        return Call(*obj[1:]) if obj[0] == _CALL else Reply(*obj[1:])
+    return obj
+
+
 class WorkerError(RuntimeError):
     """A method raised in a worker. `remote_traceback` is the worker's formatted traceback."""
 
@@ -129,7 +149,7 @@ class WorkerConnection:
         if self.failure is not None:
             raise self.failure
         slot = None if seq is None else self._register(seq, message.method)
-        leftover = self._send_now(message)
+        leftover = self._send_now(to_wire(message))
         if leftover != b"":
             self._queued += 1
             self._outbox_send.send_nowait(leftover)
@@ -170,7 +190,7 @@ class WorkerConnection:
     async def read_loop(self) -> None:
         """Route replies to slots in order until the stream ends (then `fail` with the reason)."""
         while True:
-            message = await self.reader.receive()
+            message = from_wire(await self.reader.receive())
             if not isinstance(message, (Reply, Failure)):
                 raise RuntimeError(f"worker rank {self.rank} sent {type(message).__name__}, expected a reply")
             if not self.pending:

@@ -29,7 +29,7 @@ import trio
 from engine.executor import wire
 from engine.executor.fast_socket import FastSocketStream
 from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
-from engine.executor.rpc import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed
+from engine.executor.rpc import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed, from_wire, to_wire
 
 
 async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) -> None:
@@ -59,7 +59,7 @@ async def _serve_calls(stream: trio.abc.Stream, reader: wire.FrameReader, worker
     socket_to_poll = pollable(stream)
     idle_since = None
     while True:
-        message = await reader.receive()
+        message = from_wire(await reader.receive())
         if idle_since is not None:
             policy.observe("next call", now() - idle_since)
         if isinstance(message, Shutdown):
@@ -68,7 +68,7 @@ async def _serve_calls(stream: trio.abc.Stream, reader: wire.FrameReader, worker
             raise RuntimeError(f"unexpected message {type(message).__name__}")
         reply = await _run_call(worker, message)
         if message.reply_rank is None or message.reply_rank == init.rank:
-            await wire.send(stream, reply)
+            await wire.send(stream, to_wire(reply))
         idle_since = now()
         if socket_to_poll is not None:
             socket_to_poll.poll_until = policy.poll_until("next call", idle_since)
