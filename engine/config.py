@@ -1,14 +1,13 @@
 """Engine configuration: frozen, validated at construction with clear `ValueError`s.
 
 Values only known once the model is loaded (number of KV blocks, context
-length, EOS ids) live in `RuntimeInfo`, not here.
+length, EOS ids) live in `engine.model_info.ModelInfo`, not here.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -41,6 +40,9 @@ class EngineConfig:
     enable_prompt_embeds: bool = False  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
     max_prompt_embeds_bytes: int | None = None  # decoded payload limit; default: a float32 tensor filling the context
     served_model_name: str | None = None
+    # Seconds between wake-ups of the event-loop lag probe (`AsyncEngine.stats()`, the observer's
+    # `on_loop_lag`); None runs no probe. The server sets it from its own settings.
+    loop_lag_interval: float | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -65,6 +67,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.loop_lag_interval is not None and not self.loop_lag_interval > 0:
+            raise ValueError(f"loop_lag_interval must be positive, got {self.loop_lag_interval}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
 
@@ -103,19 +107,3 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class RuntimeInfo:
-    """What the engine learned when it loaded the model."""
-
-    num_kv_blocks: int
-    max_model_len: int
-    vocab_size: int
-    hidden_size: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    kind: str = "decoder"  # "encoder": a pooling-only model (BERT)
-    architecture: str = ""
-    pooler: Any = None  # the model's PoolerConfig
-    num_labels: int = 0

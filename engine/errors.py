@@ -10,9 +10,10 @@ request fails with it.
 class InvalidRequestError(ValueError):
     """A request (prompt, sampling parameters, ...) is invalid; nothing was run."""
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, request_id: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param = param  # the request field at fault, as OpenAI's error `param`
+        self.request_id = request_id  # which request of a batch was refused, when the engine knows
 
 
 class ModelLoadError(ValueError):

@@ -12,13 +12,13 @@ core, scheduler and output path in milliseconds of wall time:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import anyio
 
 from engine.executor.base import Executor
+from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.worker import ModelInfo
 
 TokenFn = Callable[[str, int], int]  # (request id, position of the new token) -> token id
 

@@ -6,6 +6,7 @@ import random
 from contextlib import aclosing
 
 import trio
+import trio.lowlevel
 
 from engine import open_engine
 from tests.conftest import engine_config
@@ -41,7 +42,7 @@ async def test_200_requests_random_ones_cancelled_at_random_points(tiny_model_di
             for i in range(200):
                 nursery.start_soon(consume, i)
                 if rng.random() < 0.3:
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
         await engine.core.wait_until_idle()
         kv = engine.core.scheduler.kv
         assert len(cancelled) > 20 and len(finished) > 20

@@ -42,18 +42,16 @@ def test_anything_unexpected_is_left_to_the_ordinary_parser(body):
     assert split_prompt_embeds(body) is None
 
 
-def test_parse_body_uses_views_for_large_bodies_and_agrees_with_the_ordinary_parse(monkeypatch):
+def test_parse_body_uses_views_for_large_bodies_and_agrees_with_the_ordinary_parse():
     body = json.dumps({"prompt_embeds": ["QUJD", "REVG"], "max_tokens": 5, "prompt": ""}).encode()
     ordinary = parse_body(CompletionRequest, body)
-    monkeypatch.setattr(protocol, "SPLIT_EMBEDS_BYTES", 0)
-    split = parse_body(CompletionRequest, body)
+    split = parse_body(CompletionRequest, body, split_embeds_bytes=0)
     assert as_text(split.prompt_embeds) == ordinary.prompt_embeds == ["QUJD", "REVG"]
     assert split.max_tokens == ordinary.max_tokens == 5
     assert len(split.prompts()) == 2
 
 
-def test_a_bad_skeleton_is_still_a_400_naming_the_field(monkeypatch):
-    monkeypatch.setattr(protocol, "SPLIT_EMBEDS_BYTES", 0)
+def test_a_bad_skeleton_is_still_a_400_naming_the_field():
     with pytest.raises(protocol.APIError) as info:
-        parse_body(CompletionRequest, b'{"prompt_embeds": "QUJD", "max_tokens": "many"}')
+        parse_body(CompletionRequest, b'{"prompt_embeds": "QUJD", "max_tokens": "many"}', split_embeds_bytes=0)
     assert info.value.status == 400 and info.value.param == "max_tokens"

@@ -6,6 +6,7 @@ import base64
 import io
 import pickle
 import zipfile
+from dataclasses import replace
 
 import openai
 import pytest
@@ -116,12 +117,11 @@ async def test_a_server_without_the_flag_says_how_to_enable_it(tiny_model_dir):
 async def test_large_bodies_take_the_view_path_with_the_same_results(server, tiny_model_dir, monkeypatch, tmp_path):
     """With the split threshold at 0, every body goes through `web.embeds_body`: the outputs
     and the errors are those of the ordinary parse."""
-    from web import protocol
     ids = [11, 12, 13, 14]
     payload = {"prompt_embeds": [encode(embedding_table(tiny_model_dir)[ids])], "max_tokens": 5,
                "temperature": 0, "ignore_eos": True}
     ordinary = await request(server.url, "POST", "/v1/completions", payload)
-    monkeypatch.setattr(protocol, "SPLIT_EMBEDS_BYTES", 0)
+    monkeypatch.setattr(server.state, "settings", replace(server.state.settings, split_embeds_bytes=0))
     split = await request(server.url, "POST", "/v1/completions", payload)
     assert split.status == ordinary.status == 200
     assert split.json()["choices"][0]["text"] == ordinary.json()["choices"][0]["text"]

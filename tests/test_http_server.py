@@ -195,7 +195,7 @@ async def test_large_bodies_and_responses_take_the_offloaded_paths(server):
     from web.openai_api import OFFLOAD_BODY_BYTES, OFFLOAD_RESPONSE_TOKENS
     prompts = [f"prompt number {i}: " + "lorem ipsum dolor " * 20 for i in range(200)]
     payload = {"prompt": prompts, "max_tokens": 25, "temperature": 0, "ignore_eos": True}
-    assert len(json.dumps(payload)) > OFFLOAD_BODY_BYTES and 200 * 25 > OFFLOAD_RESPONSE_TOKENS
+    assert len(json.dumps(payload)) > OFFLOAD_BODY_BYTES and OFFLOAD_RESPONSE_TOKENS < 200 * 25
     response = await request(server.url, "POST", "/v1/completions", payload)
     assert response.status == 200
     body = response.json()

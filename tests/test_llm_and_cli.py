@@ -7,8 +7,8 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models.tiny import TinyModelSpec, make_model
 from web.cli import main
-from engine.models.tiny import make_model, TinyModelSpec
 
 
 def test_llm_generate_returns_one_output_per_prompt_in_order(tiny_model_dir):

@@ -168,6 +168,7 @@ def make_colbert(path, tokenizer_dir: str):
     """A tiny ColBERT as colbert-ai saves one: `HF_ColBERT`, `bert.`-prefixed weights, a bias-free
     `linear` projection, and no projection size in config.json. Returns (BertModel, projection)."""
     import json
+
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, BertConfig, BertModel
     torch.manual_seed(1)

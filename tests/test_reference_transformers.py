@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 import trio
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from engine import EngineConfig, open_engine
 from engine.models.attention import SequenceChunk, build_metadata

@@ -7,23 +7,19 @@
 
 from __future__ import annotations
 
-import gc
 import hmac
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import replace
 
 import anyio
-import trio
 from anyio.abc import TaskStatus
 from quart import request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from engine.api.async_engine import open_engine
-from engine.concurrency.loop_lag import run_loop_lag_probe
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError
-from engine.executor.base import Executor
+from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestError, open_engine
 from web import admin_api, openai_api, pooling_api
 from web.errors import APIError
 from web.settings import ServerSettings
@@ -32,12 +28,11 @@ from web.state import ServerState
 logger = logging.getLogger(__name__)
 
 
-# Collector thresholds for a serving process (Python's defaults: 700, 10, 10).
-SERVER_GC_THRESHOLDS = (20_000, 50, 100)
-
-
 def create_app(engine_config: EngineConfig, settings: ServerSettings | None = None, *,
-               executor: Executor | None = None) -> QuartTrio:
+               executor: Executor | None = None, on_ready: Callable[[], None] | None = None) -> QuartTrio:
+    """The app; the engine opens when it starts serving. `executor` replaces the configured one
+    (tests pass a fake); `on_ready` runs once the engine is up (the process entry points pass
+    `web.serve.tune_collector_for_serving`)."""
     state = ServerState(engine_config, settings or ServerSettings(), executor)
     app = QuartTrio(__name__)
     app.config.update(
@@ -55,16 +50,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
         embeds_limits = state.engine.renderer.embeds_limits
         app.config["MAX_CONTENT_LENGTH"] = state.settings.body_limit(
             embeds_limits.max_payload_bytes if embeds_limits else None)
-        # Everything alive now (modules, the model, the tokenizer) lives as long as the server: move it
-        # out of the collector's sight. Measured (docs/decisions.md): full collections walking it paused
-        # the loop for up to 134 ms under load; after the freeze the loop-lag p99 fell from <= 250 ms
-        # to <= 25 ms and /v1/embeddings gained ~12%.
-        gc.freeze()
-        # Requests' objects are freed by reference counting; the cyclic collector, run every 700 net
-        # allocations, mostly walks the live objects of requests in flight. Measured (docs/decisions.md):
-        # ~110 us of collection per /v1/embeddings request by default; with these thresholds almost none.
-        gc.set_threshold(*SERVER_GC_THRESHOLDS)
-        app.nursery.start_soon(run_loop_lag_probe, state.metrics.observe_loop_lag, state.settings.loop_lag_interval)
+        if on_ready is not None:
+            on_ready()
 
     @app.before_request
     async def authenticate() -> None:
@@ -81,15 +68,16 @@ async def _run_engine(state: ServerState, *, task_status: TaskStatus[None] = any
     """Hold the engine open for the app's lifetime. A start-up failure fails the server start;
     a failure while serving is recorded, and the server answers 503 from then on."""
     started = False
+    config = state.engine_config
+    if config.loop_lag_interval is None:
+        config = replace(config, loop_lag_interval=state.settings.loop_lag_interval)
     try:
-        async with open_engine(state.engine_config, executor=state.executor, observer=state.metrics) as engine:
+        async with open_engine(config, executor=state.executor, observer=state.metrics) as engine:
             state.engine = engine
-            scheduler = engine.core.scheduler
-            state.metrics.bind(running=lambda: scheduler.num_running, waiting=lambda: engine.core.num_waiting_requests,
-                               kv_usage=lambda: scheduler.kv.usage)
+            state.metrics.bind(engine.stats)
             task_status.started()
             started = True
-            await trio.sleep_forever()
+            await anyio.sleep_forever()
     except* Exception as group:
         if not started:
             raise
@@ -135,9 +123,10 @@ def app_from_env() -> QuartTrio:
     Reads TRIO_LLM_MODEL (default: the embedded model), TRIO_LLM_API_KEY,
     TRIO_LLM_SERVED_MODEL_NAME and TRIO_LLM_MAX_NUM_SEQS.
     """
-    from engine.models.tiny import ensure_default_model
+    from engine.api import ensure_default_model
+    from web.serve import tune_collector_for_serving
     model = os.environ.get("TRIO_LLM_MODEL") or str(ensure_default_model())
     engine_config = EngineConfig(model=model, max_num_seqs=int(os.environ.get("TRIO_LLM_MAX_NUM_SEQS", "256")))
     settings = ServerSettings(api_key=os.environ.get("TRIO_LLM_API_KEY"),
                               served_model_name=os.environ.get("TRIO_LLM_SERVED_MODEL_NAME"))
-    return create_app(engine_config, settings)
+    return create_app(engine_config, settings, on_ready=tune_collector_for_serving)

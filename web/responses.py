@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from engine.api import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

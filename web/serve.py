@@ -10,22 +10,40 @@ the engine closes and `serve` returns.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
-import anyio
 import trio
-from anyio.abc import TaskStatus
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
+from quart_trio import QuartTrio
 
-from engine.config import EngineConfig
-from engine.executor.base import Executor
+from engine.api import EngineConfig, Executor
 from web.app import create_app
 from web.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
+
+# Collector thresholds for a serving process (Python's defaults: 700, 10, 10).
+SERVER_GC_THRESHOLDS = (20_000, 50, 100)
+
+
+def tune_collector_for_serving() -> None:
+    """Tune this process's cyclic garbage collector for serving, once the engine is up.
+
+    Process-wide, so only the process entry points call it (`serve`, `app_from_env`),
+    never the app factory. Everything alive now (modules, the model, the tokenizer)
+    lives as long as the server: `gc.freeze()` moves it out of the collector's sight.
+    Measured (docs/decisions.md): full collections walking it paused the loop for up
+    to 134 ms under load; after the freeze the loop-lag p99 fell from <= 250 ms to
+    <= 25 ms and /v1/embeddings gained ~12%. Requests' objects are freed by reference
+    counting; with the default thresholds the collector, run every 700 net
+    allocations, cost ~110 us per /v1/embeddings request; with these almost none.
+    """
+    gc.freeze()
+    gc.set_threshold(*SERVER_GC_THRESHOLDS)
 
 
 def hypercorn_config(host: str, port: int, settings: ServerSettings, log_level: str = "info") -> HypercornConfig:
@@ -39,9 +57,13 @@ def hypercorn_config(host: str, port: int, settings: ServerSettings, log_level: 
 
 async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
                 *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None, executor: Executor | None = None,
-                log_level: str = "info", task_status: TaskStatus[list[str]] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Serve until a signal (or `shutdown_trigger`); `task_status.started` gets the bound URLs."""
-    app = create_app(engine_config, settings, executor=executor)
+                log_level: str = "info", task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until a signal (or `shutdown_trigger`); `task_status.started` gets the bound URLs.
+
+    Cancellation stops the server at once: open connections are closed, their
+    requests aborted, and the engine closed (a signal or `shutdown_trigger`
+    gives in-flight requests the grace period first)."""
+    app = create_app(engine_config, settings, executor=executor, on_ready=tune_collector_for_serving)
     config = hypercorn_config(host, port, settings, log_level)
     async with trio.open_nursery() as nursery:
         if shutdown_trigger is None:
@@ -52,8 +74,9 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
         task_status.started(binds)
 
 
-async def _serve_then_stop(app, config, shutdown_trigger, scope: trio.CancelScope, *,
-                           task_status: TaskStatus[list[str]] = anyio.TASK_STATUS_IGNORED) -> None:
+async def _serve_then_stop(app: QuartTrio, config: HypercornConfig, shutdown_trigger: Callable[[], Awaitable[None]],
+                           scope: trio.CancelScope, *,
+                           task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
     scope.cancel()  # stop the signal watcher too
 

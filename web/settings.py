@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 DEFAULT_BODY_BYTES = 16 << 20
 
 
@@ -17,6 +16,8 @@ class ServerSettings:
     http_workers: int = 4  # threads for parsing large bodies and building large responses
     grace_period: float = 30.0  # seconds in-flight requests get to finish on shutdown
     loop_lag_interval: float = 0.05
+    # Bodies this large or larger have their prompt_embeds parsed as views on the body (web.embeds_body).
+    split_embeds_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

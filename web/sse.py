@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import anyio
 from pydantic_core import to_json
 
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.api import EngineDeadError, InvalidRequestError
 from web.errors import APIError
 
 DONE = b"data: [DONE]\n\n"

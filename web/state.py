@@ -6,9 +6,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from engine.api.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.executor.base import Executor
+from engine.api import AsyncEngine, EngineConfig, Executor
 from web.errors import APIError
 from web.metrics import ServerMetrics
 from web.settings import ServerSettings
@@ -46,7 +44,7 @@ class ServerState:
             raise APIError(503, "the engine is not running", code="engine_dead")
         assert self.engine is not None
         bound = self.settings.max_queued_requests
-        if bound is not None and self.engine.core.num_waiting_requests >= bound:
+        if bound is not None and self.engine.stats().num_waiting >= bound:
             raise APIError(503, f"the server is at capacity ({bound} requests are waiting); retry shortly",
                            code="queue_full", headers={"Retry-After": "1"})
         return self.engine

@@ -12,19 +12,23 @@ leaving the `async with` block stops it and fails any request still open with
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from functools import partial
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
 import anyio
 import torch
 
-from engine.config import EngineConfig, RuntimeInfo
+from engine.concurrency.loop_lag import run_loop_lag_probe
+from engine.config import EngineConfig
 from engine.core.engine_core import AddRequest, EngineCore, OutputItem
-from engine.core.stats import StatsObserver
+from engine.core.stats import EngineStats, LoopLagReadings, NullObserver, StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from engine.executor import Executor, create_executor
 from engine.ids import random_id
+from engine.model_info import ModelInfo
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.render.chat import render_chat
@@ -42,11 +46,21 @@ POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1)
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, info: RuntimeInfo, tokenizer: Tokenizer, core: EngineCore) -> None:
+    """The trio-native engine surface; get one from `open_engine`.
+
+    Public: `generate`, `generate_batch`, `chat`, `encode`, `apply_chat_template`,
+    `stats()`, `is_running`, and the read-only facts `config`, `info` (the model,
+    sized) and `tokenizer`. `core` is the engine-core task's object, for white-box
+    tests only: its state belongs to that task.
+    """
+
+    def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer, core: EngineCore,
+                 loop_lag: LoopLagReadings | None = None) -> None:
         self.config = config
         self.info = info
         self.tokenizer = tokenizer
         self.core = core
+        self._loop_lag = loop_lag or LoopLagReadings()
         self.render_limiter = anyio.CapacityLimiter(config.renderer_threads)
         embeds_limits = None
         if config.enable_prompt_embeds:
@@ -149,8 +163,8 @@ class AsyncEngine:
         except BaseException as exc:
             if isinstance(exc, EngineDeadError):
                 open_ids.clear()  # the core holds nothing any more
-            else:
-                open_ids.discard(getattr(exc, "request_id", None))  # the one the core refused
+            elif isinstance(exc, InvalidRequestError):
+                open_ids.discard(exc.request_id)  # the one the core refused
             raise
         finally:
             for rid in open_ids:
@@ -184,6 +198,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if it already finished)."""
         self.core.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine now (synchronous: it reads plain counters between steps)."""
+        scheduler = self.core.scheduler
+        return EngineStats(
+            num_running=scheduler.num_running, num_waiting=self.core.num_waiting_requests,
+            kv_cache_usage=scheduler.kv.usage, prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
+            loop_lag=self._loop_lag.last, loop_lag_max=self._loop_lag.max,
+            workers_alive=self.core.executor.workers_alive())
 
     @property
     def is_running(self) -> bool:
@@ -293,7 +317,7 @@ def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 # ---- opening an engine ----------------------------------------------------------------------------
-async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Tokenizer) -> RuntimeInfo:
+async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Tokenizer) -> ModelInfo:
     model_info = await executor.load_model()
     max_model_len = config.max_model_len or model_info.max_position_embeddings
     if max_model_len > model_info.max_position_embeddings:
@@ -308,13 +332,10 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
             f"the KV cache budget ({config.kv_cache_memory_bytes} bytes) holds {num_blocks * config.block_size} "
             f"tokens, fewer than max_model_len ({max_model_len}); raise kv_cache_memory_bytes or lower max_model_len")
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + model_info.eos_token_ids))
-    return RuntimeInfo(num_kv_blocks=num_blocks, max_model_len=max_model_len, vocab_size=model_info.vocab_size,
-                       hidden_size=model_info.hidden_size, eos_token_ids=eos, dtype=model_info.dtype,
-                       kind=model_info.kind, architecture=model_info.architecture, pooler=model_info.pooler,
-                       num_labels=model_info.num_labels)
+    return replace(model_info, num_kv_blocks=num_blocks, max_model_len=max_model_len, eos_token_ids=eos)
 
 
-def build_scheduler(config: EngineConfig, info: RuntimeInfo) -> Scheduler:
+def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
     sched_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
         max_model_len=info.max_model_len, policy=config.scheduling_policy,
@@ -331,9 +352,12 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
 
     `executor` replaces the default one (tests pass a fake whose steps take
     virtual time under `MockClock`); `observer` receives per-request timings
-    and counts for metrics. Leaving the block cancels the core task;
-    requests still open end with `EngineDeadError`. Load errors raise
-    `ModelLoadError` naming the problem, with nothing left running.
+    and counts for metrics (and loop-lag readings, with
+    `config.loop_lag_interval`). Leaving the block, or cancelling the task
+    inside it, cancels the core task and the probe; requests still open end
+    with `EngineDeadError`, and worker processes are stopped (shielded, time
+    limited). Load errors raise `ModelLoadError` naming the problem, with
+    nothing left running.
     """
     executor = executor or create_executor(config)
     async with executor:  # worker processes start here (multi-process executor) and stop on the way out
@@ -342,9 +366,14 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
         info = await _size_engine(config, executor, tokenizer)
         await executor.initialize_kv_cache(info.num_kv_blocks)
         core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer)
+        loop_lag = LoopLagReadings()
         async with anyio.create_task_group() as tg:
             await tg.start(core.run)
+            if config.loop_lag_interval is not None:
+                on_lag = (observer or NullObserver()).on_loop_lag
+                await tg.start(run_loop_lag_probe, lambda lag: (loop_lag.record(lag), on_lag(lag)),
+                               config.loop_lag_interval)
             try:
-                yield AsyncEngine(config, info, tokenizer, core)
+                yield AsyncEngine(config, info, tokenizer, core, loop_lag)
             finally:
                 tg.cancel_scope.cancel()

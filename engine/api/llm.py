@@ -9,8 +9,9 @@ worker, so no event loop or thread outlives a call and the model loads once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import anyio
 import trio

@@ -7,7 +7,7 @@ the probe reads exactly zero unless something blocks.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import anyio
 from anyio.abc import TaskStatus

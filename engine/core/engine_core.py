@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
@@ -115,7 +116,7 @@ class EngineCore:
         Cancellation just stops the wait."""
         while not (self._idle.is_set() and self.num_pending_messages == 0):
             if self._idle.is_set():
-                await anyio.sleep(0)  # the core has a message to pick up: let it run
+                await anyio.lowlevel.checkpoint()  # the core has a message to pick up: let it run
             else:
                 await self._idle.wait()
 
@@ -135,8 +136,8 @@ class EngineCore:
 
     def _add(self, message: AddRequest) -> None:
         if message.request_id in self._trackers:
-            error = InvalidRequestError(f"request id {message.request_id!r} is already in use", param="request_id")
-            error.request_id = message.request_id  # which one of a batch was refused
+            error = InvalidRequestError(f"request id {message.request_id!r} is already in use", param="request_id",
+                                        request_id=message.request_id)
             message.outputs.send_nowait(error)
             message.outputs.close()
             return

@@ -7,7 +7,44 @@ HTTP layer's one updates Prometheus counters and histograms).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A read-only snapshot of a running engine (`AsyncEngine.stats()`), taken between steps.
+
+    This is the surface the HTTP layer shows (`/metrics`, `/health`); it holds
+    plain values, so reading it never touches the scheduler's state.
+    """
+
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued, or submitted and not yet applied
+    kv_cache_usage: float  # KV blocks referenced by live requests over all blocks, 0..1
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int  # of those, tokens found cached
+    num_preemptions: int  # since start
+    loop_lag: float | None  # seconds: the loop-lag probe's last reading (None: no probe, or no reading yet)
+    loop_lag_max: float | None  # seconds: its largest reading since start
+    workers_alive: tuple[bool, ...]  # one per worker (rank order); in-process: one, alive while the engine runs
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits over queries (0.0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class LoopLagReadings:
+    """The loop-lag probe's readings: the last and the largest."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.max: float | None = None
+
+    def record(self, lag: float) -> None:
+        self.last = lag
+        self.max = lag if self.max is None else max(self.max, lag)
 
 
 class StatsObserver(Protocol):
@@ -21,6 +58,9 @@ class StatsObserver(Protocol):
                     generation_tokens: int) -> None:
         """A request (all of its `n` samples) finished, or was aborted (`finish_reason` "abort")."""
 
+    def on_loop_lag(self, lag: float) -> None:
+        """Seconds the loop-lag probe woke late (only with `EngineConfig.loop_lag_interval`)."""
+
 
 class NullObserver:
     def on_first_token(self, ttft: float) -> None:
@@ -31,4 +71,7 @@ class NullObserver:
 
     def on_finished(self, finish_reason: str, e2e_latency: float, prompt_tokens: int,
                     generation_tokens: int) -> None:
+        pass
+
+    def on_loop_lag(self, lag: float) -> None:
         pass

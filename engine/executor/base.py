@@ -11,15 +11,15 @@ from typing import Any
 
 import anyio
 
+from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.worker import ModelInfo
 
 
 class Executor(ABC):
     """Used as an async context manager by `open_engine`: entering starts whatever the
     executor runs (worker processes and their tasks), leaving stops it."""
 
-    async def __aenter__(self) -> "Executor":
+    async def __aenter__(self) -> Executor:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -44,6 +44,11 @@ class Executor(ABC):
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Cancellation waits for the step in flight to end (the worker's
         state must stay consistent), then raises."""
+
+    def workers_alive(self) -> tuple[bool, ...]:
+        """Whether each worker (rank order) is alive. In-process executors have one, alive
+        as long as the executor is open."""
+        return (True,)
 
     async def aclose(self) -> None:
         """Release workers. Safe to call more than once."""

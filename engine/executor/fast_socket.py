@@ -18,6 +18,7 @@ run (the engine's side; a worker has nothing else to run and only spins).
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 
@@ -25,13 +26,31 @@ import trio
 
 from engine.executor.polling import now
 
+# What a socket that broke raises from this module, for callers that catch stream failures.
+STREAM_BROKEN: tuple[type[Exception], ...] = (trio.BrokenResourceError, trio.ClosedResourceError)
 
-class FastSocketStream(trio.abc.Stream):
+
+class FastSocketStream(trio.abc.HalfCloseableStream):
+    """A `trio.abc.HalfCloseableStream` over a connected socket.
+
+    It keeps trio's stream contract (checked by `trio.testing.check_half_closeable_stream`
+    in `tests/test_fast_socket.py`): `BusyResourceError` for two concurrent senders or
+    receivers, `ClosedResourceError` after `aclose` (also waking a task blocked in it),
+    `BrokenResourceError` when the peer is gone, and argument checks. It drops exactly
+    one guarantee: a call that need not wait (the socket is ready) does not checkpoint,
+    so it is neither a cancellation point nor a scheduling point. That is the point of
+    the class (see the module docstring); callers loop on something that checkpoints.
+    """
+
     def __init__(self, sock: socket.socket, *, cooperative: bool = True) -> None:
         sock.setblocking(False)
         self.socket = sock
         self.cooperative = cooperative
         self.poll_until = 0.0
+        self._closed = False
+        self._sending = False  # a send_all or wait_send_all_might_not_block is in progress
+        self._receiving = False
+        self._eof_sent = False
 
     def try_send(self, data: bytes | memoryview) -> int:
         """Send what the socket takes now, without waiting; the number of bytes sent."""
@@ -40,30 +59,51 @@ class FastSocketStream(trio.abc.Stream):
         except BlockingIOError:
             return 0
         except OSError as exc:
-            raise trio.BrokenResourceError(f"socket send failed: {exc}") from exc
+            raise self._failure("send", exc) from exc
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            sent = self.try_send(view)
-            view = view[sent:]
-            if view:
-                await trio.lowlevel.wait_writable(self.socket)
+        self._enter_send()
+        if self._eof_sent:
+            self._sending = False
+            raise trio.ClosedResourceError("send_eof() was called: this side sends no more")
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                sent = self.try_send(view)
+                view = view[sent:]
+                if view:
+                    await trio.lowlevel.wait_writable(self.socket)
+        finally:
+            self._sending = False
 
     async def wait_send_all_might_not_block(self) -> None:
-        await trio.lowlevel.wait_writable(self.socket)
+        self._enter_send()
+        try:
+            await trio.lowlevel.wait_writable(self.socket)
+        finally:
+            self._sending = False
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        while True:
-            try:
-                return self.socket.recv(max_bytes or 65536)
-            except BlockingIOError:
-                if now() < self.poll_until:
-                    await self._yield()
-                else:
-                    await trio.lowlevel.wait_readable(self.socket)
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"socket receive failed: {exc}") from exc
+        max_bytes = 65536 if max_bytes is None else operator.index(max_bytes)
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        if self._receiving:
+            raise trio.BusyResourceError("another task is receiving on this stream")
+        self._check_open()
+        self._receiving = True
+        try:
+            while True:
+                try:
+                    return self.socket.recv(max_bytes)
+                except BlockingIOError:
+                    if now() < self.poll_until:
+                        await self._yield()
+                    else:
+                        await trio.lowlevel.wait_readable(self.socket)
+                except OSError as exc:
+                    raise self._failure("receive", exc) from exc
+        finally:
+            self._receiving = False
 
     async def _yield(self) -> None:
         os.sched_yield()
@@ -71,10 +111,34 @@ class FastSocketStream(trio.abc.Stream):
             await trio.lowlevel.checkpoint()
 
     async def send_eof(self) -> None:
-        self.socket.shutdown(socket.SHUT_WR)
+        self._enter_send()
+        try:
+            if not self._eof_sent:
+                self.socket.shutdown(socket.SHUT_WR)
+                self._eof_sent = True
+        except OSError as exc:
+            raise self._failure("shutdown", exc) from exc
+        finally:
+            self._sending = False
 
     async def aclose(self) -> None:
-        if self.socket.fileno() != -1:
+        if not self._closed:
+            self._closed = True
             trio.lowlevel.notify_closing(self.socket)
             self.socket.close()
         await trio.lowlevel.checkpoint()
+
+    def _enter_send(self) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        self._check_open()
+        self._sending = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the stream was closed")
+
+    def _failure(self, what: str, exc: OSError) -> Exception:
+        if self._closed:
+            return trio.ClosedResourceError("the stream was closed")
+        return trio.BrokenResourceError(f"socket {what} failed: {exc}")

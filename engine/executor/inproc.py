@@ -15,8 +15,9 @@ import anyio
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor
+from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.worker import ModelInfo, Worker
+from engine.worker.worker import Worker
 
 
 class InProcExecutor(Executor):

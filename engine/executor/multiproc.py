@@ -25,20 +25,21 @@ import socket
 import subprocess
 import sys
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import anyio
-import trio
 from anyio.abc import Process
 
+from engine.concurrency.gather import gather_first_failure
 from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor import wire
 from engine.executor.base import Executor
-from engine.executor.fast_socket import FastSocketStream
+from engine.executor.fast_socket import STREAM_BROKEN, FastSocketStream
 from engine.executor.rpc import Init, Ready, StartupFailed, WorkerConnection, WorkerError, WorkerGroup
+from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.worker import ModelInfo
 
 STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
 SHUTDOWN_GRACE = 5.0  # each stage of the staged stop
@@ -58,7 +59,7 @@ class MultiprocExecutor(Executor):
         self._stack: AsyncExitStack | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    async def __aenter__(self) -> "MultiprocExecutor":
+    async def __aenter__(self) -> MultiprocExecutor:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -123,26 +124,13 @@ class MultiprocExecutor(Executor):
     async def _handshake_all(self, connections: list[WorkerConnection]) -> None:
         """Wait for every `Ready` at once: ranks wait for each other while joining the process
         group, so the first failure must stop the wait on the others."""
-        errors: dict[int, BaseException] = {}
-
-        async def handshake(conn: WorkerConnection) -> None:
-            try:
-                await self._handshake(conn)
-            except Exception as exc:
-                errors[conn.rank] = exc
-                tg.cancel_scope.cancel()
-
         with anyio.fail_after(STARTUP_TIMEOUT):
-            async with anyio.create_task_group() as tg:
-                for conn in connections:
-                    tg.start_soon(handshake, conn)
-        if errors:
-            raise errors[min(errors)]
+            await gather_first_failure([partial(self._handshake, conn) for conn in connections])
 
     async def _handshake(self, conn: WorkerConnection) -> None:
         try:
             message = await conn.reader.receive()
-        except (EOFError, trio.BrokenResourceError):  # it exited (perhaps before reading its Init)
+        except (EOFError, *STREAM_BROKEN):  # it exited (perhaps before reading its Init)
             code = await self.processes[conn.rank].wait()
             raise ModelLoadError(f"worker rank {conn.rank} exited during start-up ({_describe(code)})") from None
         if isinstance(message, StartupFailed):
@@ -195,6 +183,9 @@ class MultiprocExecutor(Executor):
         """See `WorkerGroup.collective_rpc`."""
         return await self._workers().collective_rpc(method, args, kwargs, timeout=timeout, non_block=non_block,
                                                     unique_reply_rank=unique_reply_rank)
+
+    def workers_alive(self) -> tuple[bool, ...]:
+        return tuple(process.returncode is None for process in self.processes)
 
     async def load_model(self) -> ModelInfo:
         return await self.collective_rpc("load_model", unique_reply_rank=0)

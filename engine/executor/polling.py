@@ -18,7 +18,8 @@ spinning, which must be real elapsed time even under a test's mock clock.
 from __future__ import annotations
 
 import time
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 POLL_WINDOW = 500e-6  # seconds; a wait expected to be longer sleeps: the spin would cost more than the wake-up
 EWMA_WEIGHT = 0.25

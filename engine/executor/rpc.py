@@ -24,8 +24,9 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 import trio

@@ -22,7 +22,8 @@ import signal
 import socket
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 

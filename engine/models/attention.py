@@ -17,8 +17,8 @@ operations, measured as the difference between 48 and 8 ms per decode step of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -9,8 +9,9 @@ one batch and masks the padding.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ class EncoderConfig:
         return self.architecture in LATE_INTERACTION_ARCHITECTURES
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> "EncoderConfig":
+    def from_hf(cls, raw: dict[str, Any]) -> EncoderConfig:
         arch = next(a for a in raw.get("architectures") or ["BertModel"] if a in ENCODER_ARCHITECTURES)
         if raw.get("position_embedding_type", "absolute") != "absolute":
             raise ModelLoadError(f"position_embedding_type {raw['position_embedding_type']!r} is not supported")

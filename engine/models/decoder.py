@@ -8,7 +8,7 @@ the checkpoint's separate tensors.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -8,29 +8,17 @@ BERT checkpoints pool the CLS token and decoders the last token, normalized.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
+from engine.model_info import PoolerConfig
 from engine.pooling_params import PoolingParams
 
 POOLING_TYPES = ("mean", "cls", "last")
-
-
-@dataclass(frozen=True)
-class PoolerConfig:
-    pooling: str = "last"
-    normalize: bool = True
-    matryoshka_dimensions: tuple[int, ...] | None = None  # None: `dimensions` is refused
-    # A late-interaction (ColBERT) model: its outputs are per-token vectors, scored by MaxSim;
-    # it has no single-vector embedding.
-    late_interaction: bool = False
-
-    def supports_dimensions(self, dimensions: int) -> bool:
-        return bool(self.matryoshka_dimensions) and dimensions <= max(self.matryoshka_dimensions)
 
 
 def read_pooler_config(model_dir: str | Path, raw_config: dict, default_pooling: str,

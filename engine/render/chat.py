@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from typing import Any
-
-import functools
 
 import jinja2
 import jinja2.ext

@@ -33,7 +33,7 @@ class EmbedsLimits:
 
     @classmethod
     def for_model(cls, hidden_size: int, max_model_len: int, dtype: torch.dtype,
-                  max_payload_bytes: int | None = None) -> "EmbedsLimits":
+                  max_payload_bytes: int | None = None) -> EmbedsLimits:
         """By default a payload may be as large as a float32 tensor filling the whole context."""
         default = max_model_len * hidden_size * 4 + ARCHIVE_OVERHEAD_BYTES
         return cls(hidden_size, max_model_len - 1, dtype, max_payload_bytes or default)

@@ -12,18 +12,27 @@ prompt (by input position).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from functools import partial
+from typing import Any
 
 import anyio
 import torch
 
+from engine.concurrency.gather import gather_first_failure
+from engine.concurrency.offload import run_sized
 from engine.errors import InvalidRequestError
 from engine.render.prompt_embeds import EmbedsLimits, check_prompt_embeds, decode_prompt_embeds
 from engine.render.tokenizer import Tokenizer
 
 # Tokenizing text shorter than this on the loop costs less than the ~100-200 us thread hop.
 INLINE_TOKENIZE_CHARS = 4096
+# Checking a library-given tensor may densify or cast it: worth a thread only from this size on.
+INLINE_TENSOR_BYTES = 1 << 20
+
+# (base64 payload, limits) -> a checked (rows, hidden) tensor.
+PayloadDecoder = Callable[[str | bytes | bytearray | memoryview, EmbedsLimits], torch.Tensor]
 
 Prompt = str | Sequence[int] | torch.Tensor | Mapping[str, Any]
 
@@ -42,40 +51,30 @@ class EngineInput:
 
 
 class Renderer:
+    """Renders prompts into `EngineInput`s.
+
+    `decode_payload` turns a base64 prompt-embeddings payload into a checked
+    tensor; it always runs in a worker thread (the default is the engine's
+    pickle-free decoder; the loop-lag benchmark passes `torch.load` to compare).
+    """
+
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, limiter: anyio.CapacityLimiter,
-                 embeds_limits: EmbedsLimits | None) -> None:
+                 embeds_limits: EmbedsLimits | None, *,
+                 decode_payload: PayloadDecoder = decode_prompt_embeds) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.limiter = limiter
         self.embeds_limits = embeds_limits  # None: prompt embeddings are refused
-        # The loop-lag benchmark swaps these to measure the alternatives; nothing else should.
-        self.decode_payload = decode_prompt_embeds
-        self.offload_embeds = True
+        self.decode_payload = decode_payload
 
     async def render(self, prompts: Sequence[Prompt]) -> list[EngineInput]:
         """Render every prompt concurrently; results in input order.
 
-        Cancellation cancels every prompt still rendering (a decode already
-        running in a thread finishes first and its result is dropped).
+        The first bad prompt (by input position) is raised and the others are
+        cancelled. Cancellation cancels every prompt still rendering (a decode
+        already running in a thread finishes first and its result is dropped).
         """
-        if len(prompts) == 1:
-            return [await self.render_one(prompts[0])]
-        results: list[EngineInput | None] = [None] * len(prompts)
-        errors: dict[int, Exception] = {}
-
-        async def render_into(index: int, prompt: Prompt) -> None:
-            try:
-                results[index] = await self.render_one(prompt)
-            except Exception as exc:  # stop the siblings; report the first bad prompt below
-                errors[index] = exc
-                tg.cancel_scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            for index, prompt in enumerate(prompts):
-                tg.start_soon(render_into, index, prompt)
-        if errors:
-            raise errors[min(errors)]
-        return results  # type: ignore[return-value]
+        return await gather_first_failure([partial(self.render_one, prompt) for prompt in prompts])
 
     async def render_one(self, prompt: Prompt) -> EngineInput:
         if isinstance(prompt, str):
@@ -112,21 +111,15 @@ class Renderer:
         if limits is None:
             raise InvalidRequestError(EMBEDS_DISABLED, param="prompt_embeds")
         if isinstance(payload, (str, bytes, bytearray, memoryview)):
-            if not self.offload_embeds:
-                return self.decode_payload(payload, limits)
             return await anyio.to_thread.run_sync(self.decode_payload, payload, limits, limiter=self.limiter)
-        # A tensor from the library: checking it may densify or cast, which is worth a thread only when large.
-        if isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() >= 1 << 20:
-            return await anyio.to_thread.run_sync(check_prompt_embeds, payload, limits, limiter=self.limiter)
-        return check_prompt_embeds(payload, limits)
+        size = payload.numel() * payload.element_size() if isinstance(payload, torch.Tensor) else 0
+        return await run_sized(check_prompt_embeds, payload, limits, size=size, inline_below=INLINE_TENSOR_BYTES,
+                               limiter=self.limiter)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; long texts are tokenized in a worker thread. Empty text is an error."""
-        if len(text) < INLINE_TOKENIZE_CHARS:
-            ids = self.tokenizer.encode(text, add_special_tokens)
-        else:
-            ids = await anyio.to_thread.run_sync(self.tokenizer.encode, text, add_special_tokens,
-                                                 limiter=self.limiter)
+        ids = await run_sized(self.tokenizer.encode, text, add_special_tokens, size=len(text),
+                              inline_below=INLINE_TOKENIZE_CHARS, limiter=self.limiter)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids

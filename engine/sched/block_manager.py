@@ -12,8 +12,8 @@ else, a later request with the same prefix still hits it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from engine.sched.request import Request
 

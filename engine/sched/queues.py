@@ -5,7 +5,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from engine.sched.request import Request
 

@@ -19,8 +19,9 @@ transfer) defer a waiting request without consuming budget:
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -72,6 +73,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_for_worker: list[str] = []
         self.num_preemptions = 0  # total, for metrics
+        # Prompt tokens looked up in the prefix cache when a request first ran, and those found there.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ---- intake and abort ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -182,6 +186,9 @@ class Scheduler:
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
+            if request.num_computed_tokens == 0:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_computed
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
@@ -238,7 +245,7 @@ class Scheduler:
         return undone.num_tokens if undone else 0
 
     # ---- after the step ------------------------------------------------------------------
-    def _finish_pooled(self, request: Request, update: "RequestUpdate", result: ModelRunnerOutput) -> None:
+    def _finish_pooled(self, request: Request, update: RequestUpdate, result: ModelRunnerOutput) -> None:
         """A pooling request is done after the step that computed its prompt; its blocks go now."""
         update.pooled = result.pooled.get(request.request_id)
         request.status = RequestStatus.FINISHED_STOPPED

@@ -11,7 +11,6 @@ from engine.models.pooler import PoolerConfig, finish, pool, pool_batch
 from engine.pooling_params import PoolingParams
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
-
 MAX_ROWS_PER_FORWARD = 32
 
 

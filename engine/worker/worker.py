@@ -6,36 +6,23 @@ arguments and results are plain picklable data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from engine.config import EngineConfig
-from engine.models.decoder import DecoderForCausalLM
 from engine.errors import ModelLoadError
+from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.bert import BertEncoder, is_encoder_config
+from engine.models.decoder import DecoderForCausalLM
 from engine.models.hf_config import read_config_json
 from engine.models.loader import load_decoder, load_encoder
-from engine.models.pooler import PoolerConfig, read_pooler_config
-from engine.worker.encoder_runner import EncoderRunner
 from engine.models.parallel import TensorParallel, init_distributed
+from engine.models.pooler import read_pooler_config
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
+from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.model_runner import ModelRunner
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    vocab_size: int
-    hidden_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    kv_bytes_per_block: int
-    kind: str = "decoder"  # "decoder" (generation, or pooling as an embedder) or "encoder" (pooling only)
-    architecture: str = ""
-    pooler: PoolerConfig = PoolerConfig()
-    num_labels: int = 0  # classification heads (cross-encoders)
 
 
 class Worker:

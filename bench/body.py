@@ -19,8 +19,6 @@ import anyio
 import torch
 
 from engine.concurrency.loop_lag import run_loop_lag_probe
-
-from web import protocol
 from web.protocol import CompletionRequest, parse_body
 
 
@@ -31,7 +29,7 @@ def _body(rows: int, hidden: int) -> bytearray:
     return bytearray(json.dumps({"prompt_embeds": payload, "max_tokens": 4}).encode())
 
 
-async def _parse_while_probing(body: bytearray, repeats: int) -> tuple[float, float]:
+async def _parse_while_probing(body: bytearray, repeats: int, split_embeds_bytes: int) -> tuple[float, float]:
     """(median parse seconds, max loop lag meanwhile)"""
     durations: list[float] = []
     lags: list[float] = [0.0]
@@ -39,7 +37,7 @@ async def _parse_while_probing(body: bytearray, repeats: int) -> tuple[float, fl
     def parse_all() -> None:
         for _ in range(repeats):
             start = time.perf_counter()
-            parse_body(CompletionRequest, body)
+            parse_body(CompletionRequest, body, split_embeds_bytes=split_embeds_bytes)
             durations.append(time.perf_counter() - start)
 
     async with anyio.create_task_group() as tg:
@@ -51,13 +49,8 @@ async def _parse_while_probing(body: bytearray, repeats: int) -> tuple[float, fl
 
 async def run(rows: int, hidden: int, repeats: int = 5) -> str:
     body = _body(rows, hidden)
-    split_at = protocol.SPLIT_EMBEDS_BYTES
-    try:
-        protocol.SPLIT_EMBEDS_BYTES = len(body) + 1
-        ordinary = await _parse_while_probing(body, repeats)
-    finally:
-        protocol.SPLIT_EMBEDS_BYTES = split_at
-    views = await _parse_while_probing(body, repeats)
+    ordinary = await _parse_while_probing(body, repeats, split_embeds_bytes=len(body) + 1)
+    views = await _parse_while_probing(body, repeats, split_embeds_bytes=0)
     return "\n".join([
         f"HTTP body with one {rows}x{hidden} bfloat16 payload ({len(body) / 1e6:.1f} MB), parsed in a thread:",
         f"  ordinary JSON parse   {ordinary[0] * 1e3:7.2f} ms each, loop stalled up to {ordinary[1] * 1e3:6.2f} ms",

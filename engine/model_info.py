@@ -1,0 +1,39 @@
+"""What the engine knows about its model once loaded: plain data, importable without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling: str = "last"
+    normalize: bool = True
+    matryoshka_dimensions: tuple[int, ...] | None = None  # None: `dimensions` is refused
+    # A late-interaction (ColBERT) model: its outputs are per-token vectors, scored by MaxSim;
+    # it has no single-vector embedding.
+    late_interaction: bool = False
+
+    def supports_dimensions(self, dimensions: int) -> bool:
+        return bool(self.matryoshka_dimensions) and dimensions <= max(self.matryoshka_dimensions)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model's facts, as the worker reports them when it loads the model; the engine
+    fills in the two sizes it derives from them (`num_kv_blocks`, `max_model_len`) when it
+    sizes the KV cache (`AsyncEngine.info` is that completed copy)."""
+
+    vocab_size: int
+    hidden_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    kv_bytes_per_block: int
+    kind: str = "decoder"  # "decoder" (generation, or pooling as an embedder) or "encoder" (pooling only)
+    architecture: str = ""
+    pooler: PoolerConfig = PoolerConfig()
+    num_labels: int = 0  # classification heads (cross-encoders)
+    # Set by the engine, not the worker:
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
