@@ -146,7 +146,7 @@ async def server_round(url: str, sentences: list[str], concurrency: int) -> Serv
 async def run(model_dir: str, count: int, concurrency: int, batch: int, rounds: int, port: int) -> str:
     sentences = make_sentences(count)
     command = [sys.executable, "-m", "web.cli", "serve", model_dir, "--port", str(port), "--max-num-seqs", "256"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = await trio.lowlevel.open_process(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         with trio.fail_after(180):
@@ -163,7 +163,8 @@ async def run(model_dir: str, count: int, concurrency: int, batch: int, rounds: 
             online.append(await server_round(url, sentences, concurrency))
     finally:
         server.send_signal(signal.SIGINT)
-        server.wait()
+        with trio.CancelScope(shield=True):
+            await server.wait()
     best = max(online, key=lambda r: r.rate)
     lines = [f"{count} sentences of ~20 words, {os.path.basename(model_dir.rstrip('/'))}, {rounds} rounds",
              f"offline bare model, batches of {batch}: " + ", ".join(f"{r:.1f}" for r in offline) + " sentences/s",

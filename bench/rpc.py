@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 
 import anyio
 
@@ -79,7 +80,7 @@ async def step_times(config: EngineConfig, batch: int, steps: int) -> Timing:
         async with anyio.create_task_group() as tg:
             for i in range(batch):
                 tg.start_soon(one, i)
-    samples = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    samples = [b - a for a, b in pairwise(arrivals)]
     return Timing(f"engine step, batch {batch}, {config.executor_kind}", samples[4:-4])
 
 

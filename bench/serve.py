@@ -17,6 +17,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from urllib.parse import urlsplit
 
 import trio
@@ -107,7 +108,7 @@ async def run_level(url: str, model: str | None, concurrency: int, num_requests:
     elapsed = time.perf_counter() - start
     done = [t for t in timings if t.ok]
     ttft = [t.first - t.start for t in done if t.first]
-    itl = [b - a for t in done for a, b in zip(t.events, t.events[1:])]
+    itl = [b - a for t in done for a, b in pairwise(t.events)]
     return LevelResult(concurrency, len(done), elapsed, len(done) * output_len, ttft, itl)
 
 

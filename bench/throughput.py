@@ -78,7 +78,7 @@ def bare_forward_tokens_per_s(worker: Worker, prompts: list[list[int]], spec: Be
         firsts = []
         for lo in range(0, len(batch), prompts_per_prefill):
             part, part_tables = batch[lo:lo + prompts_per_prefill], tables[lo:lo + prompts_per_prefill]
-            chunks = [SequenceChunk(0, len(p), t) for p, t in zip(part, part_tables)]
+            chunks = [SequenceChunk(0, len(p), t) for p, t in zip(part, part_tables, strict=True)]
             ids = torch.tensor([t for p in part for t in p])
             positions = torch.arange(spec.input_len).repeat(len(part))
             meta = build_metadata(chunks, block_size, runner.device, model.dtype)

@@ -15,7 +15,7 @@ class PoolerConfig:
     late_interaction: bool = False
 
     def supports_dimensions(self, dimensions: int) -> bool:
-        return bool(self.matryoshka_dimensions) and dimensions <= max(self.matryoshka_dimensions)
+        return bool(self.matryoshka_dimensions) and dimensions <= max(self.matryoshka_dimensions or (0,))
 
 
 @dataclass(frozen=True)

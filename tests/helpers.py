@@ -5,11 +5,9 @@ from engine.outputs import RequestOutput
 
 
 async def final_output(engine, prompt, params: SamplingParams | None = None, **kwargs) -> RequestOutput:
-    last = None
-    async for last in engine.generate(prompt, params, **kwargs):
-        pass
-    assert last is not None and last.finished
-    return last
+    outputs = [output async for output in engine.generate(prompt, params, **kwargs)]
+    assert outputs and outputs[-1].finished
+    return outputs[-1]
 
 
 def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:

@@ -54,7 +54,8 @@ async def test_same_seed_same_output_whatever_else_is_in_the_batch(engine):
 
 
 async def test_n_samples_come_back_together_and_differ(engine):
-    out = await final_output(engine, PROMPT, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    out = await final_output(engine, PROMPT, params)
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert all(c.finish_reason == "length" for c in out.outputs)
@@ -102,11 +103,12 @@ async def test_delta_outputs_add_up_to_the_cumulative_result(engine):
 async def test_logprobs_rank_the_chosen_token(engine):
     out = (await final_output(engine, PROMPT, greedy(8, logprobs=3))).outputs[0]
     assert len(out.logprobs) == 8
-    for token, position in zip(out.token_ids, out.logprobs):
+    for token, position in zip(out.token_ids, out.logprobs, strict=True):
         assert token in position and position[token].rank == 1  # greedy picks the top token
         assert len(position) == 3  # the chosen token is also the top one
         assert all(lp.logprob <= 0 for lp in position.values())
-    assert out.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(out.token_ids, out.logprobs)))
+    chosen = zip(out.token_ids, out.logprobs, strict=True)
+    assert out.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in chosen))
 
 
 async def test_prompt_logprobs_agree_with_generation_logprobs(engine):
@@ -127,7 +129,7 @@ async def test_chunked_prefill_gives_the_same_prompt_logprobs(tiny_model_dir):
     async with open_engine(engine_config(tiny_model_dir, max_num_batched_tokens=16)) as engine:
         chunked = await final_output(engine, prompt, greedy(4, prompt_logprobs=1))
     assert chunked.outputs[0].token_ids == whole.outputs[0].token_ids
-    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
         assert set(a) == set(b)
         assert all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-4) for t in a)
 

@@ -40,7 +40,7 @@ def test_sharded_checkpoint_loads_the_same_weights(tiny_model_dir, model_copy):
     (model_copy / "model.safetensors").unlink()
     sharded = load_decoder(model_copy)
     single = load_decoder(tiny_model_dir)
-    for (name, a), (_, b) in zip(sharded.state_dict().items(), single.state_dict().items()):
+    for (name, a), (_, b) in zip(sharded.state_dict().items(), single.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 

@@ -38,9 +38,9 @@ async def greedy_outputs(config) -> list:
 async def test_tensor_parallel_2_generates_what_one_process_does(tiny_model_dir):
     single = await greedy_outputs(engine_config(tiny_model_dir))
     parallel = await greedy_outputs(engine_config(tiny_model_dir, tensor_parallel_size=2))
-    for one, two in zip(single, parallel):
+    for one, two in zip(single, parallel, strict=True):
         assert two.token_ids == one.token_ids
-        for a, b in zip(one.logprobs, two.logprobs):
+        for a, b in zip(one.logprobs, two.logprobs, strict=True):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert len({tuple(o.token_ids) for o in single}) > 1  # the prompts do lead to different outputs
@@ -156,7 +156,6 @@ async def test_prompt_embeddings_cross_the_process_boundary(tiny_model_dir):
     async with open_engine(config) as engine:
         outputs = []
         for prompt in (ids, embedding_table(tiny_model_dir)[ids]):
-            async for output in engine.generate(prompt, params):
-                pass
-            outputs.append(output.outputs[0].token_ids)
+            final = [output async for output in engine.generate(prompt, params)][-1]
+            outputs.append(final.outputs[0].token_ids)
     assert outputs[0] == outputs[1]

@@ -239,7 +239,7 @@ async def test_a_decoder_embeds_with_last_token_pooling(tiny_model_dir):
         prompts = [[5, 17, 99, 3], list(range(40, 80))]
         pooled = await engine.encode(prompts, PoolingParams(task="embed"))
         per_token = await engine.encode(prompts, PoolingParams(task="token_embed"))
-        for vector, tokens, prompt in zip(pooled, per_token, prompts):
+        for vector, tokens, prompt in zip(pooled, per_token, prompts, strict=True):
             assert tokens.data.shape == (len(prompt), engine.info.hidden_size)
             assert torch.allclose(vector.data, tokens.data[-1], atol=1e-5)
             assert vector.data.norm().item() == pytest.approx(1.0, abs=1e-5)

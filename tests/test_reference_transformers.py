@@ -72,7 +72,8 @@ async def test_greedy_batch_of_mixed_lengths_is_token_identical(hf_checkpoint):
     expected = []
     with torch.no_grad():
         for prompt in prompts:
-            generated = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generated = hf_model.generate(torch.tensor([prompt]),
+                                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                           max_new_tokens=32, do_sample=False)
             expected.append(generated[0, len(prompt):].tolist())
     got = {}

@@ -167,7 +167,8 @@ def test_stop_conditions_eos_stop_token_min_tokens():
     sched = make_scheduler()
     sched.add_request(Request("eos", [1, 2], SamplingParams(max_tokens=10).with_eos((7,)), max_tokens=10))
     sched.add_request(Request("min", [1, 2], SamplingParams(max_tokens=10, min_tokens=2).with_eos((7,)), max_tokens=10))
-    sched.add_request(Request("ign", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True).with_eos((7,)), max_tokens=3))
+    ignoring = SamplingParams(max_tokens=3, ignore_eos=True).with_eos((7,))
+    sched.add_request(Request("ign", [1, 2], ignoring, max_tokens=3))
     _, updates = run_step(sched, token=7)
     assert {u.request.request_id for u in updates if u.finished} == {"eos"}
     _, updates = run_step(sched, token=7)

@@ -63,3 +63,41 @@ async def test_loop_lag_probe_reads_zero_when_free_and_the_blocking_time_when_he
         await trio.sleep(0.1)
         nursery.cancel_scope.cancel()
     assert max(lags) == pytest.approx(0.3 - 0.04)
+
+
+class LagRecorder(Recorder):
+    def __init__(self):
+        super().__init__()
+        self.lags = []
+
+    def on_loop_lag(self, lag):
+        self.lags.append(lag)
+
+
+async def test_stats_snapshot_reports_the_batch_the_cache_the_probe_and_the_workers(tiny_model_dir, autojump_clock):
+    recorder = LagRecorder()
+    config = engine_config(tiny_model_dir, max_num_seqs=1, loop_lag_interval=0.05)
+    async with open_engine(config, executor=FakeExecutor(step_time=0.1), observer=recorder) as engine:
+        assert engine.stats().num_running == 0 and engine.stats().prefix_cache_hit_rate == 0.0
+        prompt = list(range(1, 41))  # 40 tokens: two full 16-token blocks can be reused
+        first_output = trio.Event()
+
+        async def consume(token_ids):
+            async for _ in engine.generate(token_ids, greedy(3, ignore_eos=True)):
+                first_output.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume, prompt)
+            nursery.start_soon(consume, list(range(50, 61)))
+            await first_output.wait()
+            during = engine.stats()
+        await final_output(engine, prompt, greedy(3, ignore_eos=True))
+        after = engine.stats()
+    assert (during.num_running, during.num_waiting) == (1, 1) and during.kv_cache_usage > 0
+    assert (after.num_running, after.num_waiting, after.kv_cache_usage) == (0, 0, 0.0)
+    assert (after.prefix_cache_queries, after.prefix_cache_hits) == (40 + 11 + 40, 32)
+    assert after.prefix_cache_hit_rate == pytest.approx(32 / 91)
+    assert after.workers_alive == (True,)
+    # The probe ran in virtual time alongside the steps: nothing blocked the loop.
+    assert recorder.lags and after.loop_lag_max == pytest.approx(0.0, abs=1e-9)
+    assert after.loop_lag == recorder.lags[-1]

@@ -82,9 +82,9 @@ async def test_a_failing_step_ends_every_request_with_engine_dead_naming_the_cau
 
     # open_engine re-raises the step's error; each consumer got EngineDeadError.
     with pytest.RaisesGroup(RuntimeError, pytest.RaisesGroup(EngineDeadError, EngineDeadError)):
-        async with open_engine(engine_config(tiny_model_dir), executor=FailingExecutor()) as engine:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(consume, engine)
-                nursery.start_soon(consume, engine)
+        async with (open_engine(engine_config(tiny_model_dir), executor=FailingExecutor()) as engine,
+                    trio.open_nursery() as nursery):
+            nursery.start_soon(consume, engine)
+            nursery.start_soon(consume, engine)
     assert len(errors) == 2 and all("kernel exploded" in str(e) for e in errors)
     assert all(isinstance(e.__cause__, RuntimeError) for e in errors)

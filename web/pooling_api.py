@@ -85,7 +85,7 @@ def tokenize_inputs(tokenizer: Tokenizer, inputs: list[str | list[int]], truncat
 def tokenize_pairs(tokenizer: Tokenizer, firsts: list[str], seconds: list[str],
                    truncate: int | None) -> list[dict[str, list[int]]]:
     prompts = []
-    for a, b in zip(firsts, seconds):
+    for a, b in zip(firsts, seconds, strict=True):
         ids, types = tokenizer.encode_pair(a, b)
         if truncate is not None:
             ids, types = ids[:truncate], types[:truncate]
@@ -152,9 +152,10 @@ async def compute_scores(state: ServerState, engine: AsyncEngine, firsts: list[s
     prompts = await offload(state, tokenize_inputs, engine.tokenizer, distinct, truncate, size=_input_size(distinct))
     task = "token_embed" if kind == "late-interaction" else "embed"
     outputs = await engine.encode(prompts, PoolingParams(task=task))
-    by_text = {text: out.data for text, out in zip(distinct, outputs)}
+    by_text = {text: out.data for text, out in zip(distinct, outputs, strict=True)}
     measure = max_sim if kind == "late-interaction" else cosine
-    scores = await offload(state, lambda: [measure(by_text[a], by_text[b]) for a, b in zip(firsts, seconds)],
+    pairs = list(zip(firsts, seconds, strict=True))
+    scores = await offload(state, lambda: [measure(by_text[a], by_text[b]) for a, b in pairs],
                            size=_output_size(outputs))
     return scores, _tokens(outputs)
 

@@ -23,7 +23,7 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
-    for token_id, position in zip(token_ids, positions):
+    for token_id, position in zip(token_ids, positions, strict=True):
         if position is None:  # the first prompt token has no logprob
             tokens.append(None)
             token_logprobs.append(None)
@@ -42,7 +42,7 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
 
 def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> dict[str, Any]:
     content = []
-    for token_id, position in zip(token_ids, positions):
+    for token_id, position in zip(token_ids, positions, strict=True):
         chosen = position[token_id]
         ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_n]
         content.append({**_chat_token(chosen.decoded_token, chosen.logprob),

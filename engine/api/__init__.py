@@ -23,5 +23,6 @@ __all__ = [
     "ARCHITECTURES", "LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStats",
     "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError", "PoolerConfig",
     "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestOutput", "RequestOutputKind",
-    "SamplingParams", "StatsObserver", "Tokenizer", "TinyModelSpec", "ensure_default_model", "make_model", "open_engine",
+    "SamplingParams", "StatsObserver", "Tokenizer", "TinyModelSpec", "ensure_default_model", "make_model",
+    "open_engine",
 ]

@@ -12,7 +12,7 @@ leaving the `async with` block stops it and fails any request still open with
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
 from functools import partial
@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import torch
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from engine.concurrency.loop_lag import run_loop_lag_probe
 from engine.config import EngineConfig
@@ -70,14 +71,15 @@ class AsyncEngine:
 
     # ---- the main entry points -------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput]:
         """Generate for one prompt, yielding `RequestOutput`s as tokens arrive.
 
         `prompt` is text, a list of token ids, a tensor of prompt embeddings
         (rows x hidden size, when the engine was opened with
         `enable_prompt_embeds`), or a mapping with `prompt`, `prompt_token_ids`
-        or `prompt_embeds` (a tensor, or base64 of a `torch.save` file). Invalid input raises `InvalidRequestError` before
-        anything runs. Cancelling the consuming task, or closing the generator
+        or `prompt_embeds` (a tensor, or base64 of a `torch.save` file).
+        Invalid input raises `InvalidRequestError` before anything runs.
+        Cancelling the consuming task, or closing the generator
         (`aclose()`, or leaving an `aclosing()` block early), aborts the
         request: it is dropped between two steps and its KV blocks are freed.
         If the engine stops first, `EngineDeadError` is raised.
@@ -91,7 +93,7 @@ class AsyncEngine:
 
     async def generate_batch(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None,
                              request_id: str | None = None, *,
-                             priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+                             priority: int = 0) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """Generate for several prompts at once, yielding `(prompt index, output)` as outputs arrive.
 
         All prompts are validated before any is queued; one bad prompt fails
@@ -126,7 +128,7 @@ class AsyncEngine:
         return results  # type: ignore[return-value]
 
     def _generate(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
-                  request_ids: list[str], priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  request_ids: list[str], priority: int) -> AsyncGenerator[tuple[int, RequestOutput]]:
         if self.info.kind == "encoder":
             raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
                                       "generate; use embeddings, pooling, score or rerank", param="model")
@@ -136,11 +138,11 @@ class AsyncEngine:
 
     async def _run(self, prompts: Sequence[Prompt], request_ids: list[str],
                    make_requests: Callable[[str, EngineInput], list[Request]],
-                   output_kind: RequestOutputKind) -> AsyncIterator[tuple[int, Any]]:
+                   output_kind: RequestOutputKind) -> AsyncGenerator[tuple[int, Any]]:
         if not prompts:
             raise InvalidRequestError("no prompt given", param="prompt")
         rendered = await self.renderer.render(prompts)
-        batches = [make_requests(rid, engine_input) for rid, engine_input in zip(request_ids, rendered)]
+        batches = [make_requests(rid, engine_input) for rid, engine_input in zip(request_ids, rendered, strict=True)]
         # One output stream for the whole batch: each request gets a clone of the send side,
         # so the outputs of every prompt arrive on one receive side without extra tasks.
         send, receive = anyio.create_memory_object_stream[OutputItem](math.inf)
@@ -149,7 +151,7 @@ class AsyncEngine:
         try:
             with receive:
                 with send:
-                    for rid, engine_input, children in zip(request_ids, rendered, batches):
+                    for rid, engine_input, children in zip(request_ids, rendered, batches, strict=True):
                         self.core.submit(AddRequest(rid, engine_input.prompt, children, send.clone()))
                         open_ids.add(rid)
                 async for item in receive:
@@ -171,7 +173,7 @@ class AsyncEngine:
                 self.core.abort(rid)
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
-                   request_id: str | None = None, **template_kwargs: Any) -> AsyncIterator[RequestOutput]:
+                   request_id: str | None = None, **template_kwargs: Any) -> AsyncGenerator[RequestOutput]:
         """Render `messages` with the model's chat template, then generate as `generate` does."""
         prompt = await self.apply_chat_template(messages, **template_kwargs)
         token_ids = await self._tokenize(prompt, add_special_tokens=False)
@@ -284,17 +286,19 @@ class AsyncEngine:
                 for child_id, child_params in children]
 
 
-def _merge_pending(first: OutputItem, receive, kind: RequestOutputKind) -> list[RequestOutput]:
+def _merge_pending(first: OutputItem, receive: MemoryObjectReceiveStream[OutputItem],
+                   kind: RequestOutputKind) -> list[RequestOutput | PoolingRequestOutput]:
     """Fold outputs that queued while the consumer was busy into one per request, so a
     slow consumer handles one output per request per wake-up instead of one per step."""
-    merged: dict[str, RequestOutput] = {}
+    merged: dict[str, RequestOutput | PoolingRequestOutput] = {}
     item: OutputItem | None = first
     while item is not None:
         if isinstance(item, BaseException):
             raise item
         previous = merged.get(item.request_id)
-        merged[item.request_id] = (item if previous is None or kind is not RequestOutputKind.DELTA
-                                   else _merge_delta(previous, item))
+        merged[item.request_id] = (_merge_delta(previous, item) if kind is RequestOutputKind.DELTA
+                                   and isinstance(previous, RequestOutput) and isinstance(item, RequestOutput)
+                                   else item)
         try:
             item = receive.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream):
@@ -303,7 +307,7 @@ def _merge_pending(first: OutputItem, receive, kind: RequestOutputKind) -> list[
 
 
 def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    for old, new in zip(a.outputs, b.outputs):
+    for old, new in zip(a.outputs, b.outputs, strict=True):
         old.text += new.text
         old.token_ids = old.token_ids + new.token_ids
         if old.logprobs is not None and new.logprobs is not None:
@@ -347,7 +351,7 @@ def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
 @asynccontextmanager
 async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
                       tokenizer: Tokenizer | None = None,
-                      observer: StatsObserver | None = None) -> AsyncIterator[AsyncEngine]:
+                      observer: StatsObserver | None = None) -> AsyncGenerator[AsyncEngine]:
     """Load the model, start the engine-core task, and yield the engine.
 
     `executor` replaces the default one (tests pass a fake whose steps take
@@ -371,8 +375,12 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
             await tg.start(core.run)
             if config.loop_lag_interval is not None:
                 on_lag = (observer or NullObserver()).on_loop_lag
-                await tg.start(run_loop_lag_probe, lambda lag: (loop_lag.record(lag), on_lag(lag)),
-                               config.loop_lag_interval)
+
+                def observe_lag(lag: float) -> None:
+                    loop_lag.record(lag)
+                    on_lag(lag)
+
+                await tg.start(run_loop_lag_probe, observe_lag, config.loop_lag_interval)
             try:
                 yield AsyncEngine(config, info, tokenizer, core, loop_lag)
             finally:

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import anyio
-import trio
 from tqdm import tqdm
 
-from engine.api.async_engine import AsyncEngine, Prompt, open_engine
+from engine.api.async_engine import AsyncEngine, open_engine
 from engine.config import EngineConfig
 from engine.executor.inproc import InProcExecutor
 from engine.models.tiny import ensure_default_model
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
+from engine.render.renderer import Prompt
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -45,25 +45,26 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
         """One finished `RequestOutput` per prompt, in prompt order."""
-        batch = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
+        single = isinstance(prompts, (str, dict)) or _is_token_list(prompts)
+        batch: list[Prompt] = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
         params = sampling_params or SamplingParams()
-        return trio.run(self._run_batch, [("generate", p) for p in batch], params, use_tqdm)
+        return anyio.run(self._run_batch, [("generate", p) for p in batch], params, use_tqdm, backend="trio")
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | None = None,
              *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Render each conversation with the chat template and generate a reply for it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = sampling_params or SamplingParams()
-        return trio.run(self._run_batch, [("chat", c) for c in conversations], params, use_tqdm)
+        return anyio.run(self._run_batch, [("chat", c) for c in conversations], params, use_tqdm, backend="trio")
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
         """One pooled output per prompt, in prompt order (`PoolingParams(task=...)` for token
         embeddings or classification)."""
         batch = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
-        return trio.run(self._encode, batch, pooling_params)
+        return anyio.run(self._encode, batch, pooling_params, backend="trio")
 
-    async def _encode(self, prompts: list[Prompt], params: PoolingParams | None) -> list[PoolingRequestOutput]:
+    async def _encode(self, prompts: Sequence[Prompt], params: PoolingParams | None) -> list[PoolingRequestOutput]:
         async with open_engine(self.config, executor=self._executor, tokenizer=self._tokenizer) as engine:
             return await engine.encode(prompts, params)
 
@@ -75,10 +76,10 @@ class LLM:
         params = _final_only(params)
         results: list[RequestOutput | None] = [None] * len(items)
         with tqdm(total=len(items), disable=not use_tqdm or len(items) < 2, desc="Processed prompts") as bar:
-            async with open_engine(self.config, executor=self._executor, tokenizer=self._tokenizer) as engine:
-                async with anyio.create_task_group() as tg:
-                    for index, item in enumerate(items):
-                        tg.start_soon(_collect, engine, index, item, params, results, bar)
+            async with (open_engine(self.config, executor=self._executor, tokenizer=self._tokenizer) as engine,
+                        anyio.create_task_group() as tg):
+                for index, item in enumerate(items):
+                    tg.start_soon(_collect, engine, index, item, params, results, bar)
         return [r for r in results if r is not None]
 
 
@@ -91,7 +92,7 @@ def _is_token_list(value: Any) -> bool:
 
 
 async def _collect(engine: AsyncEngine, index: int, item: tuple[str, Any], params: SamplingParams,
-                   results: list[RequestOutput | None], bar: tqdm) -> None:
+                   results: list[RequestOutput | None], bar: tqdm[Any]) -> None:
     kind, payload = item
     stream = engine.generate(payload, params) if kind == "generate" else engine.chat(payload, params)
     async for output in stream:

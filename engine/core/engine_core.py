@@ -14,6 +14,7 @@ closes after the final output.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from engine.sched.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)
 
-OutputItem = RequestOutput | BaseException
+OutputItem = RequestOutput | PoolingRequestOutput | BaseException
 OutputSender = MemoryObjectSendStream[OutputItem]
 
 
@@ -241,7 +242,7 @@ class EngineCore:
         elif request.status.finished:
             tracker.finish_child(child, request.status.finish_reason or "stop", request.stop_reason)
 
-    def _send(self, request_id: str, output: RequestOutput) -> bool:
+    def _send(self, request_id: str, output: RequestOutput | PoolingRequestOutput) -> bool:
         try:
             self._streams[request_id].send_nowait(output)
             return True
@@ -253,10 +254,8 @@ class EngineCore:
         self._inbox_send.close()
         for rid in list(self._trackers):
             stream = self._streams[rid]
-            try:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 stream.send_nowait(_dead_error(failure))
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
             self._forget(rid)
         self._trackers.clear()
 

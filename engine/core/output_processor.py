@@ -21,7 +21,7 @@ from engine.sched.request import Request
 def to_position_logprobs(entry: TokenLogprobs, tokenizer: Tokenizer) -> PositionLogprobs:
     ids, lps, ranks = entry
     return {tid: Logprob(lp, rank, tokenizer.decode([tid], skip_special_tokens=False))
-            for tid, lp, rank in zip(ids, lps, ranks)}
+            for tid, lp, rank in zip(ids, lps, ranks, strict=True)}
 
 
 @dataclass
@@ -71,7 +71,7 @@ class RequestTracker:
         """Record new tokens; returns the stop string that matched, if any."""
         child.token_ids.extend(token_ids)
         for entry in logprobs:
-            assert child.logprobs is not None
+            assert child.logprobs is not None and child.cumulative_logprob is not None
             child.logprobs.append(to_position_logprobs(entry, self.tokenizer))
             child.cumulative_logprob += entry[1][0]
         return child.detokenizer.add_tokens(token_ids)

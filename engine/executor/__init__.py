@@ -1,13 +1,21 @@
-"""Executors run the Worker somewhere and expose it to the engine core as awaitables."""
+"""Executors run the Worker somewhere and expose it to the engine core as awaitables.
 
+Importing this package loads no torch: the executors that need it load on use,
+so `engine.testing.FakeExecutor` stays light.
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
 from engine.executor.base import Executor
-from engine.executor.inproc import InProcExecutor
 
-__all__ = ["Executor", "InProcExecutor", "create_executor"]
+__all__ = ["Executor", "create_executor"]
 
 
-def create_executor(config) -> Executor:
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor `config` asks for: in-process (a worker thread) or worker processes."""
     if config.executor_kind == "inproc":
+        from engine.executor.inproc import InProcExecutor
         return InProcExecutor(config)
     from engine.executor.multiproc import MultiprocExecutor
     return MultiprocExecutor(config)

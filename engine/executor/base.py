@@ -22,12 +22,14 @@ class Executor(ABC):
     async def __aenter__(self) -> Executor:
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
             await self.aclose()
+        return None
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,
-                             timeout: float | None = None, non_block: bool = False,
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+                             timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
+                             non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
         """Call a Worker method on every worker; see `engine.executor.rpc.WorkerGroup`."""
         raise NotImplementedError(f"{type(self).__name__} has no workers to call")
@@ -50,5 +52,5 @@ class Executor(ABC):
         as long as the executor is open."""
         return (True,)
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 -- optional: an executor with nothing to release keeps it
         """Release workers. Safe to call more than once."""

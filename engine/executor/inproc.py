@@ -34,8 +34,9 @@ class InProcExecutor(Executor):
     async def initialize_kv_cache(self, num_blocks: int) -> None:
         await anyio.to_thread.run_sync(self.worker.initialize_kv_cache, num_blocks, limiter=self._limiter)
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,
-                             timeout: float | None = None, non_block: bool = False,
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+                             timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
+                             non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
         """The one in-process worker runs `method` in a thread: a list of one result (or the
         result itself with `unique_reply_rank=0`). `non_block` is not supported here."""

@@ -24,7 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 from functools import partial
 from typing import Any
 
@@ -43,6 +43,7 @@ from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
 SHUTDOWN_GRACE = 5.0  # each stage of the staged stop
+_HANDSHAKE_LOST: tuple[type[Exception], ...] = (EOFError, *STREAM_BROKEN)
 
 
 class MultiprocExecutor(Executor):
@@ -130,7 +131,7 @@ class MultiprocExecutor(Executor):
     async def _handshake(self, conn: WorkerConnection) -> None:
         try:
             message = await conn.reader.receive()
-        except (EOFError, *STREAM_BROKEN):  # it exited (perhaps before reading its Init)
+        except _HANDSHAKE_LOST:  # it exited (perhaps before reading its Init)
             code = await self.processes[conn.rank].wait()
             raise ModelLoadError(f"worker rank {conn.rank} exited during start-up ({_describe(code)})") from None
         if isinstance(message, StartupFailed):
@@ -163,8 +164,9 @@ class MultiprocExecutor(Executor):
                 self.group.shutdown()
             for stage in (None, signal.SIGTERM, signal.SIGKILL):
                 alive = [p for p in self.processes if p.returncode is None]
-                for process in alive if stage else ():
-                    _signal(process, stage)
+                if stage is not None:
+                    for process in alive:
+                        _signal(process, stage)
                 with anyio.move_on_after(SHUTDOWN_GRACE):
                     for process in alive:
                         await process.wait()
@@ -177,8 +179,9 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("the executor is not started: use it as an async context manager")
         return self.group
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,
-                             timeout: float | None = None, non_block: bool = False,
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+                             timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
+                             non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
         """See `WorkerGroup.collective_rpc`."""
         return await self._workers().collective_rpc(method, args, kwargs, timeout=timeout, non_block=non_block,
@@ -188,7 +191,8 @@ class MultiprocExecutor(Executor):
         return tuple(process.returncode is None for process in self.processes)
 
     async def load_model(self) -> ModelInfo:
-        return await self.collective_rpc("load_model", unique_reply_rank=0)
+        info: ModelInfo = await self.collective_rpc("load_model", unique_reply_rank=0)
+        return info
 
     async def initialize_kv_cache(self, num_blocks: int) -> None:
         await self.collective_rpc("initialize_kv_cache", (num_blocks,))
@@ -197,7 +201,8 @@ class MultiprocExecutor(Executor):
         # Every rank runs the step; only rank 0 samples and replies. Cancelling this call
         # abandons it: the workers still finish the step in order before any later call.
         try:
-            return await self.collective_rpc("execute_model", (sched_out,), unique_reply_rank=0)
+            output: ModelRunnerOutput = await self.collective_rpc("execute_model", (sched_out,), unique_reply_rank=0)
+            return output
         except WorkerError as exc:
             raise await self._root_cause(exc) from exc
 
@@ -211,10 +216,8 @@ class MultiprocExecutor(Executor):
 
 
 def _signal(process: Process, sig: signal.Signals) -> None:
-    try:
+    with suppress(ProcessLookupError):
         process.send_signal(sig)
-    except ProcessLookupError:
-        pass
 
 
 def _describe(code: int | None) -> str:

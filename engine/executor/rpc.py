@@ -28,7 +28,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import trio
 
 from engine.errors import EngineDeadError
@@ -41,8 +40,8 @@ from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
 class Call:
     seq: int
     method: str
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
     reply_rank: int | None = None  # None: every worker replies
 
 
@@ -275,16 +274,16 @@ class WorkerGroup:
         self._seq = itertools.count()
         self.failure: BaseException | None = None
         self.closing = False  # after shutdown(), connections ending is expected
-        self._scope: anyio.CancelScope | None = None
+        self._scope: trio.CancelScope | None = None
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer and reader tasks of every connection; returns when all have stopped.
 
         A connection that ends or breaks fails the whole group (a worker group
         is only useful whole); failing the group stops these tasks and closes
         every connection, which tells the remaining workers to exit."""
         try:
-            async with anyio.create_task_group() as tg:
+            async with trio.open_nursery() as tg:
                 self._scope = tg.cancel_scope
                 if self.failure is not None:
                     tg.cancel_scope.cancel()
@@ -292,21 +291,20 @@ class WorkerGroup:
                     tg.start_soon(self._serve, conn)
                 task_status.started()
         finally:
-            with anyio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True):
                 for conn in self.connections:
                     await conn.stream.aclose()
 
     async def _serve(self, conn: WorkerConnection) -> None:
-        async with anyio.create_task_group() as tg:
+        async with trio.open_nursery() as tg:
             tg.start_soon(self._guard, conn, conn.write_loop)
             await self._guard(conn, conn.read_loop)
             tg.cancel_scope.cancel()
 
-    async def _guard(self, conn: WorkerConnection, loop) -> None:
+    async def _guard(self, conn: WorkerConnection, loop: Callable[[], Awaitable[None]]) -> None:
         try:
             await loop()
-        except (EOFError, anyio.BrokenResourceError, anyio.ClosedResourceError, trio.BrokenResourceError,
-                trio.ClosedResourceError, OSError) as exc:
+        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             if not self.closing and self.on_connection_lost is not None:
                 await self.on_connection_lost(conn.rank)
             reason = "was shut down" if self.closing else f"connection ended: {exc}"
@@ -323,8 +321,8 @@ class WorkerGroup:
         if self._scope is not None:
             self._scope.cancel()
 
-    def call(self, method: str, args: tuple = (), kwargs: dict | None = None, *, timeout: float | None = None,
-             unique_reply_rank: int | None = None) -> RPCFuture:
+    def call(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+             timeout: float | None = None, unique_reply_rank: int | None = None) -> RPCFuture:
         """Broadcast one call now and return its future (this is `collective_rpc(non_block=True)`)."""
         if self.failure is not None:
             raise self.failure
@@ -341,8 +339,9 @@ class WorkerGroup:
         deadline = math.inf if timeout is None else trio.current_time() + timeout
         return RPCFuture(slots, deadline, unique_reply_rank is not None)
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, *,
-                             timeout: float | None = None, non_block: bool = False,
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+                             timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
+                             non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
         """Call `method` on every worker. Returns the list of results in rank order (or the one
         result of `unique_reply_rank`), or with `non_block` an `RPCFuture` to await later.

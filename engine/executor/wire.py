@@ -33,9 +33,9 @@ def _tensor_from_buffer(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...])
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-        return tensor.__reduce_ex__(5)
+        return tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return _tensor_from_buffer, (pickle.PickleBuffer(raw), tensor.dtype, tuple(tensor.shape))
+    return _tensor_from_buffer, (pickle.PickleBuffer(raw.data), tensor.dtype, tuple(tensor.shape))
 
 
 # A dispatch table, not `reducer_override`: that is a Python call for every object pickled.

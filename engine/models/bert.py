@@ -9,7 +9,7 @@ one batch and masks the padding.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,10 +64,11 @@ def is_encoder_config(raw: dict[str, Any]) -> bool:
     return any(a in ENCODER_ARCHITECTURES for a in archs) or (not archs and raw.get("model_type") == "bert")
 
 
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
 
-def _empty_linear(inp: int, out: int, **factory) -> nn.Linear:
+def _empty_linear(inp: int, out: int, **factory: Any) -> nn.Linear:
     layer = nn.Linear.__new__(nn.Linear)
     nn.Module.__init__(layer)
     layer.in_features, layer.out_features = inp, out
@@ -76,7 +77,7 @@ def _empty_linear(inp: int, out: int, **factory) -> nn.Linear:
     return layer
 
 
-def _empty_norm(size: int, eps: float, **factory) -> nn.Module:
+def _empty_norm(size: int, eps: float, **factory: Any) -> nn.Module:
     norm = nn.LayerNorm.__new__(nn.LayerNorm)
     nn.Module.__init__(norm)
     norm.normalized_shape, norm.eps, norm.elementwise_affine = (size,), eps, True
@@ -86,7 +87,7 @@ def _empty_norm(size: int, eps: float, **factory) -> nn.Module:
 
 
 class BertLayer(nn.Module):
-    def __init__(self, cfg: EncoderConfig, **factory) -> None:
+    def __init__(self, cfg: EncoderConfig, **factory: Any) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
         self.qkv = _empty_linear(cfg.hidden_size, 3 * cfg.hidden_size, **factory)
@@ -110,7 +111,7 @@ class BertEncoder(nn.Module):
 
     def __init__(self, cfg: EncoderConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.config, self.dtype = cfg, dtype
         self.word_embeddings = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **factory))
         self.position_embeddings = nn.Parameter(torch.empty(cfg.max_position_embeddings, cfg.hidden_size, **factory))

@@ -9,6 +9,7 @@ the checkpoint's separate tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ class Linear(nn.Module):
     nn.Linear/nn.Embedding would random-initialise first: wasted work at load, and
     their init functions import torch._dynamo (measured: half of server start-up)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, **factory) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, **factory: Any) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
@@ -43,7 +44,7 @@ class RowParallelLinear(Linear):
     """A Linear whose input features are split across ranks: partial sums are all-reduced,
     then the (unsplit) bias is added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, **factory) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, **factory: Any) -> None:
         super().__init__(in_features, out_features, bias, **factory)
         self.tp = tp
 
@@ -56,7 +57,7 @@ class VocabParallelEmbedding(nn.Module):
     """Each rank holds rows [start, start + n) of the table; ids elsewhere read zeros, and the
     all-reduce adds the one rank that holds each id."""
 
-    def __init__(self, num_embeddings: int, dim: int, tp: TensorParallel, **factory) -> None:
+    def __init__(self, num_embeddings: int, dim: int, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
         rows = tp.split(num_embeddings, "vocab_size")
         self.start, self.tp = tp.rank * rows, tp
@@ -72,7 +73,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, **factory) -> None:
+    def __init__(self, size: int, eps: float, **factory: Any) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, **factory))
         self.eps = eps
@@ -88,7 +89,7 @@ class DecoderLayer(nn.Module):
     """One transformer block; under tensor parallelism it holds this rank's heads and
     intermediate features."""
 
-    def __init__(self, cfg: DecoderConfig, tp: TensorParallel, **factory) -> None:
+    def __init__(self, cfg: DecoderConfig, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
@@ -159,13 +160,19 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """hidden: input embeddings [T, H] of the flat batch -> final hidden states [T, H]."""
         assert self.rope is not None, "setup_rope() must run before forward()"
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.rope, kv_cache, meta)
         return self.norm(hidden)
 
     @property
+    def first_layer(self) -> DecoderLayer:
+        layer = self.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        return layer
+
+    @property
     def num_local_kv_heads(self) -> int:
-        return self.layers[0].num_kv_heads
+        return self.first_layer.num_kv_heads
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (gathered from every rank: a collective, so all ranks call it)."""
@@ -223,7 +230,7 @@ class DecoderForCausalLM(nn.Module):
         target.copy_(tensor)
 
     def _slot_sizes(self, name: str) -> list[int]:
-        layer = self.layers[0]
+        layer = self.first_layer
         if ".gate_up_proj." in name:
             return [layer.down_proj.weight.shape[1]] * 2
         return list(layer.split)

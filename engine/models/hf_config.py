@@ -51,21 +51,30 @@ def require_model_dir(model_dir: str | Path) -> Path:
     return Path(model_dir)
 
 
-def read_config_json(model_dir: str | Path) -> dict[str, Any]:
-    path = require_model_dir(model_dir) / "config.json"
+def read_json_file(path: Path, *, missing: str | None = None) -> Any:
+    """A model directory's JSON file. A missing file is `{}`, or a `ModelLoadError` saying
+    `missing` when it is required; an unreadable or invalid one is a `ModelLoadError`."""
     if not path.is_file():
-        raise ModelLoadError(f"{path} is missing: a model directory needs an HF config.json")
+        if missing is not None:
+            raise ModelLoadError(f"{path} is missing: {missing}")
+        return {}
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = require_model_dir(model_dir) / "config.json"
+    config: dict[str, Any] = read_json_file(path, missing="a model directory needs an HF config.json")
+    return config
 
 
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
     for arch in archs:
         if arch in DECODER_ARCHITECTURES:
-            return arch
+            return str(arch)
     by_type = {v: k for k, v in DECODER_ARCHITECTURES.items()}
     if not archs and raw.get("model_type") in by_type:
         return by_type[raw["model_type"]]

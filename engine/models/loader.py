@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +12,7 @@ from safetensors import safe_open
 from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.hf_config import DecoderConfig, parse_decoder_config, read_config_json
+from engine.models.hf_config import DecoderConfig, parse_decoder_config, read_config_json, read_json_file
 from engine.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,7 +29,7 @@ def resolve_dtype(requested: str, checkpoint_dtype: str) -> torch.dtype:
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json_file(index).get("weight_map", {})
         files = sorted({model_dir / f for f in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
@@ -45,7 +44,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 -- a safetensors handle has keys() but is not iterable
                 yield name, f.get_tensor(name)
 
 
@@ -86,7 +85,7 @@ def _checkpoint_rows(files: list[Path], names: tuple[str, ...]) -> int | None:
     """The first dimension of the first tensor named one of `names`, read from the headers only."""
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 -- a safetensors handle has keys() but is not iterable
                 if name.removeprefix("model.") in names:
                     return int(f.get_slice(name).get_shape()[0])
     return None

@@ -7,47 +7,48 @@ BERT checkpoints pool the CLS token and decoders the last token, normalized.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.model_info import PoolerConfig
+from engine.models.hf_config import read_json_file
 from engine.pooling_params import PoolingParams
 
 POOLING_TYPES = ("mean", "cls", "last")
 
 
-def read_pooler_config(model_dir: str | Path, raw_config: dict, default_pooling: str,
+def read_pooler_config(model_dir: str | Path, raw_config: dict[str, Any], default_pooling: str,
                        override: str | None = None) -> PoolerConfig:
     """The model's pooling; `override` (EngineConfig.pooling_type) replaces its pooling mode."""
     config = _read_pooler_config(Path(model_dir), raw_config, default_pooling)
     return config if override is None else replace(config, pooling=override)
 
 
-def _read_pooler_config(model_dir: Path, raw_config: dict, default_pooling: str) -> PoolerConfig:
+def _read_pooler_config(model_dir: Path, raw_config: dict[str, Any], default_pooling: str) -> PoolerConfig:
     matryoshka = raw_config.get("matryoshka_dimensions")
     dims = tuple(int(d) for d in matryoshka) if matryoshka else None
     modules_path = model_dir / "modules.json"
     if not modules_path.is_file():
         return PoolerConfig(default_pooling, True, dims)
     try:
-        modules = json.loads(modules_path.read_text())
+        modules = read_json_file(modules_path)
         pooling_dir = next((m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")), None)
         normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
         pooling = default_pooling
         if pooling_dir is not None:
-            cfg = json.loads((model_dir / pooling_dir / "config.json").read_text())
+            cfg = read_json_file(model_dir / pooling_dir / "config.json", missing="modules.json names it")
             pooling = _pooling_mode(cfg)
-    except (OSError, json.JSONDecodeError, StopIteration) as exc:
+    except (AttributeError, TypeError) as exc:  # JSON of the wrong shape
         raise ModelLoadError(f"{model_dir}: unreadable sentence-transformers pooling config: {exc}") from exc
     return PoolerConfig(pooling, normalize, dims)
 
 
-def _pooling_mode(cfg: dict) -> str:
+def _pooling_mode(cfg: dict[str, Any]) -> str:
     if cfg.get("pooling_mode_mean_tokens"):
         return "mean"
     if cfg.get("pooling_mode_cls_token"):

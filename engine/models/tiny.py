@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -82,7 +83,7 @@ def write_tokenizer(model_dir: str | Path, vocab_size: int) -> int:
     return tokenizer.get_vocab_size()
 
 
-def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict:
+def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]:
     return {
         "architectures": [ARCHITECTURES[spec.arch]],
         "model_type": spec.arch,
@@ -147,6 +148,7 @@ def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), ove
     try:
         vocab_size = write_tokenizer(staging, spec.vocab)
         eos_id = Tokenizer.from_file(str(staging / "tokenizer.json")).token_to_id("<|im_end|>")
+        assert eos_id is not None, "the tokenizer trainer always adds <|im_end|>"
         (staging / "config.json").write_text(json.dumps(_config(spec, vocab_size, eos_id), indent=2))
         save_file(_random_weights(spec, vocab_size), str(staging / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(staging, 0o755)

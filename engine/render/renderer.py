@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import torch
@@ -83,8 +83,8 @@ class Renderer:
             return await self._embeds_input(prompt)
         if isinstance(prompt, Mapping):
             return await self._render_mapping(prompt)
-        if isinstance(prompt, Sequence):
-            return EngineInput(None, self.check_token_ids(prompt))
+        if isinstance(prompt, Sequence):  # token ids (text was taken above)
+            return EngineInput(None, self.check_token_ids(cast(Sequence[int], prompt)))
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
 
     async def _render_mapping(self, prompt: Mapping[str, Any]) -> EngineInput:

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from typing_extensions import Buffer
 
 MAX_PICKLE_BYTES = 1 << 20  # a tensor's data.pkl is a few hundred bytes
 
@@ -146,7 +147,8 @@ class _BufferReader(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def readinto(self, target) -> int:
+    def readinto(self, buffer: Buffer) -> int:
+        target = memoryview(buffer).cast("B")
         chunk = self._view[self._pos:self._pos + len(target)]
         target[:len(chunk)] = chunk
         self._pos += len(chunk)
@@ -201,7 +203,7 @@ def _rebuild_dense(storage: Any, offset: Any, size: Any, stride: Any, *_ignored:
             or not all(_is_count(v) for v in size + stride)):
         raise TensorPayloadError("malformed tensor shape, stride or offset")
     if all(size):  # the furthest element must lie inside the storage
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
         if last >= storage.numel():
             raise TensorPayloadError("the tensor's shape and strides reach outside its storage")
     return storage.as_strided(size, stride, offset)
@@ -231,7 +233,7 @@ def _get_layout(name: Any) -> str:
     return _SPARSE_COO
 
 
-def _size(dims: Any = ()) -> tuple:
+def _size(dims: Any = ()) -> tuple[int, ...]:
     return tuple(dims)
 
 

@@ -5,21 +5,20 @@ from `generation_config.json`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelLoadError
-from engine.models.hf_config import require_model_dir
+from engine.models.hf_config import read_json_file, require_model_dir
 
 
 def _token_text(value: Any) -> str | None:
     """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class Tokenizer:
@@ -33,8 +32,8 @@ class Tokenizer:
         # the engine wants the text's own tokens and decides about length itself.
         self.backend.no_padding()
         self.backend.no_truncation()
-        cfg = self._read_json(model_dir / "tokenizer_config.json")
-        gen = self._read_json(model_dir / "generation_config.json")
+        cfg = read_json_file(model_dir / "tokenizer_config.json")
+        gen = read_json_file(model_dir / "generation_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.pad_token = _token_text(cfg.get("pad_token"))
@@ -43,15 +42,6 @@ class Tokenizer:
         self.bos_token_id = self.token_to_id(self.bos_token)
         self.eos_token_ids = self._eos_ids(gen)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
-
-    @staticmethod
-    def _read_json(path: Path) -> dict[str, Any]:
-        if not path.is_file():
-            return {}
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
     def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         ids: list[int] = []

@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.sched.block_manager import KVBlockManager
-from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.sched.block_manager import KVBlock, KVBlockManager
+from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.sched.queues import make_queue
 from engine.sched.request import Request, RequestStatus, check_stop
 
@@ -55,8 +55,8 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: tuple[int, list] | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     pooled: Any = None  # a pooling request's output (it is then finished)
 
 
@@ -196,7 +196,7 @@ class Scheduler:
             scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
 
-    def _cached_prefix(self, request: Request) -> list:
+    def _cached_prefix(self, request: Request) -> list[KVBlock]:
         # Prompt logprobs and pooling need every prompt position computed.
         if (request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None
                 or request.pooling_params is not None):

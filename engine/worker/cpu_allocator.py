@@ -38,7 +38,7 @@ def keep_freed_memory_in_heap() -> bool:
         mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS)
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
     logger.debug("glibc malloc thresholds raised: %s", ok)
     _done = ok
     return ok

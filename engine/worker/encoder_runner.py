@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model_info import PoolerConfig
 from engine.models.bert import BertEncoder
-from engine.models.pooler import PoolerConfig, finish, pool, pool_batch
+from engine.models.pooler import finish, pool, pool_batch
 from engine.pooling_params import PoolingParams
-from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 MAX_ROWS_PER_FORWARD = 32
 
@@ -42,7 +43,7 @@ class EncoderRunner:
             self._encode_group(ordered[start:start + MAX_ROWS_PER_FORWARD], out)
         return out
 
-    def _encode_group(self, batch, out: ModelRunnerOutput) -> None:
+    def _encode_group(self, batch: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
         hidden, lengths = self._encode(batch)
         pooled = pool_batch(hidden, lengths, self.pooler.pooling)  # every row at once: cheap per request
         for row, item in enumerate(batch):
@@ -52,7 +53,7 @@ class EncoderRunner:
             else:
                 out.pooled[item.request_id] = self._output(hidden[row, :item.num_tokens], params)
 
-    def _encode(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         length = max(item.num_tokens for item in batch)
         ids = torch.zeros(len(batch), length, dtype=torch.long)
         types = torch.zeros(len(batch), length, dtype=torch.long)

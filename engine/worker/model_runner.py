@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.model_info import PoolerConfig
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
-from engine.models.pooler import PoolerConfig, finish, pool
+from engine.models.pooler import finish, pool
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
@@ -103,7 +104,8 @@ class ModelRunner:
         meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.model(self._embed(batch, input_ids), pos, self.kv_caches, meta)
+        hidden: torch.Tensor = self.model(self._embed(batch, input_ids), pos, self.kv_caches, meta)
+        return hidden
 
     def _embed(self, batch: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings for the flat batch, with prompt-embeddings rows written over the
@@ -136,7 +138,7 @@ class ModelRunner:
             return
         rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
         result = sample(logits, rows, self.generator)
-        for rid, state, token, logprobs in zip(ids, states, result.token_ids, result.logprobs):
+        for rid, state, token, logprobs in zip(ids, states, result.token_ids, result.logprobs, strict=True):
             state.output_token_ids.append(token)
             out.sampled_token_ids[rid] = token
             if logprobs is not None:

@@ -43,7 +43,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     logits = mask_stop_tokens_below_min(logits, rows)
     chosen = _choose(logits, rows, default_generator)
     token_ids = chosen.tolist()
-    logprobs = [None] * len(rows)
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
         for i, r in enumerate(rows):
             if r.params.logprobs is not None:

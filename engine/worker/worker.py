@@ -7,6 +7,7 @@ arguments and results are plain picklable data.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class Worker:
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler)
 
-    def _load_encoder(self, raw: dict) -> ModelInfo:
+    def _load_encoder(self, raw: dict[str, Any]) -> ModelInfo:
         if self.tp.size > 1:
             raise ModelLoadError("tensor parallelism is not supported for encoder (BERT) models")
         self.model = load_encoder(self.config.model, self.config.dtype, self.config.device)
@@ -80,7 +81,7 @@ class Worker:
         if isinstance(self.model, BertEncoder):
             self.runner = EncoderRunner(self.model, self.pooler, self.device)
             return
-        if self.runner is not None and self.runner.num_blocks == num_blocks:
+        if isinstance(self.runner, ModelRunner) and self.runner.num_blocks == num_blocks:
             self.runner.requests.clear()  # a new engine run over the same cache: forget old requests
             return
         cfg = self.model.config
@@ -98,7 +99,7 @@ class Worker:
     def ping(self) -> str:
         return "pong"
 
-    def model_summary(self) -> dict:
+    def model_summary(self) -> dict[str, Any]:
         """What this rank holds (for operators and tests): its rank and share of the model."""
         assert isinstance(self.model, DecoderForCausalLM), "a loaded decoder"
         return {"rank": self.rank, "world_size": self.tp.size, "local_kv_heads": self.model.num_local_kv_heads,
