@@ -8,10 +8,10 @@ from functools import partial
 
 import trio
 
-from web.cli import model_dir
+from web.cli import Subcommands, model_dir
 
 
-def add_bench_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_bench_command(sub: Subcommands) -> None:
     """Add `bench` and its sub-commands to the `trio-llm` parser."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_bench_throughput(bench)
@@ -21,7 +21,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     _add_bench_embed(bench)
 
 
-def _add_bench_throughput(bench) -> None:
+def _add_bench_throughput(bench: Subcommands) -> None:
     tp = bench.add_parser("throughput", help="engine output tok/s against the bare forward and transformers")
     tp.add_argument("--model", default=None)
     tp.add_argument("--num-prompts", type=int, default=256)
@@ -34,7 +34,7 @@ def _add_bench_throughput(bench) -> None:
     tp.set_defaults(run=_bench_throughput)
 
 
-def _add_bench_serve(bench) -> None:
+def _add_bench_serve(bench: Subcommands) -> None:
     sv = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT and ITL per concurrency")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
     sv.add_argument("--model", default=None, help="model name to send (default: the server's)")
@@ -48,7 +48,7 @@ def _add_bench_serve(bench) -> None:
     sv.set_defaults(run=_bench_serve)
 
 
-def _add_bench_loop_lag(bench) -> None:
+def _add_bench_loop_lag(bench: Subcommands) -> None:
     ll = bench.add_parser("loop-lag", help="event-loop lag while prompt_embeds payloads decode: inline vs offloaded")
     ll.add_argument("--requests", type=int, default=16)
     ll.add_argument("--rows", type=int, default=2048)
@@ -58,7 +58,7 @@ def _add_bench_loop_lag(bench) -> None:
     ll.set_defaults(run=_bench_loop_lag)
 
 
-def _add_bench_rpc(bench) -> None:
+def _add_bench_rpc(bench: Subcommands) -> None:
     rpc = bench.add_parser("rpc", help="collective_rpc round trips vs a bare socket ping-pong; per-step overhead")
     rpc.add_argument("--model", default=None)
     rpc.add_argument("--rounds", type=int, default=2000)
@@ -67,7 +67,7 @@ def _add_bench_rpc(bench) -> None:
     rpc.set_defaults(run=_bench_rpc)
 
 
-def _add_bench_embed(bench) -> None:
+def _add_bench_embed(bench: Subcommands) -> None:
     em = bench.add_parser("embed", help="/v1/embeddings sentences/s against the bare model, with loop lag")
     em.add_argument("--model", default=None, help="an embedding model (default: all-MiniLM-L6-v2 if installed)")
     em.add_argument("--num-sentences", type=int, default=1000)

@@ -21,9 +21,11 @@ import sys
 import time
 from dataclasses import dataclass
 from importlib import resources
-from urllib.parse import urlsplit
 
 import trio
+
+from bench import http
+from bench.http import RawResponse
 
 
 def make_sentences(count: int, words: int = 20, seed: int = 0) -> list[str]:
@@ -38,7 +40,6 @@ def offline_rate(model_dir: str, sentences: list[str], batch: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from engine.models.bert import EncoderConfig
     from engine.models.hf_config import read_config_json
     from engine.models.loader import load_encoder
     from engine.models.pooler import read_pooler_config
@@ -46,7 +47,6 @@ def offline_rate(model_dir: str, sentences: list[str], batch: int) -> float:
     model = load_encoder(model_dir)
     pooler = read_pooler_config(model_dir, read_config_json(model_dir), default_pooling="cls")
     tokenizer = Tokenizer(model_dir)
-    assert EncoderConfig  # the bare encoder: what the engine's runner calls
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(sentences), batch):
@@ -62,41 +62,8 @@ def offline_rate(model_dir: str, sentences: list[str], batch: int) -> float:
     return len(sentences) / (time.perf_counter() - start)
 
 
-async def _post(stream: trio.SocketStream, host: str, path: str, body: bytes) -> bytes:
-    """One request on a kept-alive connection (as HTTP clients' connection pools do)."""
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    await stream.send_all(head + body)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            raise RuntimeError("the server closed the connection")
-        data += chunk
-    header, _, rest = data.partition(b"\r\n\r\n")
-    if not header.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"request failed: {header.splitlines()[0].decode()}")
-    length = int(next(line.split(b":")[1] for line in header.split(b"\r\n")
-                      if line.lower().startswith(b"content-length")))
-    while len(rest) < length:
-        rest += await stream.receive_some(65536)
-    return rest
-
-
-async def _get(host: str, port: int, path: str) -> tuple[int, bytes]:
-    stream = await trio.open_tcp_stream(host, port)
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := await stream.receive_some(65536):
-            data += chunk
-            if b"\r\n\r\n" in data:
-                header, _, rest = data.partition(b"\r\n\r\n")
-                lengths = [int(line.split(b":")[1]) for line in header.split(b"\r\n")
-                           if line.lower().startswith(b"content-length")]
-                if lengths and len(rest) >= lengths[0]:
-                    break
-    return int(data.split(b" ", 2)[1]), data.partition(b"\r\n\r\n")[2]
+async def _get(url: str, path: str) -> RawResponse:
+    return await http.request(url, "GET", path)
 
 
 def _lag_histogram(metrics: bytes) -> dict[str, float]:
@@ -119,22 +86,25 @@ class ServerRound:
 
 
 async def server_round(url: str, sentences: list[str], concurrency: int) -> ServerRound:
-    parts = urlsplit(url)
-    host, port = parts.hostname, parts.port
-    before = _lag_histogram((await _get(host, port, "/metrics"))[1])
+    before = _lag_histogram((await _get(url, "/metrics")).body)
     queue = iter(sentences)
 
     async def client() -> None:
-        async with await trio.open_tcp_stream(host, port) as stream:
+        connection = await http.Connection.open(url)
+        try:
             for sentence in queue:
-                await _post(stream, host, "/v1/embeddings", json.dumps({"input": sentence}).encode())
+                response = await connection.post("/v1/embeddings", json.dumps({"input": sentence}).encode())
+                if response.status != 200:
+                    raise RuntimeError(f"request failed: {response.status} {response.body[:200]!r}")
+        finally:
+            await connection.aclose()
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(client)
     rate = len(sentences) / (time.perf_counter() - start)
-    after = _lag_histogram((await _get(host, port, "/metrics"))[1])
+    after = _lag_histogram((await _get(url, "/metrics")).body)
     count = after.get("count", 0) - before.get("count", 0)
     mean = (after.get("sum", 0) - before.get("sum", 0)) / count if count else float("nan")
     buckets = sorted((float("inf") if le == "+Inf" else float(le), after[le] - before.get(le, 0))
@@ -152,7 +122,7 @@ async def run(model_dir: str, count: int, concurrency: int, batch: int, rounds: 
         with trio.fail_after(180):
             while True:
                 try:
-                    if (await _get("127.0.0.1", port, "/health"))[0] == 200:
+                    if (await _get(url, "/health")).status == 200:
                         break
                 except OSError:
                     pass

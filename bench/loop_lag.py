@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -26,7 +25,7 @@ import torch
 
 from engine.concurrency.loop_lag import run_loop_lag_probe
 from engine.render.prompt_embeds import EmbedsLimits, check_prompt_embeds, decode_prompt_embeds
-from engine.render.renderer import Renderer
+from engine.render.renderer import PayloadDecoder, Renderer
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
 
 PROBE_INTERVAL = 0.001
@@ -35,12 +34,12 @@ PROBE_INTERVAL = 0.001
 def torch_load_decode(payload: str | bytes, limits: EmbedsLimits) -> torch.Tensor:
     """The decoder the renderer replaced: `torch.load` with the process-wide sparse check."""
     raw = pybase64.b64decode(payload, validate=True)
-    with torch.sparse.check_sparse_tensor_invariants():
+    with torch.sparse.check_sparse_tensor_invariants():  # type: ignore[no-untyped-call]  # torch leaves it bare
         tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     return check_prompt_embeds(tensor, limits)
 
 
-MODES: dict[str, tuple[Callable, bool]] = {  # name -> (decoder, offloaded)
+MODES: dict[str, tuple[PayloadDecoder, bool]] = {  # name -> (decoder, offloaded)
     "inline torch.load": (torch_load_decode, False),
     "thread torch.load": (torch_load_decode, True),
     "inline ours": (decode_prompt_embeds, False),

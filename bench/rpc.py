@@ -68,7 +68,7 @@ async def step_times(config: EngineConfig, batch: int, steps: int) -> Timing:
 
     Measured through the public API: every request gets one output per step, so
     the gaps between one request's outputs are the engine's step times."""
-    from engine import SamplingParams, open_engine
+    from engine.api import SamplingParams, open_engine
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)
     arrivals: list[float] = []
     async with open_engine(config) as engine:

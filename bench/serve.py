@@ -13,14 +13,15 @@ that on a shared machine it takes as little CPU from the server as possible.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass, field
 from itertools import pairwise
-from urllib.parse import urlsplit
+from typing import Any
 
 import trio
+
+from bench import http
 
 
 @dataclass
@@ -40,18 +41,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 async def _stream_completion(url: str, model: str | None, prompt: list[int], output_len: int,
                              api_key: str | None) -> RequestTiming:
-    parts = urlsplit(url)
-    payload = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True, "temperature": 0}
+    payload: dict[str, Any] = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": True,
+                               "temperature": 0}
     if model:
         payload["model"] = model
-    body = json.dumps(payload).encode()
-    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{auth}Connection: close\r\n\r\n").encode()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     timing = RequestTiming(time.perf_counter())
-    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+    stream = await http.open_request(url, "POST", "/v1/completions", payload, headers=headers)
     async with stream:
-        await stream.send_all(head + body)
         seen = b""
         while b"data: [DONE]" not in seen:
             chunk = await stream.receive_some(65536)

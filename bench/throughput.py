@@ -12,6 +12,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import anyio
 import torch
@@ -22,6 +23,7 @@ from engine.config import EngineConfig
 from engine.executor.inproc import InProcExecutor
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.worker.model_runner import ModelRunner
 from engine.worker.worker import Worker
 
 
@@ -68,6 +70,7 @@ def bare_forward_tokens_per_s(worker: Worker, prompts: list[list[int]], spec: Be
     shapes the engine's scheduler gives the model, so the two compare like for like.
     """
     runner = worker.runner
+    assert isinstance(runner, ModelRunner), "a decoder model"
     model, block_size = runner.model, runner.block_size
     blocks_per_seq = math.ceil((spec.input_len + spec.output_len) / block_size)
     prompts_per_prefill = max(1, token_budget // spec.input_len)
@@ -95,16 +98,18 @@ def bare_forward_tokens_per_s(worker: Worker, prompts: list[list[int]], spec: Be
     return len(prompts) * spec.output_len / (time.perf_counter() - start)
 
 
-def load_transformers_model(model_dir: str):
+def load_transformers_model(model_dir: str) -> Any:
     """transformers' own model for the same checkpoint, or None if transformers is not installed."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    return model
 
 
-def transformers_tokens_per_s(model, prompts: list[list[int]], spec: BenchSpec) -> float:
+def transformers_tokens_per_s(model: Any, prompts: list[list[int]], spec: BenchSpec) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(prompts), spec.concurrency):
@@ -127,8 +132,17 @@ async def _one_token_latencies(config: EngineConfig, executor: InProcExecutor, r
     return sorted(latencies[repeats // 4:])  # the first ones warm caches
 
 
+@dataclass
+class Results:
+    engine: float = 0.0  # output tok/s, best of the runs
+    ceiling: float = 0.0  # the bare forward's output tok/s
+    transformers: float | None = None
+    one_token_p50_ms: float = 0.0
+    one_token_p99_ms: float = 0.0
+
+
 def run(model_dir: str, spec: BenchSpec, with_transformers: bool = True, repeats: int = 3,
-        **engine_options) -> dict[str, float | None]:
+        **engine_options: Any) -> Results:
     """Best of `repeats` alternating runs of each contender (this machine's timings vary by ~10%)."""
     config = EngineConfig(model=model_dir, max_num_seqs=spec.concurrency, **engine_options)
     worker = Worker(config)
@@ -136,28 +150,28 @@ def run(model_dir: str, spec: BenchSpec, with_transformers: bool = True, repeats
     # Warm-up: load the model and run a small batch once, so neither side pays first-call costs.
     trio.run(_engine_run, config, executor, make_prompts(replace(spec, num_prompts=2, seed=1), 100),
              replace(spec, num_prompts=2, output_len=2))
+    assert worker.model is not None
     prompts = make_prompts(spec, worker.model.config.vocab_size)
     hf_model = load_transformers_model(model_dir) if with_transformers else None
-    best: dict[str, float | None] = {"engine": 0.0, "ceiling": 0.0,
-                                     "transformers": None if hf_model is None else 0.0}
+    best = Results()
     # Each round runs all contenders back to back: this machine's speed drifts over tens of
     # seconds, so interleaving keeps one contender from owning a slow (or fast) period.
     for _ in range(repeats):
-        best["engine"] = max(best["engine"], trio.run(_engine_run, config, executor, prompts, spec))
+        best.engine = max(best.engine, trio.run(_engine_run, config, executor, prompts, spec))
         # In a worker thread, like the engine's forward passes (same thread, same malloc arena).
         ceiling = trio.run(anyio.to_thread.run_sync, bare_forward_tokens_per_s, worker, prompts, spec,
                            config.token_budget)
-        best["ceiling"] = max(best["ceiling"], ceiling)
+        best.ceiling = max(best.ceiling, ceiling)
         if hf_model is not None:
-            best["transformers"] = max(best["transformers"], transformers_tokens_per_s(hf_model, prompts, spec))
+            best.transformers = max(best.transformers or 0.0, transformers_tokens_per_s(hf_model, prompts, spec))
     latencies = trio.run(_one_token_latencies, config, executor)
-    best["one_token_p50_ms"] = latencies[len(latencies) // 2] * 1000
-    best["one_token_p99_ms"] = latencies[-1] * 1000
+    best.one_token_p50_ms = latencies[len(latencies) // 2] * 1000
+    best.one_token_p99_ms = latencies[-1] * 1000
     return best
 
 
-def report(results: dict[str, float | None], spec: BenchSpec, repeats: int) -> str:
-    engine, ceiling, hf = results["engine"], results["ceiling"], results["transformers"]
+def report(results: Results, spec: BenchSpec, repeats: int) -> str:
+    engine, ceiling, hf = results.engine, results.ceiling, results.transformers
     lines = [
         f"prompts={spec.num_prompts} input_len={spec.input_len} output_len={spec.output_len} "
         f"concurrency={spec.concurrency} torch_threads={torch.get_num_threads()} (best of {repeats} runs each)",
@@ -168,6 +182,6 @@ def report(results: dict[str, float | None], spec: BenchSpec, repeats: int) -> s
         lines.append(f"transformers      {hf:10.1f} output tok/s   (engine/transformers = {engine / hf:.2f}x)")
     else:
         lines.append("transformers      skipped (--no-transformers, or transformers is not installed)")
-    lines.append(f"1-token completion, in-process engine, concurrency 1: p50 {results['one_token_p50_ms']:.2f} ms, "
-                 f"p99 {results['one_token_p99_ms']:.2f} ms")
+    lines.append(f"1-token completion, in-process engine, concurrency 1: p50 {results.one_token_p50_ms:.2f} ms, "
+                 f"p99 {results.one_token_p99_ms:.2f} ms")
     return "\n".join(lines)

@@ -12,3 +12,12 @@ async def final_output(engine, prompt, params: SamplingParams | None = None, **k
 
 def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def sse_events(body: bytes) -> list[str]:
+    """The `data:` payloads of an SSE body; asserts the framing is exact."""
+    assert body.endswith(b"\n\n"), body[-50:]
+    events = body.decode().split("\n\n")[:-1]
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, event
+    return [event[len("data: "):] for event in events]

@@ -8,9 +8,9 @@ import re
 
 import trio
 
+from bench.http import open_request, request
 from engine.testing import FakeExecutor
 from tests.conftest import engine_config
-from tests.raw_http import open_request, request
 from tests.server_fixtures import running_server
 
 

@@ -12,8 +12,8 @@ import openai
 import pytest
 import torch
 
+from bench.http import request
 from tests.conftest import TEST_SPEC, engine_config
-from tests.raw_http import request
 from tests.server_fixtures import running_server
 from tests.test_prompt_embeds import RunsCode, embedding_table, encode, saved
 

@@ -7,8 +7,9 @@ import json
 import openai
 import pytest
 
+from bench.http import request
 from tests.conftest import engine_config
-from tests.raw_http import request, sse_events
+from tests.helpers import sse_events
 from tests.server_fixtures import running_server
 from web.settings import ServerSettings
 

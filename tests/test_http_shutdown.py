@@ -11,7 +11,7 @@ import sys
 import pytest
 import trio
 
-from tests.raw_http import open_request
+from bench.http import open_request
 
 
 async def _bound_url(stderr) -> str:

@@ -9,12 +9,11 @@ import sys
 import pytest
 import trio
 
+from bench.http import Reader, open_request, request
 from engine import EngineDeadError, ModelLoadError, SamplingParams, open_engine
 from engine.executor.multiproc import MultiprocExecutor
 from engine.executor.rpc import WorkerError
 from tests.conftest import engine_config
-from tests.raw_http import _Reader as Reader
-from tests.raw_http import open_request, request
 from tests.server_fixtures import running_server
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41], list(range(30, 70)), [400, 2, 9, 77, 301], [11] * 20]

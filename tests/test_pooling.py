@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.http import request
 from engine import open_engine
 from engine.pooling_params import PoolingParams
 from tests.conftest import engine_config
-from tests.raw_http import request
 from tests.server_fixtures import running_server
 
 SENTENCES = [

@@ -17,7 +17,7 @@ from web.state import ServerState
 _STARTED = int(time.time())
 
 
-def _json(payload, status: int = 200) -> Response:
+def _json(payload: object, status: int = 200) -> Response:
     return Response(to_json(payload), status=status, content_type="application/json")
 
 

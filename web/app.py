@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import anyio
 from anyio.abc import TaskStatus
-from quart import request
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -47,7 +47,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     @app.before_serving
     async def start_engine() -> None:
         await app.nursery.start(_run_engine, state)
-        embeds_limits = state.engine.renderer.embeds_limits
+        assert state.engine is not None
+        embeds_limits = state.engine.prompt_embeds_limits
         app.config["MAX_CONTENT_LENGTH"] = state.settings.body_limit(
             embeds_limits.max_payload_bytes if embeds_limits else None)
         if on_ready is not None:
@@ -97,19 +98,19 @@ def _check_api_key(api_key: str | None) -> None:
 
 def _register_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(APIError)
-    async def api_error(error: APIError):
+    async def api_error(error: APIError) -> Response:
         return error.response()
 
     @app.errorhandler(InvalidRequestError)
-    async def invalid(error: InvalidRequestError):
+    async def invalid(error: InvalidRequestError) -> Response:
         return APIError(400, str(error), param=error.param).response()
 
     @app.errorhandler(EngineDeadError)
-    async def dead(error: EngineDeadError):
+    async def dead(error: EngineDeadError) -> Response:
         return APIError(503, str(error), code="engine_dead").response()
 
     @app.errorhandler(HTTPException)
-    async def http_error(error: HTTPException):
+    async def http_error(error: HTTPException) -> Response:
         status = error.code or 500
         messages = {404: f"no route for {request.method} {request.path}",
                     405: f"method {request.method} is not allowed for {request.path}",

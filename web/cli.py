@@ -14,6 +14,7 @@ import logging
 import sys
 from functools import partial
 from importlib.metadata import entry_points
+from typing import Any, TypeAlias
 
 import trio
 
@@ -21,6 +22,8 @@ from engine.api import ARCHITECTURES, TinyModelSpec
 from web.settings import ServerSettings
 
 COMMAND_GROUP = "trio_llm.commands"
+# What add_subparsers() returns (generic only to type checkers, hence the string).
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -40,7 +43,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="threads that tokenize long prompts and decode prompt embeddings (default: CPUs - 1, <= 4)")
 
 
-def _engine_options(args: argparse.Namespace) -> dict:
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
             "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "device": args.device,
             "enable_prompt_embeds": args.enable_prompt_embeds, "renderer_workers": args.renderer_workers,
@@ -60,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_serve(sub) -> None:
+def _add_serve(sub: Subcommands) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (hypercorn, trio worker)")
     srv.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded tiny model)")
     srv.add_argument("--host", default="127.0.0.1")
@@ -76,7 +79,7 @@ def _add_serve(sub) -> None:
     srv.set_defaults(run=_serve)
 
 
-def _add_make_model(sub) -> None:
+def _add_make_model(sub: Subcommands) -> None:
     mk = sub.add_parser("make-model", help="write a tiny random-weight HF checkpoint with a local BPE tokenizer")
     defaults = TinyModelSpec()
     mk.add_argument("dir")
@@ -87,7 +90,7 @@ def _add_make_model(sub) -> None:
     mk.set_defaults(run=_make_model)
 
 
-def _add_generate(sub) -> None:
+def _add_generate(sub: Subcommands) -> None:
     gen = sub.add_parser("generate", help="generate text for prompts with the engine")
     gen.add_argument("prompts", nargs="*", default=["The engine says"])
     gen.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")

@@ -8,7 +8,7 @@ collect the final outputs and build the body (off the loop when large).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -17,7 +17,7 @@ from pydantic_core import to_json
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from engine.api import EngineDeadError, RequestOutput, RequestOutputKind
+from engine.api import AsyncEngine, EngineDeadError, RequestOutput, RequestOutputKind
 from engine.concurrency.offload import run_sized
 from engine.ids import random_id
 from web import sse
@@ -85,7 +85,7 @@ async def final_outputs(first: Any, outputs: AsyncIterator[Any], num_prompts: in
 
 
 # ---- completions ---------------------------------------------------------------------------------
-def generation_engine(state: ServerState):
+def generation_engine(state: ServerState) -> AsyncEngine:
     """The engine, if its model can generate; a pooling model (BERT) answers 400 here."""
     engine = state.engine_for_request()
     if engine.info.kind == "encoder":
@@ -143,7 +143,7 @@ async def create_chat_completion(state: ServerState) -> Response:
                                tokens)
 
 
-async def _prepend(head: bytes, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _prepend(head: bytes, body: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:
     async with aclosing(body):  # closing this closes the body at once (its finally aborts the request)
         yield head
         async for chunk in body:

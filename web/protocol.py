@@ -7,7 +7,7 @@ keep working. Conversion to `SamplingParams` turns every invalid value into a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -90,11 +90,7 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if p is None or (p == "" and self.prompt_embeds is not None):
             return []  # the openai client cannot omit `prompt`; vLLM's documented form sends ""
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [p]  # one prompt of token ids
-        return list(p)
+        return _as_prompt_list(p)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -135,6 +131,15 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+def _as_prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's prompt forms as a list of prompts: a text, token ids, texts, or token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(x, int) for x in value):
+        return [cast(list[int], value)]  # one prompt of token ids
+    return list(cast(list[str] | list[list[int]], value))
 
 
 # Fields whose type is a union: pydantic reports the first member's complaint, which misleads.
@@ -200,8 +205,7 @@ class EmbeddingRequest(_Body):
 
     def inputs(self) -> list[str | list[int]]:
         """Every input: a text or a list of token ids. Empty lists and empty strings are 400s."""
-        raw = self.input
-        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        items = _as_prompt_list(self.input)
         if not items:
             raise bad_request("input must not be empty", "input")
         for i, item in enumerate(items):

@@ -21,7 +21,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None],
                         text_offset: int) -> dict[str, Any]:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    tokens: list[str | None] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset
     for token_id, position in zip(token_ids, positions, strict=True):
         if position is None:  # the first prompt token has no logprob
@@ -85,7 +88,7 @@ class CompletionStream:
                       "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
             if self.logprobs and completion.logprobs is not None:
                 offset = self._text_offsets.get(index, 0)
-                choice["logprobs"] = completion_logprobs(completion.token_ids, completion.logprobs, offset)
+                choice["logprobs"] = completion_logprobs(completion.token_ids, list(completion.logprobs), offset)
                 self._text_offsets[index] = offset + len(completion.text)
             choices.append(choice)
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
@@ -115,7 +118,8 @@ def _completion_choice(index: int, output: RequestOutput, completion: Completion
     choice = {"index": index, "text": prefix + completion.text, "logprobs": None,
               "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
     if logprobs and completion.logprobs is not None:
-        tokens, positions = completion.token_ids, completion.logprobs
+        tokens = completion.token_ids
+        positions: list[PositionLogprobs | None] = list(completion.logprobs)
         if echo and output.prompt_logprobs is not None:
             tokens = output.prompt_token_ids + tokens
             positions = list(output.prompt_logprobs) + positions

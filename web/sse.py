@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -19,8 +19,8 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + to_json(payload) + b"\n\n"
 
 
-async def stream_events(first: Any, rest: AsyncIterator[Any], to_chunk: Callable[[Any], dict[str, Any]],
-                        closing: Callable[[], Iterable[dict[str, Any]]]) -> AsyncIterator[bytes]:
+async def stream_events(first: Any, rest: AsyncGenerator[Any], to_chunk: Callable[[Any], dict[str, Any]],
+                        closing: Callable[[], Iterable[dict[str, Any]]]) -> AsyncGenerator[bytes]:
     """One event per engine output (each carries every token since the previous one),
     then the closing chunks and [DONE]. An error mid-stream becomes one error event.
     If the client goes away, the cancellation closes `rest`, which aborts the requests."""

@@ -201,6 +201,11 @@ class AsyncEngine:
         """Abort a request by id (no-op if it already finished)."""
         self.core.abort(request_id)
 
+    @property
+    def prompt_embeds_limits(self) -> EmbedsLimits | None:
+        """The limits prompt embeddings are checked against; None when they are refused."""
+        return self.renderer.embeds_limits
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine now (synchronous: it reads plain counters between steps)."""
         scheduler = self.core.scheduler

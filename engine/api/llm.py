@@ -45,8 +45,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
         """One finished `RequestOutput` per prompt, in prompt order."""
-        single = isinstance(prompts, (str, dict)) or _is_token_list(prompts)
-        batch: list[Prompt] = [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
+        batch = _as_batch(prompts)
         params = sampling_params or SamplingParams()
         return anyio.run(self._run_batch, [("generate", p) for p in batch], params, use_tqdm, backend="trio")
 
@@ -61,8 +60,7 @@ class LLM:
               pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
         """One pooled output per prompt, in prompt order (`PoolingParams(task=...)` for token
         embeddings or classification)."""
-        batch = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
-        return anyio.run(self._encode, batch, pooling_params, backend="trio")
+        return anyio.run(self._encode, _as_batch(prompts), pooling_params, backend="trio")
 
     async def _encode(self, prompts: Sequence[Prompt], params: PoolingParams | None) -> list[PoolingRequestOutput]:
         async with open_engine(self.config, executor=self._executor, tokenizer=self._tokenizer) as engine:
@@ -85,6 +83,12 @@ class LLM:
 
 def _final_only(params: SamplingParams) -> SamplingParams:
     return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, token ids, a mapping) as a batch of one; a sequence of prompts as it is."""
+    single = isinstance(prompts, (str, dict)) or _is_token_list(prompts)
+    return [cast(Prompt, prompts)] if single else list(cast(Sequence[Prompt], prompts))
 
 
 def _is_token_list(value: Any) -> bool:
