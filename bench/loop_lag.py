@@ -31,7 +31,7 @@ from engine.worker.cpu_allocator import keep_freed_memory_in_heap
 PROBE_INTERVAL = 0.001
 
 
-def torch_load_decode(payload: str | bytes, limits: EmbedsLimits) -> torch.Tensor:
+def torch_load_decode(payload: str | bytes | bytearray | memoryview, limits: EmbedsLimits) -> torch.Tensor:
     """The decoder the renderer replaced: `torch.load` with the process-wide sparse check."""
     raw = pybase64.b64decode(payload, validate=True)
     with torch.sparse.check_sparse_tensor_invariants():  # type: ignore[no-untyped-call]  # torch leaves it bare
