@@ -18,7 +18,7 @@ import anyio
 import torch
 import trio
 
-from engine.api.async_engine import open_engine
+from engine.api.open import open_engine
 from engine.config import EngineConfig
 from engine.executor.inproc import InProcExecutor
 from engine.models.attention import SequenceChunk, build_metadata

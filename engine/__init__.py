@@ -13,7 +13,7 @@ Names are imported lazily so that the plain-Python layers (the scheduler,
 from importlib import import_module
 
 _EXPORTS = {
-    "open_engine": "engine.api.async_engine",
+    "open_engine": "engine.api.open",
     "AsyncEngine": "engine.api.async_engine",
     "LLM": "engine.api.llm",
     "EngineConfig": "engine.config",

@@ -43,6 +43,9 @@ class FakeExecutor(Executor):
         self.num_blocks = num_blocks
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: `step_time` virtual seconds, then the tokens of `token_fn`. Cancellation during
+        the sleep abandons the step (nothing was recorded).
+        """
         await anyio.sleep(self.step_time)
         self.steps.append(sched_out)
         return ModelRunnerOutput(sampled_token_ids={

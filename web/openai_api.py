@@ -42,6 +42,9 @@ def register(app: QuartTrio, state: ServerState) -> None:
 
 
 async def read_request(state: ServerState, model: type) -> Any:
+    """Cancellation (a client that goes away) stops reading; a body parse running in a thread
+    finishes first.
+    """
     body = await read_body()
     parse = partial(parse_body, model, split_embeds_bytes=state.settings.split_embeds_bytes)
     parsed = await run_sized(parse, body, size=len(body), inline_below=OFFLOAD_BODY_BYTES, limiter=state.limiter)
@@ -51,7 +54,10 @@ async def read_request(state: ServerState, model: type) -> Any:
 
 async def read_body() -> bytearray:
     """The body, collected as it arrives. Quart's `get_data` would copy all of it once more at
-    the end, with the GIL held (~3 ms for a 22 MB prompt_embeds body)."""
+    the end, with the GIL held (~3 ms for a 22 MB prompt_embeds body).
+
+    Cancellation (the client went away) stops reading.
+    """
     body = bytearray()
     async for chunk in request.body:
         body += chunk
@@ -59,13 +65,17 @@ async def read_body() -> bytearray:
 
 
 async def json_response(state: ServerState, build: Callable[[], dict[str, Any]], num_tokens: int) -> Response:
+    """Cancellation drops a thread's result once the thread returns."""
     body = await run_sized(lambda: to_json(build()), size=num_tokens, inline_below=OFFLOAD_RESPONSE_TOKENS,
                            limiter=state.limiter)
     return Response(body, content_type="application/json")
 
 
 async def first_item(outputs: AsyncIterator[Any]) -> Any:
-    """Run the stream up to its first output, so that invalid input is a 400, not a stream error."""
+    """Run the stream up to its first output, so that invalid input is a 400, not a stream error.
+
+    Cancellation closes the stream, which aborts its engine requests.
+    """
     first = await anext(outputs, None)
     if first is None:
         raise EngineDeadError("the engine stopped before the request produced any output")
@@ -73,7 +83,10 @@ async def first_item(outputs: AsyncIterator[Any]) -> Any:
 
 
 async def final_outputs(first: Any, outputs: AsyncIterator[Any], num_prompts: int) -> list[RequestOutput]:
-    """Drain a FINAL_ONLY batch stream into one finished output per prompt, in prompt order."""
+    """Drain a FINAL_ONLY batch stream into one finished output per prompt, in prompt order.
+
+    Cancellation closes the stream, which aborts its engine requests.
+    """
     finals: list[RequestOutput | None] = [None] * num_prompts
     item = first
     while item is not None:
@@ -95,6 +108,9 @@ def generation_engine(state: ServerState) -> AsyncEngine:
 
 
 async def create_completion(state: ServerState) -> Response:
+    """Handles `POST /v1/completions`. The client going away cancels the handler, which aborts its
+    engine requests.
+    """
     req: CompletionRequest = await read_request(state, CompletionRequest)
     engine = generation_engine(state)
     prompts = req.prompts()
@@ -119,6 +135,9 @@ async def create_completion(state: ServerState) -> Response:
 
 # ---- chat ----------------------------------------------------------------------------------------
 async def create_chat_completion(state: ServerState) -> Response:
+    """Handles `POST /v1/chat/completions`. The client going away cancels the handler, which aborts
+    its engine requests.
+    """
     req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
     engine = generation_engine(state)
     prompt = await engine.apply_chat_template(req.text_messages(), add_generation_prompt=req.add_generation_prompt)

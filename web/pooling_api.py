@@ -58,7 +58,10 @@ INLINE_WORK = 4096
 
 
 async def offload(state: ServerState, fn: Callable[..., Any], *args: Any, size: int = INLINE_WORK) -> Any:
-    """Run `fn` in a worker thread under the server's shared limiter, or inline when `size` is small."""
+    """Run `fn` in a worker thread under the server's shared limiter, or inline when `size` is small.
+
+    Cancellation drops a thread's result once the thread returns.
+    """
     return await run_sized(fn, *args, size=size, inline_below=INLINE_WORK, limiter=state.limiter)
 
 
@@ -95,6 +98,9 @@ def tokenize_pairs(tokenizer: Tokenizer, firsts: list[str], seconds: list[str],
 
 # ---- embeddings and pooling ---------------------------------------------------------------------
 async def create_embeddings(state: ServerState, req: EmbeddingRequest, object_name: str = "embedding") -> Response:
+    """Handles `POST /v1/embeddings`. The client going away cancels the handler, which aborts its
+    engine requests.
+    """
     engine = state.engine_for_request()
     inputs = req.inputs()
     prompts = await offload(state, tokenize_inputs, engine.tokenizer, inputs, req.truncate_prompt_tokens,
@@ -139,7 +145,10 @@ def score_type_for(engine: AsyncEngine, requested: str | None) -> str:
 
 async def compute_scores(state: ServerState, engine: AsyncEngine, firsts: list[str], seconds: list[str],
                          score_type: str | None, truncate: int | None) -> tuple[list[float], int]:
-    """One score per (first, second) pair, and the prompt tokens used."""
+    """One score per (first, second) pair, and the prompt tokens used.
+
+    Cancellation aborts the engine requests still running.
+    """
     kind = score_type_for(engine, score_type)
     if kind == "cross-encoder":
         prompts = await offload(state, tokenize_pairs, engine.tokenizer, firsts, seconds, truncate,
@@ -181,6 +190,9 @@ def max_sim(query: torch.Tensor, document: torch.Tensor) -> float:
 
 
 async def create_score(state: ServerState) -> Response:
+    """Handles `POST /score`. The client going away cancels the handler, which aborts its engine
+    requests.
+    """
     req: ScoreRequest = await read_request(state, ScoreRequest)
     engine = state.engine_for_request()
     firsts, seconds = req.pairs()
@@ -193,6 +205,9 @@ async def create_score(state: ServerState) -> Response:
 
 
 async def create_rerank(state: ServerState) -> Response:
+    """Handles `POST /rerank`. The client going away cancels the handler, which aborts its engine
+    requests.
+    """
     req: RerankRequest = await read_request(state, RerankRequest)
     engine = state.engine_for_request()
     if not req.documents or any(not d for d in req.documents):

@@ -6,8 +6,9 @@ through this package, the toolkit `engine.concurrency`, and the plain-data
 modules at the root of `engine` (the layering test checks it).
 """
 
-from engine.api.async_engine import AsyncEngine, open_engine
+from engine.api.async_engine import AsyncEngine
 from engine.api.llm import LLM
+from engine.api.open import open_engine
 from engine.config import EngineConfig
 from engine.core.stats import EngineStats, StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError

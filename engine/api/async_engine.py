@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncGenerator, Callable, Sequence
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import replace
+from contextlib import aclosing
 from functools import partial
 from typing import Any
 
 import anyio
 import torch
-from anyio.streams.memory import MemoryObjectReceiveStream
 
-from engine.concurrency.loop_lag import run_loop_lag_probe
+from engine.api.merge import merge_pending
 from engine.config import EngineConfig
 from engine.core.engine_core import AddRequest, EngineCore, OutputItem
-from engine.core.stats import EngineStats, LoopLagReadings, NullObserver, StatsObserver
-from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
-from engine.executor import Executor, create_executor
+from engine.core.stats import EngineStats, LoopLagReadings
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.ids import random_id
 from engine.model_info import ModelInfo
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -37,9 +34,7 @@ from engine.render.prompt_embeds import EmbedsLimits
 from engine.render.renderer import EngineInput, Prompt, Renderer
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.sched.block_manager import KVBlockManager
 from engine.sched.request import Request
-from engine.sched.scheduler import Scheduler, SchedulerConfig
 
 # Placeholder sampling parameters: the scheduler reads them, a pooling request never samples.
 # One frozen instance for all (building and validating one per request showed in the server profile).
@@ -155,7 +150,7 @@ class AsyncEngine:
                         self.core.submit(AddRequest(rid, engine_input.prompt, children, send.clone()))
                         open_ids.add(rid)
                 async for item in receive:
-                    for output in _merge_pending(item, receive, output_kind):
+                    for output in merge_pending(item, receive, output_kind):
                         if output.finished:
                             open_ids.discard(output.request_id)
                         yield index_of[output.request_id], output
@@ -174,7 +169,10 @@ class AsyncEngine:
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, **template_kwargs: Any) -> AsyncGenerator[RequestOutput]:
-        """Render `messages` with the model's chat template, then generate as `generate` does."""
+        """Render `messages` with the model's chat template, then generate as `generate` does.
+
+        Cancellation aborts the request, as with `generate`.
+        """
         prompt = await self.apply_chat_template(messages, **template_kwargs)
         token_ids = await self._tokenize(prompt, add_special_tokens=False)
         prompt_input = {"prompt": prompt, "prompt_token_ids": token_ids}
@@ -183,6 +181,9 @@ class AsyncEngine:
                 yield output
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """Rendering runs in a worker thread under the renderer's limiter; cancellation drops its
+        result once the thread returns.
+        """
         tok = self.tokenizer
         return await anyio.to_thread.run_sync(
             lambda: render_chat(tok.chat_template, messages, bos_token=tok.bos_token,
@@ -190,7 +191,11 @@ class AsyncEngine:
             limiter=self.render_limiter)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` (long texts are tokenized in a worker thread). Empty text is an error."""
+        """Token ids of `text` (long texts are tokenized in a worker thread). Empty text is an error.
+
+        Long texts are tokenized in a worker thread; cancellation drops the result once the thread
+        returns.
+        """
         return await self._tokenize(text, add_special_tokens)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -289,104 +294,3 @@ class AsyncEngine:
         return [Request(child_id, token_ids, child_params, arrival_time=now, priority=priority,
                         max_tokens=max_tokens, cache_key=cache_key, prompt_embeds=engine_input.embeds)
                 for child_id, child_params in children]
-
-
-def _merge_pending(first: OutputItem, receive: MemoryObjectReceiveStream[OutputItem],
-                   kind: RequestOutputKind) -> list[RequestOutput | PoolingRequestOutput]:
-    """Fold outputs that queued while the consumer was busy into one per request, so a
-    slow consumer handles one output per request per wake-up instead of one per step."""
-    merged: dict[str, RequestOutput | PoolingRequestOutput] = {}
-    item: OutputItem | None = first
-    while item is not None:
-        if isinstance(item, BaseException):
-            raise item
-        previous = merged.get(item.request_id)
-        merged[item.request_id] = (_merge_delta(previous, item) if kind is RequestOutputKind.DELTA
-                                   and isinstance(previous, RequestOutput) and isinstance(item, RequestOutput)
-                                   else item)
-        try:
-            item = receive.receive_nowait()
-        except (anyio.WouldBlock, anyio.EndOfStream):
-            item = None
-    return list(merged.values())
-
-
-def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    for old, new in zip(a.outputs, b.outputs, strict=True):
-        old.text += new.text
-        old.token_ids = old.token_ids + new.token_ids
-        if old.logprobs is not None and new.logprobs is not None:
-            old.logprobs = old.logprobs + new.logprobs
-        old.cumulative_logprob = new.cumulative_logprob
-        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
-    a.finished = b.finished
-    a.metrics = b.metrics
-    a.prompt_logprobs = a.prompt_logprobs or b.prompt_logprobs
-    return a
-
-
-# ---- opening an engine ----------------------------------------------------------------------------
-async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Tokenizer) -> ModelInfo:
-    model_info = await executor.load_model()
-    max_model_len = config.max_model_len or model_info.max_position_embeddings
-    if max_model_len > model_info.max_position_embeddings:
-        raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                             f"({model_info.max_position_embeddings})")
-    if not config.enable_chunked_prefill and config.token_budget < max_model_len:
-        raise ValueError(f"without chunked prefill, max_num_batched_tokens ({config.token_budget}) must be at "
-                         f"least max_model_len ({max_model_len}), or long prompts could never be scheduled")
-    num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // model_info.kv_bytes_per_block
-    if num_blocks * config.block_size < max_model_len and config.num_kv_blocks is None:
-        raise ModelLoadError(
-            f"the KV cache budget ({config.kv_cache_memory_bytes} bytes) holds {num_blocks * config.block_size} "
-            f"tokens, fewer than max_model_len ({max_model_len}); raise kv_cache_memory_bytes or lower max_model_len")
-    eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + model_info.eos_token_ids))
-    return replace(model_info, num_kv_blocks=num_blocks, max_model_len=max_model_len, eos_token_ids=eos)
-
-
-def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
-    sched_config = SchedulerConfig(
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
-        max_model_len=info.max_model_len, policy=config.scheduling_policy,
-        enable_chunked_prefill=config.enable_chunked_prefill)
-    blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-    return Scheduler(sched_config, blocks)
-
-
-@asynccontextmanager
-async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
-                      tokenizer: Tokenizer | None = None,
-                      observer: StatsObserver | None = None) -> AsyncGenerator[AsyncEngine]:
-    """Load the model, start the engine-core task, and yield the engine.
-
-    `executor` replaces the default one (tests pass a fake whose steps take
-    virtual time under `MockClock`); `observer` receives per-request timings
-    and counts for metrics (and loop-lag readings, with
-    `config.loop_lag_interval`). Leaving the block, or cancelling the task
-    inside it, cancels the core task and the probe; requests still open end
-    with `EngineDeadError`, and worker processes are stopped (shielded, time
-    limited). Load errors raise `ModelLoadError` naming the problem, with
-    nothing left running.
-    """
-    executor = executor or create_executor(config)
-    async with executor:  # worker processes start here (multi-process executor) and stop on the way out
-        if tokenizer is None:
-            tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
-        info = await _size_engine(config, executor, tokenizer)
-        await executor.initialize_kv_cache(info.num_kv_blocks)
-        core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer)
-        loop_lag = LoopLagReadings()
-        async with anyio.create_task_group() as tg:
-            await tg.start(core.run)
-            if config.loop_lag_interval is not None:
-                on_lag = (observer or NullObserver()).on_loop_lag
-
-                def observe_lag(lag: float) -> None:
-                    loop_lag.record(lag)
-                    on_lag(lag)
-
-                await tg.start(run_loop_lag_probe, observe_lag, config.loop_lag_interval)
-            try:
-                yield AsyncEngine(config, info, tokenizer, core, loop_lag)
-            finally:
-                tg.cancel_scope.cancel()

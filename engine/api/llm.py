@@ -16,7 +16,8 @@ from typing import Any, cast
 import anyio
 from tqdm import tqdm
 
-from engine.api.async_engine import AsyncEngine, open_engine
+from engine.api.async_engine import AsyncEngine
+from engine.api.open import open_engine
 from engine.config import EngineConfig
 from engine.executor.inproc import InProcExecutor
 from engine.models.tiny import ensure_default_model

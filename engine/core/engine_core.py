@@ -168,7 +168,11 @@ class EngineCore:
 
     # ---- one step --------------------------------------------------------------------------
     async def step(self) -> bool:
-        """Schedule, run the model, publish outputs. Returns False if nothing was schedulable."""
+        """Schedule, run the model, publish outputs. Returns False if nothing was schedulable.
+
+        Cancellation waits for the step in flight to end (the executor's contract), then propagates;
+        the core task's owner fails every open request with `EngineDeadError`.
+        """
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return False

@@ -20,9 +20,15 @@ class Executor(ABC):
     executor runs (worker processes and their tasks), leaving stops it."""
 
     async def __aenter__(self) -> Executor:
+        """Start what the executor runs. Cancellation during start-up stops whatever had started,
+        then propagates.
+        """
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
+        """Stop the workers: `aclose()` in a shielded scope limited to 10 seconds, so a cancelled
+        caller still releases them.
+        """
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
             await self.aclose()
         return None
@@ -31,16 +37,26 @@ class Executor(ABC):
                              timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
                              non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
-        """Call a Worker method on every worker; see `engine.executor.rpc.WorkerGroup`."""
+        """Call a Worker method on every worker; see `engine.executor.rpc.WorkerGroup`.
+
+        Cancellation abandons the call: its replies are read and dropped, never handed to a later
+        call.
+        """
         raise NotImplementedError(f"{type(self).__name__} has no workers to call")
 
     @abstractmethod
     async def load_model(self) -> ModelInfo:
-        """Load the model on every worker; returns what the engine needs to size itself."""
+        """Load the model on every worker; returns what the engine needs to size itself.
+
+        Cancellation stops waiting; the executor is then unusable and must be closed.
+        """
 
     @abstractmethod
     async def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` KV blocks on every worker."""
+        """Allocate `num_blocks` KV blocks on every worker.
+
+        Cancellation stops waiting; the executor is then unusable and must be closed.
+        """
 
     @abstractmethod
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -53,4 +69,8 @@ class Executor(ABC):
         return (True,)
 
     async def aclose(self) -> None:  # noqa: B027 -- optional: an executor with nothing to release keeps it
-        """Release workers. Safe to call more than once."""
+        """Release workers. Safe to call more than once.
+
+        Callers shield it from cancellation (as `__aexit__` does): it must run to the end to leave no
+        worker behind.
+        """

@@ -62,6 +62,9 @@ class FastSocketStream(trio.abc.HalfCloseableStream):
             raise self._failure("send", exc) from exc
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Sends all of `data`. Cancellation is seen only while it waits for the socket to drain; a
+        cancelled send may have sent part of `data`.
+        """
         self._enter_send()
         if self._eof_sent:
             self._sending = False
@@ -77,6 +80,7 @@ class FastSocketStream(trio.abc.HalfCloseableStream):
             self._sending = False
 
     async def wait_send_all_might_not_block(self) -> None:
+        """Cancellable wait for the socket to take more."""
         self._enter_send()
         try:
             await trio.lowlevel.wait_writable(self.socket)
@@ -84,6 +88,9 @@ class FastSocketStream(trio.abc.HalfCloseableStream):
             self._sending = False
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        """Up to `max_bytes` bytes; b"" at end of stream. Cancellation is seen only while it waits
+        (or polls): a ready socket returns at once.
+        """
         max_bytes = 65536 if max_bytes is None else operator.index(max_bytes)
         if max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
@@ -111,6 +118,7 @@ class FastSocketStream(trio.abc.HalfCloseableStream):
             await trio.lowlevel.checkpoint()
 
     async def send_eof(self) -> None:
+        """Shut the sending side (the peer reads b""); not a cancellation point."""
         self._enter_send()
         try:
             if not self._eof_sent:
@@ -122,6 +130,9 @@ class FastSocketStream(trio.abc.HalfCloseableStream):
             self._sending = False
 
     async def aclose(self) -> None:
+        """Close the socket, waking any task blocked on it; a checkpoint, so it can raise
+        `Cancelled` after closing.
+        """
         if not self._closed:
             self._closed = True
             trio.lowlevel.notify_closing(self.socket)

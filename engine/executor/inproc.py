@@ -39,7 +39,10 @@ class InProcExecutor(Executor):
                              non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
         """The one in-process worker runs `method` in a thread: a list of one result (or the
-        result itself with `unique_reply_rank=0`). `non_block` is not supported here."""
+        result itself with `unique_reply_rank=0`). `non_block` is not supported here.
+
+        Cancellation takes effect when the worker thread returns (the call is not interrupted).
+        """
         if non_block:
             raise NotImplementedError("non_block calls need the multi-process executor")
         if unique_reply_rank not in (None, 0):

@@ -37,7 +37,8 @@ from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor import wire
 from engine.executor.base import Executor
 from engine.executor.fast_socket import STREAM_BROKEN, FastSocketStream
-from engine.executor.rpc import Init, Ready, StartupFailed, WorkerConnection, WorkerError, WorkerGroup
+from engine.executor.messages import Init, Ready, StartupFailed
+from engine.executor.rpc import WorkerConnection, WorkerError, WorkerGroup
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -183,7 +184,11 @@ class MultiprocExecutor(Executor):
                              timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
                              non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
-        """See `WorkerGroup.collective_rpc`."""
+        """See `WorkerGroup.collective_rpc`.
+
+        Cancellation abandons the call: its replies are read and dropped, never handed to a later
+        call.
+        """
         return await self._workers().collective_rpc(method, args, kwargs, timeout=timeout, non_block=non_block,
                                                     unique_reply_rank=unique_reply_rank)
 

@@ -25,87 +25,14 @@ import collections
 import itertools
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from engine.errors import EngineDeadError
 from engine.executor import wire
+from engine.executor.messages import Call, Failure, Reply, Shutdown, from_wire, to_wire
 from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
-
-
-# ---- messages ---------------------------------------------------------------------------------------
-@dataclass
-class Call:
-    seq: int
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    reply_rank: int | None = None  # None: every worker replies
-
-
-@dataclass
-class Reply:
-    seq: int
-    value: Any
-
-
-@dataclass
-class Failure:
-    seq: int
-    error_type: str
-    message: str
-    traceback: str
-
-
-@dataclass
-class Shutdown:
-    """Asks a worker to exit after the calls before it."""
-
-
-@dataclass
-class Init:
-    """The first frame to a new worker: who it is and what to build."""
-
-    rank: int
-    world_size: int
-    config: Any  # EngineConfig
-    distributed_init_method: str | None = None
-    torch_threads: int | None = None
-    poll: bool = True  # poll for the next call while calls come quickly (only with a core to spare)
-
-
-@dataclass
-class Ready:
-    rank: int
-    pid: int
-
-
-@dataclass
-class StartupFailed:
-    rank: int
-    error: str
-
-
-# On the wire a call and a reply are plain tuples: pickling a dataclass goes through copyreg and its
-# `__dict__` (~4 us each way on the machine measured), a tuple of builtins ~0.4 us, and every call
-# pays for four of them on its round trip. The other messages are rare and stay as they are.
-_CALL, _REPLY = 0, 1
-
-
-def to_wire(message: Any) -> Any:
-    if type(message) is Call:
-        return (_CALL, message.seq, message.method, message.args, message.kwargs, message.reply_rank)
-    if type(message) is Reply:
-        return (_REPLY, message.seq, message.value)
-    return message
-
-
-def from_wire(obj: Any) -> Any:
-    if type(obj) is tuple:
-        return Call(*obj[1:]) if obj[0] == _CALL else Reply(*obj[1:])
-    return obj
 
 
 class WorkerError(RuntimeError):
@@ -178,6 +105,7 @@ class WorkerConnection:
         return data[try_send(data):]
 
     async def write_loop(self) -> None:
+        """Runs until cancelled (the group's shutdown) or the stream breaks, which fails the group."""
         async for item in self._outbox:
             self._queued -= 1
             self._writing = True
@@ -188,7 +116,11 @@ class WorkerConnection:
             self._writing = False
 
     async def read_loop(self) -> None:
-        """Route replies to slots in order until the stream ends (then `fail` with the reason)."""
+        """Route replies to slots in order until the stream ends (then `fail` with the reason).
+
+        Runs until cancelled (the group's shutdown) or the stream ends, which fails every pending
+        call.
+        """
         while True:
             message = from_wire(await self.reader.receive())
             if not isinstance(message, (Reply, Failure)):
@@ -235,7 +167,10 @@ class RPCFuture:
         self._unique = unique
 
     async def result(self) -> Any:
-        """The reply (or the error) of this call. Raises `TimeoutError` past the call's deadline."""
+        """The reply (or the error) of this call. Raises `TimeoutError` past the call's deadline.
+
+        Cancellation abandons the call: its replies are read and dropped by the reader task.
+        """
         try:
             if self._deadline == math.inf:
                 values = [await self._one(rank, slot) for rank, slot in self._slots]
@@ -281,7 +216,11 @@ class WorkerGroup:
 
         A connection that ends or breaks fails the whole group (a worker group
         is only useful whole); failing the group stops these tasks and closes
-        every connection, which tells the remaining workers to exit."""
+        every connection, which tells the remaining workers to exit.
+
+        Cancellation stops every task and closes every connection (shielded), which tells the
+        workers to exit.
+        """
         try:
             async with trio.open_nursery() as tg:
                 self._scope = tg.cancel_scope

@@ -58,7 +58,11 @@ SMALL_PIECE = 64 << 10  # pieces below this are joined: one syscall beats a copy
 
 
 async def send(stream: trio.abc.SendStream, obj: Any) -> None:
-    """Write one frame. Not safe to call from two tasks at once on one stream."""
+    """Write one frame. Not safe to call from two tasks at once on one stream.
+
+    A cancelled send may leave a half-written frame: the stream is then unusable, and its owner
+    closes it.
+    """
     pending: list[bytes | memoryview] = []
     for piece in dumps(obj):
         if len(piece) < SMALL_PIECE:
@@ -80,7 +84,11 @@ class FrameReader:
         self._buffer = bytearray()
 
     async def receive(self) -> Any:
-        """The next object; raises `EOFError` when the stream ends between frames."""
+        """The next object; raises `EOFError` when the stream ends between frames.
+
+        Cancellation while a frame is half read leaves the reader unusable; its owner closes the
+        stream.
+        """
         pickle_len, num_buffers = _HEAD.unpack(await self._exactly(_HEAD.size, eof_ok=True))
         if num_buffers > MAX_FRAME_BUFFERS:
             raise ValueError(f"corrupt frame: {num_buffers} buffers")

@@ -29,8 +29,8 @@ import trio
 
 from engine.executor import wire
 from engine.executor.fast_socket import FastSocketStream
+from engine.executor.messages import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed, from_wire, to_wire
 from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
-from engine.executor.rpc import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed, from_wire, to_wire
 
 
 async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) -> None:
@@ -38,7 +38,11 @@ async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) ->
 
     One loop: read a call, run it, reply. Calls run in order anyway, and
     running them on this thread costs less than handing them to another task
-    or thread (measured: `trio-llm bench rpc`)."""
+    or thread (measured: `trio-llm bench rpc`).
+
+    Runs until the engine closes the connection; cancellation (the parent's death) ends it, and the
+    process exits.
+    """
     reader = wire.FrameReader(stream)
     init = await reader.receive()
     try:

@@ -77,6 +77,8 @@ class Renderer:
         return await gather_first_failure([partial(self.render_one, prompt) for prompt in prompts])
 
     async def render_one(self, prompt: Prompt) -> EngineInput:
+        """One prompt as engine input. Cancellation drops a worker thread's result once the
+        thread returns (decoding is not interrupted)."""
         if isinstance(prompt, str):
             return EngineInput(prompt, await self.tokenize(prompt))
         if isinstance(prompt, torch.Tensor):
@@ -106,7 +108,10 @@ class Renderer:
         return EngineInput(None, [0] * embeds.shape[0], embeds)
 
     async def decode_embeds(self, payload: Any) -> torch.Tensor:
-        """A validated `(rows, hidden)` tensor from a tensor or a base64 `torch.save` payload."""
+        """A validated `(rows, hidden)` tensor from a tensor or a base64 `torch.save` payload.
+
+        Decoding runs in a worker thread; cancellation drops its result once the thread returns.
+        """
         limits = self.embeds_limits
         if limits is None:
             raise InvalidRequestError(EMBEDS_DISABLED, param="prompt_embeds")
@@ -117,7 +122,10 @@ class Renderer:
                                limiter=self.limiter)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; long texts are tokenized in a worker thread. Empty text is an error."""
+        """Token ids of `text`; long texts are tokenized in a worker thread. Empty text is an error.
+
+        Cancellation drops a worker thread's result once the thread returns.
+        """
         ids = await run_sized(self.tokenizer.encode, text, add_special_tokens, size=len(text),
                               inline_below=INLINE_TOKENIZE_CHARS, limiter=self.limiter)
         if not ids:

@@ -1,0 +1,91 @@
+"""Opening an engine: load the model, size the KV cache, start the engine-core task.
+
+    async with open_engine(EngineConfig(model="path/to/model")) as engine:
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+import anyio
+
+from engine.api.async_engine import AsyncEngine
+from engine.concurrency.loop_lag import run_loop_lag_probe
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.stats import LoopLagReadings, NullObserver, StatsObserver
+from engine.errors import ModelLoadError
+from engine.executor import Executor, create_executor
+from engine.model_info import ModelInfo
+from engine.render.tokenizer import Tokenizer
+from engine.sched.block_manager import KVBlockManager
+from engine.sched.scheduler import Scheduler, SchedulerConfig
+
+
+async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Tokenizer) -> ModelInfo:
+    model_info = await executor.load_model()
+    max_model_len = config.max_model_len or model_info.max_position_embeddings
+    if max_model_len > model_info.max_position_embeddings:
+        raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                             f"({model_info.max_position_embeddings})")
+    if not config.enable_chunked_prefill and config.token_budget < max_model_len:
+        raise ValueError(f"without chunked prefill, max_num_batched_tokens ({config.token_budget}) must be at "
+                         f"least max_model_len ({max_model_len}), or long prompts could never be scheduled")
+    num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // model_info.kv_bytes_per_block
+    if num_blocks * config.block_size < max_model_len and config.num_kv_blocks is None:
+        raise ModelLoadError(
+            f"the KV cache budget ({config.kv_cache_memory_bytes} bytes) holds {num_blocks * config.block_size} "
+            f"tokens, fewer than max_model_len ({max_model_len}); raise kv_cache_memory_bytes or lower max_model_len")
+    eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + model_info.eos_token_ids))
+    return replace(model_info, num_kv_blocks=num_blocks, max_model_len=max_model_len, eos_token_ids=eos)
+
+
+def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
+    sched_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
+        max_model_len=info.max_model_len, policy=config.scheduling_policy,
+        enable_chunked_prefill=config.enable_chunked_prefill)
+    blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+    return Scheduler(sched_config, blocks)
+
+
+@asynccontextmanager
+async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
+                      tokenizer: Tokenizer | None = None,
+                      observer: StatsObserver | None = None) -> AsyncGenerator[AsyncEngine]:
+    """Load the model, start the engine-core task, and yield the engine.
+
+    `executor` replaces the default one (tests pass a fake whose steps take
+    virtual time under `MockClock`); `observer` receives per-request timings
+    and counts for metrics (and loop-lag readings, with
+    `config.loop_lag_interval`). Leaving the block, or cancelling the task
+    inside it, cancels the core task and the probe; requests still open end
+    with `EngineDeadError`, and worker processes are stopped (shielded, time
+    limited). Load errors raise `ModelLoadError` naming the problem, with
+    nothing left running.
+    """
+    executor = executor or create_executor(config)
+    async with executor:  # worker processes start here (multi-process executor) and stop on the way out
+        if tokenizer is None:
+            tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
+        info = await _size_engine(config, executor, tokenizer)
+        await executor.initialize_kv_cache(info.num_kv_blocks)
+        core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer)
+        loop_lag = LoopLagReadings()
+        async with anyio.create_task_group() as tg:
+            await tg.start(core.run)
+            if config.loop_lag_interval is not None:
+                on_lag = (observer or NullObserver()).on_loop_lag
+
+                def observe_lag(lag: float) -> None:
+                    loop_lag.record(lag)
+                    on_lag(lag)
+
+                await tg.start(run_loop_lag_probe, observe_lag, config.loop_lag_interval)
+            try:
+                yield AsyncEngine(config, info, tokenizer, core, loop_lag)
+            finally:
+                tg.cancel_scope.cancel()
