@@ -184,11 +184,7 @@ class MultiprocExecutor(Executor):
                              timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
                              non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
-        """See `WorkerGroup.collective_rpc`.
-
-        Cancellation abandons the call: its replies are read and dropped, never handed to a later
-        call.
-        """
+        # Documented on Executor.collective_rpc; the group does the work.
         return await self._workers().collective_rpc(method, args, kwargs, timeout=timeout, non_block=non_block,
                                                     unique_reply_rank=unique_reply_rank)
 
