@@ -26,6 +26,7 @@ _EXPORTS = {
     "PoolingParams": "engine.pooling_params",
     "InvalidRequestError": "engine.errors",
     "EngineDeadError": "engine.errors",
+    "RequestFailedError": "engine.errors",
     "ModelLoadError": "engine.errors",
 }
 

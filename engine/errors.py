@@ -16,6 +16,14 @@ class InvalidRequestError(ValueError):
         self.request_id = request_id  # which request of a batch was refused, when the engine knows
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside a step (its own inputs broke it); the engine serves the rest."""
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class ModelLoadError(ValueError):
     """A model directory cannot be loaded: missing files, unknown architecture, bad weights."""
 

@@ -7,11 +7,20 @@ vLLM reads the same here.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
 
 _GREEDY_EPSILON = 1e-5
+
+# Hard bounds that hold whatever the model; the engine adds the model's own (vocabulary size,
+# context length, max_num_seqs, max_logprobs) when a request is submitted. docs/limits.md lists all.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKENS_LIMIT = 1 << 31  # max_tokens/min_tokens beyond any context window (the engine checks the real one)
 
 
 class RequestOutputKind(enum.Enum):
@@ -59,11 +68,13 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        self._validate_types()
         checks: list[tuple[bool, str, str]] = [
             (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0.0, "temperature", f"temperature must be non-negative, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
+            (0 <= self.top_k < MAX_TOKENS_LIMIT, "top_k",
+             f"top_k must be -1 (disable) or at least 1 (at most the vocabulary size), got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
@@ -71,23 +82,51 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}"),
+            (self.max_tokens is None or 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens",
+             f"max_tokens must be at least 1 (and fit the model's context), got {self.max_tokens}"),
+            (0 <= self.min_tokens <= MAX_TOKENS_LIMIT, "min_tokens",
+             f"min_tokens must be non-negative (and fit the model's context), got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs",
-             f"logprobs must be non-negative, got {self.logprobs}"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
+            (self.logprobs is None or 0 <= self.logprobs < MAX_TOKENS_LIMIT, "logprobs",
+             f"logprobs must be non-negative (at most the server's max_logprobs), got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs < MAX_TOKENS_LIMIT, "prompt_logprobs",
+             f"prompt_logprobs must be non-negative (at most the server's max_logprobs), got {self.prompt_logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "stop_token_ids must be non-negative integers"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer"),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop",
+             f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}"),
+            (all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+             f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters"),
+            (all(0 <= t < MAX_TOKENS_LIMIT for t in self.stop_token_ids), "stop_token_ids",
+             "stop_token_ids must be token ids of the vocabulary"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}"),
+            (self.seed is None or self.seed >= SEED_MIN and self.seed + self.n - 1 <= SEED_MAX, "seed",
+             f"seed must be in [-2**63, 2**64 - n] (here n={self.n}): every sample's seed must fit 64 bits, "
+             f"got {self.seed}"),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param=param)
+
+    def _validate_types(self) -> None:
+        """Numbers of the right type, finite: a NaN compares false to everything and would pass."""
+        for name in ("n", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be integers", param="stop_token_ids")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
 
     @property
     def greedy(self) -> bool:

@@ -172,8 +172,11 @@ async def test_preemption_recomputes_and_keeps_outputs_identical(tiny_model_dir)
     ("", greedy(), "empty"),
     ([], greedy(), "empty"),
     ([1, 2, 99999], greedy(), "out of vocabulary"),
-    ("word " * 600, greedy(), "longer than the maximum model length"),
-    ("hi", greedy(logprobs=50), "more than the maximum"),
+    ("word " * 600, greedy(), "maximum context length is 512 tokens. However, your request has"),
+    ("hi", greedy(logprobs=50), "logprobs=50 is more than the limit of 20"),
+    ("hi", greedy(max_tokens=600), r"you requested 60\d tokens \(\d in the messages, 600 in the completion\)"),
+    ("hi", greedy(top_k=10**6), "top_k=1000000 is more than the limit"),
+    ("hi", SamplingParams(n=10**6), "n=1000000 is more than the limit"),
     ("hi", greedy(stop_token_ids=[10**6]), "out of vocabulary"),
 ])
 async def test_bad_requests_raise_clear_errors_and_the_engine_keeps_serving(engine, prompt, params, message):

@@ -19,7 +19,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestError, open_engine
+from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestError, RequestFailedError, open_engine
 from web import admin_api, openai_api, pooling_api
 from web.errors import APIError
 from web.settings import ServerSettings
@@ -104,6 +104,10 @@ def _register_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(InvalidRequestError)
     async def invalid(error: InvalidRequestError) -> Response:
         return APIError(400, str(error), param=error.param).response()
+
+    @app.errorhandler(RequestFailedError)
+    async def failed(error: RequestFailedError) -> Response:
+        return APIError(500, str(error), code="request_failed").response()
 
     @app.errorhandler(EngineDeadError)
     async def dead(error: EngineDeadError) -> Response:

@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 from pydantic_core import to_json
 
-from engine.api import EngineDeadError, InvalidRequestError
+from engine.api import EngineDeadError, InvalidRequestError, RequestFailedError
 from web.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
@@ -33,6 +33,8 @@ async def stream_events(first: Any, rest: AsyncGenerator[Any], to_chunk: Callabl
             yield event(chunk)
     except InvalidRequestError as exc:
         yield event(APIError(400, str(exc), param=exc.param).body())
+    except RequestFailedError as exc:
+        yield event(APIError(500, str(exc), code="request_failed").body())
     except EngineDeadError as exc:
         yield event(APIError(503, str(exc), code="engine_dead").body())
     finally:

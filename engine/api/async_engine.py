@@ -261,28 +261,40 @@ class AsyncEngine:
                         token_type_ids=engine_input.token_type_ids,
                         cache_key=None if engine_input.embeds is None else ("prompt_embeds", request_id))]
 
-    def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
-                       priority: int) -> list[Request]:
-        token_ids = engine_input.token_ids
-        max_len = self.info.max_model_len
-        if len(token_ids) >= max_len:
+    def _check_against_model(self, params: SamplingParams, engine_input: EngineInput) -> None:
+        """The bounds that depend on the model and the engine's limits (SamplingParams checks the rest)."""
+        prompt_len, max_len = len(engine_input.token_ids), self.info.max_model_len
+        if prompt_len >= max_len:
             raise InvalidRequestError(
-                f"the prompt (length {len(token_ids)}) is longer than the maximum model length of {max_len}; "
-                "there is no room to generate", param="prompt")
-        for name in ("logprobs", "prompt_logprobs"):
+                f"This model's maximum context length is {max_len} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input prompt.", param="prompt")
+        if params.max_tokens is not None and prompt_len + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.", param="max_tokens")
+        if prompt_len + params.min_tokens > max_len:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) does not fit the context: {prompt_len} "
+                                      f"prompt tokens of at most {max_len}", param="min_tokens")
+        limits = {"n": self.config.max_num_seqs, "top_k": self.info.vocab_size,
+                  "logprobs": self.config.max_logprobs, "prompt_logprobs": self.config.max_logprobs}
+        for name, limit in limits.items():
             value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise InvalidRequestError(f"requested {name}={value}, more than the maximum allowed "
-                                          f"({self.config.max_logprobs})", param=name)
+            if value is not None and value > limit:
+                raise InvalidRequestError(f"{name}={value} is more than the limit of {limit}", param=name)
         if engine_input.embeds is not None and params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported for prompt embeddings (the prompt has no "
                                       "tokens)", param="prompt_logprobs")
         bad_stop = [t for t in params.stop_token_ids if t >= self.info.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop_token_ids {bad_stop} are out of vocabulary", param="stop_token_ids")
+
+    def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
+                       priority: int) -> list[Request]:
+        token_ids = engine_input.token_ids
+        self._check_against_model(params, engine_input)
         params = params.with_eos(self.info.eos_token_ids)
-        room = max_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = self.info.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
         now = anyio.current_time()
         if params.n == 1:
             children = [(request_id, params)]

@@ -26,7 +26,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.core.output_processor import RequestTracker
 from engine.core.stats import NullObserver, StatsObserver
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.executor.base import Executor
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.render.tokenizer import Tokenizer
@@ -160,6 +160,23 @@ class EngineCore:
         self._report_finished(tracker, "abort", anyio.current_time())
         self._forget(request_id)
 
+    def _fail_requests(self, failures: dict[str, str]) -> None:
+        """Requests the worker could not run: each fails with `RequestFailedError` (all of its
+        samples are aborted); the rest of the step stands."""
+        for child_id, reason in failures.items():
+            tracker = self._child_owner.get(child_id)
+            if tracker is None or tracker.request_id not in self._trackers:
+                continue
+            logger.warning("request %s failed in the worker and was dropped: %s", tracker.request_id, reason)
+            error = RequestFailedError(f"request {tracker.request_id} failed in the engine: {reason}",
+                                       request_id=tracker.request_id)
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
+                self._streams[tracker.request_id].send_nowait(error)
+            child_ids = [c.request.request_id for c in tracker.children]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            self._report_finished(tracker, "error", anyio.current_time())
+            self._forget(tracker.request_id)
+
     def _forget(self, request_id: str) -> None:
         tracker = self._trackers.pop(request_id)
         for child in tracker.children:
@@ -177,6 +194,8 @@ class EngineCore:
         if sched_out.is_empty:
             return False
         result = await self.executor.execute_model(sched_out)
+        if result.failed:
+            self._fail_requests(result.failed)
         updates = self.scheduler.update_from_output(sched_out, result)
         self.num_steps += 1
         self._publish(updates, anyio.current_time())

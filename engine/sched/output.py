@@ -69,3 +69,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # pooling requests whose prompt completed this step -> their pooled output (a CPU float32 tensor)
     pooled: dict[str, Any] = field(default_factory=dict)
+    # requests the worker could not run (their own inputs failed it) -> why; the rest of the step ran
+    failed: dict[str, str] = field(default_factory=dict)

@@ -18,7 +18,7 @@ from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.pooler import finish, pool
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
-from engine.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.worker.sampler import SamplingRow, sample, top_logprobs
 
 
@@ -56,13 +56,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(sched_out)
-        if sched_out.is_empty:
-            return ModelRunnerOutput()
-        # Decodes first: attention then treats them as one unpadded group.
-        batch = sorted(sched_out.scheduled, key=lambda s: s.num_tokens != 1)
-        hidden = self._forward(batch)
+        """One step. A request whose own inputs fail it (while its state is set up, or while it
+        is sampled) is left out and reported in `failed`; only a failure of the forward pass
+        itself, which no request can be blamed for, raises."""
         out = ModelRunnerOutput()
+        self._update_states(sched_out, out.failed)
+        if sched_out.is_empty:
+            return out
+        # Decodes first: attention then treats them as one unpadded group.
+        batch = sorted((s for s in sched_out.scheduled if s.request_id in self.requests),
+                       key=lambda s: s.num_tokens != 1)
+        if not batch:
+            return out
+        hidden = self._forward(batch)
         self._sample(batch, hidden, out)
         self._prompt_logprobs(batch, hidden, out)
         self._pool(batch, hidden, out)
@@ -82,17 +88,22 @@ class ModelRunner:
             else:
                 out.pooled[item.request_id] = finish(pool(rows, self.pooler.pooling), params, self.pooler).cpu()
 
-    def _update_states(self, sched_out: SchedulerOutput) -> None:
+    def _update_states(self, sched_out: SchedulerOutput, failed: dict[str, str]) -> None:
         for rid in sched_out.finished_request_ids:
             self.requests.pop(rid, None)
         for new in sched_out.new_requests:
-            generator = None
-            if new.sampling_params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(new.sampling_params.seed)
-            embeds = None if new.prompt_embeds is None else new.prompt_embeds.to(self.device, self.model.dtype)
-            self.requests[new.request_id] = RequestState(new.prompt_token_ids, new.sampling_params, generator,
-                                                         embeds, new.pooling_params)
+            try:
+                self.requests[new.request_id] = self._new_state(new)
+            except Exception as exc:  # this request's inputs: it alone fails
+                failed[new.request_id] = f"{type(exc).__name__}: {exc}"
+
+    def _new_state(self, new: NewRequestData) -> RequestState:
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(new.sampling_params.seed)
+        embeds = None if new.prompt_embeds is None else new.prompt_embeds.to(self.device, self.model.dtype)
+        return RequestState(new.prompt_token_ids, new.sampling_params, generator, embeds, new.pooling_params)
 
     def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         token_ids: list[int] = []
@@ -137,12 +148,23 @@ class ModelRunner:
         if not self.is_driver:
             return
         rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
-        result = sample(logits, rows, self.generator)
-        for rid, state, token, logprobs in zip(ids, states, result.token_ids, result.logprobs, strict=True):
-            state.output_token_ids.append(token)
-            out.sampled_token_ids[rid] = token
-            if logprobs is not None:
-                out.logprobs[rid] = logprobs
+        try:
+            results = [sample(logits, rows, self.generator)]
+            sampled = [ids]
+        except Exception:  # some row broke the batch: sample row by row and fail only the culprits
+            results, sampled = [], []
+            for i, (rid, row) in enumerate(zip(ids, rows, strict=True)):
+                try:
+                    results.append(sample(logits[i:i + 1], [row], self.generator))
+                    sampled.append([rid])
+                except Exception as exc:
+                    out.failed[rid] = f"{type(exc).__name__}: {exc}"
+        for result, result_ids in zip(results, sampled, strict=True):
+            for rid, token, logprobs in zip(result_ids, result.token_ids, result.logprobs, strict=True):
+                self.requests[rid].output_token_ids.append(token)
+                out.sampled_token_ids[rid] = token
+                if logprobs is not None:
+                    out.logprobs[rid] = logprobs
 
     def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """For each prompt position p in the chunk, the logprob of prompt token p + 1."""
