@@ -19,6 +19,21 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_loop_lag(bench)
     _add_bench_rpc(bench)
     _add_bench_embed(bench)
+    _add_bench_fuzz(bench)
+
+
+def _add_bench_fuzz(bench: Subcommands) -> None:
+    fz = bench.add_parser("fuzz", help="hypothesis-fuzzed requests to every endpoint of a running server: no 5xx")
+    fz.add_argument("--url", default="http://127.0.0.1:8000")
+    fz.add_argument("--requests", type=int, default=10_000, help="examples to draw (default: %(default)s)")
+    fz.add_argument("--seed", type=int, default=0, help="0: hypothesis' fixed derandomized sequence")
+    fz.set_defaults(run=_bench_fuzz)
+
+
+def _bench_fuzz(args: argparse.Namespace) -> int:
+    from bench import fuzz
+    print(fuzz.run(args.url.rstrip("/"), args.requests, args.seed))
+    return 0
 
 
 def _add_bench_throughput(bench: Subcommands) -> None:

@@ -14,14 +14,14 @@ from functools import partial
 from typing import Any
 
 from pydantic_core import to_json
-from quart import Response, request
+from quart import Response, current_app, request
 from quart_trio import QuartTrio
 
 from engine.api import AsyncEngine, EngineDeadError, RequestOutput, RequestOutputKind
 from engine.concurrency.offload import run_sized
 from engine.ids import random_id
 from web import sse
-from web.errors import bad_request
+from web.errors import APIError, bad_request
 from web.protocol import ChatCompletionRequest, CompletionRequest, check_model, parse_body
 from web.responses import ChatStream, CompletionStream, chat_response, completion_response
 from web.state import ServerState
@@ -56,11 +56,18 @@ async def read_body() -> bytearray:
     """The body, collected as it arrives. Quart's `get_data` would copy all of it once more at
     the end, with the GIL held (~3 ms for a 22 MB prompt_embeds body).
 
+    The limit (`MAX_CONTENT_LENGTH`) is counted here as the bytes arrive: Quart checks a
+    declared Content-Length, but a chunked body declares none, and this loop drains Quart's
+    buffer before its own check could see the total. Past the limit: 413 at once.
+
     Cancellation (the client went away) stops reading.
     """
+    limit = current_app.config["MAX_CONTENT_LENGTH"]
     body = bytearray()
     async for chunk in request.body:
         body += chunk
+        if limit is not None and len(body) > limit:
+            raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
     return body
 
 

@@ -73,6 +73,15 @@ def _output_size(outputs: list[PoolingRequestOutput]) -> int:
     return sum(o.data.numel() for o in outputs)
 
 
+def checked_truncation(engine: AsyncEngine, truncate: int | None) -> int | None:
+    """`truncate_prompt_tokens` as given, if it fits the model (vLLM's check and wording)."""
+    max_len = engine.info.max_model_len
+    if truncate is not None and truncate > max_len:
+        raise bad_request(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_len}). "
+                          "Please, select a smaller truncation size.", "truncate_prompt_tokens")
+    return truncate
+
+
 # ---- pre-processing (worker threads) ------------------------------------------------------------
 def tokenize_inputs(tokenizer: Tokenizer, inputs: list[str | list[int]], truncate: int | None) -> list[list[int]]:
     """Texts tokenized in one batch; token lists as given; both cut to `truncate` tokens if set."""
@@ -103,8 +112,8 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest, object_na
     """
     engine = state.engine_for_request()
     inputs = req.inputs()
-    prompts = await offload(state, tokenize_inputs, engine.tokenizer, inputs, req.truncate_prompt_tokens,
-                            size=_input_size(inputs))
+    truncate = checked_truncation(engine, req.truncate_prompt_tokens)
+    prompts = await offload(state, tokenize_inputs, engine.tokenizer, inputs, truncate, size=_input_size(inputs))
     task = getattr(req, "task", "embed")
     outputs = await engine.encode(prompts, PoolingParams(task=task, dimensions=req.dimensions))
     body = await offload(state, embeddings_body, outputs, req.encoding_format, state.model_name, object_name,
@@ -150,6 +159,7 @@ async def compute_scores(state: ServerState, engine: AsyncEngine, firsts: list[s
     Cancellation aborts the engine requests still running.
     """
     kind = score_type_for(engine, score_type)
+    truncate = checked_truncation(engine, truncate)
     if kind == "cross-encoder":
         prompts = await offload(state, tokenize_pairs, engine.tokenizer, firsts, seconds, truncate,
                                 size=_input_size(firsts + seconds))

@@ -84,6 +84,11 @@ def check_prompt_embeds(tensor: torch.Tensor, limits: EmbedsLimits) -> torch.Ten
     if tensor.layout != torch.strided:
         tensor = tensor.to_dense()
     tensor = tensor.reshape(rows, hidden)
+    if not bool(torch.isfinite(tensor).all()):
+        raise InvalidRequestError("prompt_embeds contains NaN or infinite values", param=PARAM)
     if tensor.dtype != limits.dtype:
-        return tensor.to(limits.dtype)
+        tensor = tensor.to(limits.dtype)
+        if not bool(torch.isfinite(tensor).all()):  # finite in its own dtype, out of range in the model's
+            raise InvalidRequestError(f"prompt_embeds has values out of the range of {limits.dtype}", param=PARAM)
+        return tensor
     return tensor.contiguous()

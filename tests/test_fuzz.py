@@ -1,0 +1,81 @@
+"""Hypothesis fuzzes every endpoint of a real server process: no 5xx, and it keeps serving.
+
+The server runs as `trio-llm serve` in a child process, as users run it, with
+small limits so that a hostile but valid request (n up to max_num_seqs,
+max_tokens up to the context) stays cheap. `trio-llm bench fuzz` is the long run.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from bench import fuzz
+
+MAX_MODEL_LEN = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model_dir):
+    port = _free_port()
+    command = [sys.executable, "-m", "web.cli", "serve", tiny_model_dir, "--port", str(port),
+               "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-embeds",
+               "--log-level", "info"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_until_serving(process)
+        assert process.stderr is not None
+        # Keep draining the log so the server never blocks on a full pipe.
+        drain = threading.Thread(target=process.stderr.read, daemon=True)
+        drain.start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _wait_until_serving(process: subprocess.Popen[str]) -> None:
+    """Block on the server's log until hypercorn says it is listening (no polling, no sleeps)."""
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if "Running on" in line:
+            return
+    raise RuntimeError("the server exited during start-up:\n" + "".join(seen[-30:]))
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    with httpx.Client(base_url=server_url, timeout=60) as http:
+        yield http
+
+
+@settings(max_examples=300, database=None, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(request=fuzz.requests())
+def test_no_request_gets_a_5xx(client, request: tuple[str, dict[str, Any]]):
+    path, body = request
+    payload = fuzz.encode(body)
+    response = client.post(path, content=payload, headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (path, payload[:500], response.text[:500])
+    if response.status_code >= 400:
+        error = response.json()["error"]  # every refusal is in the error shape, naming a message
+        assert error["message"]
+
+
+def test_the_server_still_serves_after_the_fuzzing(client):
+    assert fuzz.still_serving(client) is None
