@@ -8,6 +8,7 @@ from functools import partial
 
 import trio
 from hypercorn.trio import serve as hypercorn_serve
+from quart_trio import QuartTrio
 
 from web.app import create_app
 from web.serve import hypercorn_config
@@ -19,6 +20,7 @@ from web.state import ServerState
 class RunningServer:
     url: str
     state: ServerState
+    app: QuartTrio
 
     @property
     def engine(self):
@@ -34,6 +36,6 @@ async def running_server(engine_config, settings: ServerSettings | None = None, 
         config = hypercorn_config("127.0.0.1", 0, settings, log_level="warning")
         binds = await nursery.start(partial(hypercorn_serve, app, config, shutdown_trigger=stop.wait))
         try:
-            yield RunningServer(binds[0], app.extensions["trio_llm"])
+            yield RunningServer(binds[0], app.extensions["trio_llm"], app)
         finally:
             stop.set()

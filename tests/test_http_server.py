@@ -148,14 +148,27 @@ async def test_oversized_body_is_413(tiny_model_dir):
         assert (await request(server.url, "GET", "/health")).status == 200
 
 
-async def test_api_key_is_required_on_v1_routes(tiny_model_dir):
-    async with running_server(engine_config(tiny_model_dir), ServerSettings(api_key="s3cret")) as server:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
-            response = await request(server.url, "GET", "/v1/models", headers=headers)
-            assert response.status == 401 and response.json()["error"]["code"] == "invalid_api_key"
-        ok = await request(server.url, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})
-        assert ok.status == 200
-        assert (await request(server.url, "GET", "/health")).status == 200  # probes need no key
+@pytest.mark.parametrize("metrics_require_key", [False, True])
+async def test_every_route_but_the_probes_needs_the_api_key(tiny_model_dir, metrics_require_key):
+    """Walks every registered route, so a route added later cannot be forgotten."""
+    settings = ServerSettings(api_key="s3cret", metrics_require_key=metrics_require_key)
+    open_paths = {"/health", "/ping", "/version"} | (set() if metrics_require_key else {"/metrics"})
+    async with running_server(engine_config(tiny_model_dir), settings) as server:
+        routes = [(rule.rule, method) for rule in server.app.url_map.iter_rules() if "<" not in rule.rule
+                  for method in sorted(rule.methods - {"HEAD", "OPTIONS"})]
+        assert len(routes) >= 14 and ("/tokenize", "POST") in routes and ("/rerank", "POST") in routes
+        for path, method in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                            {"Authorization": "Bearer s3cret-and-more"}):
+                response = await request(server.url, method, path, {} if method == "POST" else None, headers=headers)
+                if path in open_paths:
+                    assert response.status != 401, (path, method, headers)
+                else:
+                    assert response.status == 401, (path, method, headers)
+                    assert response.json()["error"]["code"] == "invalid_api_key"
+            keyed = await request(server.url, method, path, {} if method == "POST" else None,
+                                  headers={"Authorization": "Bearer s3cret"})
+            assert keyed.status != 401, (path, method)
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await client.models.list()

@@ -33,6 +33,11 @@ def register(app: QuartTrio, state: ServerState) -> None:
     async def health() -> Response:
         return Response(b"", status=200 if state.engine_alive else 503)
 
+    @app.route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness probe: as /health."""
+        return Response(b"", status=200 if state.engine_alive else 503)
+
     @app.get("/version")
     async def get_version() -> Response:
         return _json({"version": _version()})

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -56,7 +57,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
 
     @app.before_request
     async def authenticate() -> None:
-        _check_api_key(state.settings.api_key)
+        if request.path not in state.settings.open_paths():
+            _check_api_key(state.settings.api_key)
 
     _register_error_handlers(app)
     openai_api.register(app, state)
@@ -87,12 +89,14 @@ async def _run_engine(state: ServerState, *, task_status: TaskStatus[None] = any
 
 
 def _check_api_key(api_key: str | None) -> None:
-    if api_key is None or not request.path.startswith("/v1"):
+    if api_key is None:
         return
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    # Constant-time: the comparison takes as long whatever prefix of the key is right.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+    # Digests of both, compared in constant time: the time taken says nothing about how much of
+    # the key is right, nor how long it is (vLLM compares the same way).
+    given, expected = hashlib.sha256(token.encode()).digest(), hashlib.sha256(api_key.encode()).digest()
+    if not hmac.compare_digest(given, expected) or scheme.lower() != "bearer":
         raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 

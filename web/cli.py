@@ -68,7 +68,10 @@ def _add_serve(sub: Subcommands) -> None:
     srv.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded tiny model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version "
+                          "and /metrics")
+    srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-queued-requests", type=int, default=None)
     srv.add_argument("--max-body-bytes", type=int, default=None,
@@ -111,7 +114,8 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.api import EngineConfig
     from web.serve import serve
     engine_config = EngineConfig(model=model_dir(args.model), **_engine_options(args))
-    settings = ServerSettings(api_key=args.api_key, served_model_name=args.served_model_name,
+    settings = ServerSettings(api_key=args.api_key, metrics_require_key=args.metrics_require_key,
+                              served_model_name=args.served_model_name,
                               max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                               grace_period=args.grace_period)
     trio.run(partial(serve, engine_config, settings, args.host, args.port, log_level=args.log_level))

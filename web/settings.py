@@ -18,6 +18,7 @@ class ServerSettings:
     loop_lag_interval: float = 0.05
     # Bodies this large or larger have their prompt_embeds parsed as views on the body (web.embeds_body).
     split_embeds_bytes: int = 1 << 20
+    metrics_require_key: bool = False  # --metrics-require-key: /metrics needs the API key too
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -27,6 +28,12 @@ class ServerSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.grace_period < 0 or self.loop_lag_interval <= 0:
             raise ValueError("grace_period must be >= 0 and loop_lag_interval > 0")
+
+    def open_paths(self) -> frozenset[str]:
+        """Routes that answer without the API key: probes, and /metrics unless it is protected.
+        Every other route, present or added later, needs the key when one is set."""
+        probes = {"/health", "/ping", "/version"}
+        return frozenset(probes if self.metrics_require_key else probes | {"/metrics"})
 
     def body_limit(self, max_embeds_payload_bytes: int | None = None) -> int:
         """The request body limit: as set, else 16 MiB, raised to fit one base64 prompt_embeds payload
