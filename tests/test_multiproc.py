@@ -158,3 +158,42 @@ async def test_prompt_embeddings_cross_the_process_boundary(tiny_model_dir):
             final = [output async for output in engine.generate(prompt, params)][-1]
             outputs.append(final.outputs[0].token_ids)
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("layout", [{"executor": "mp"}, {"tensor_parallel_size": 2}])
+async def test_a_worker_killed_while_idle_fails_health_at_once(tiny_model_dir, layout):
+    async with running_server(engine_config(tiny_model_dir, **layout)) as server:
+        assert (await request(server.url, "GET", "/health")).status == 200
+        failed = trio.Event()
+        server.state.on_engine_failure = failed.set
+        processes = server.engine.core.executor.processes
+        os.kill(processes[-1].pid, signal.SIGKILL)  # nothing is running: no request will notice
+        with trio.fail_after(1):
+            await failed.wait()
+        assert (await request(server.url, "GET", "/health")).status == 503
+        assert "exited unexpectedly (killed by SIGKILL)" in repr(server.state.engine_error)
+        refused = await request(server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert refused.status == 503
+        with trio.fail_after(5):
+            for process in processes:
+                await process.wait()
+    assert_gone([p.pid for p in processes])
+
+
+async def test_serve_stops_and_exits_1_when_the_engine_dies(tiny_model_dir):
+    from web.serve import serve
+    from web.settings import ServerSettings
+    config = engine_config(tiny_model_dir, executor="mp")
+    executor = MultiprocExecutor(config)
+    status = []
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED):
+        status.append(await serve(config, ServerSettings(grace_period=1), "127.0.0.1", 0, executor=executor,
+                                  shutdown_trigger=trio.sleep_forever, log_level="error", task_status=task_status))
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(run)
+            assert (await request(url, "GET", "/health")).status == 200
+            os.kill(executor.processes[0].pid, signal.SIGKILL)
+    assert status == [1]  # serve returned by itself, with the status the CLI exits with

@@ -86,6 +86,8 @@ async def _run_engine(state: ServerState, *, task_status: TaskStatus[None] = any
             raise
         state.engine_error = group
         logger.error("the engine failed; the server now answers 503", exc_info=group)
+        if state.on_engine_failure is not None:
+            state.on_engine_failure()
 
 
 def _check_api_key(api_key: str | None) -> None:

@@ -118,8 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
                               served_model_name=args.served_model_name,
                               max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                               grace_period=args.grace_period)
-    trio.run(partial(serve, engine_config, settings, args.host, args.port, log_level=args.log_level))
-    return 0
+    return trio.run(partial(serve, engine_config, settings, args.host, args.port, log_level=args.log_level))
 
 
 def _make_model(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from quart_trio import QuartTrio
 from engine.api import EngineConfig, Executor
 from web.app import create_app
 from web.settings import ServerSettings
+from web.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -57,21 +58,36 @@ def hypercorn_config(host: str, port: int, settings: ServerSettings, log_level: 
 
 async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
                 *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None, executor: Executor | None = None,
-                log_level: str = "info", task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until a signal (or `shutdown_trigger`); `task_status.started` gets the bound URLs.
+                log_level: str = "info", task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
+    """Serve until a signal (or `shutdown_trigger`), or until the engine dies; `task_status.started`
+    gets the bound URLs. Returns the process's exit status: 0, or 1 when the engine died (a worker
+    process exited, say): the server then stops as on SIGTERM, giving in-flight requests the grace
+    period, and exits non-zero so a supervisor restarts it (vLLM exits too).
 
     Cancellation stops the server at once: open connections are closed, their
     requests aborted, and the engine closed (a signal or `shutdown_trigger`
     gives in-flight requests the grace period first)."""
     app = create_app(engine_config, settings, executor=executor, on_ready=tune_collector_for_serving)
+    state: ServerState = app.extensions["trio_llm"]
     config = hypercorn_config(host, port, settings, log_level)
+    stop = trio.Event()
+    state.on_engine_failure = stop.set
     async with trio.open_nursery() as nursery:
         if shutdown_trigger is None:
-            stop = trio.Event()
             nursery.start_soon(_set_on_signal, stop)
-            shutdown_trigger = stop.wait
-        binds = await nursery.start(_serve_then_stop, app, config, shutdown_trigger, nursery.cancel_scope)
+        else:
+            nursery.start_soon(_set_when_done, shutdown_trigger, stop)
+        binds = await nursery.start(_serve_then_stop, app, config, stop.wait, nursery.cancel_scope)
         task_status.started(binds)
+    if state.engine_error is not None:
+        logger.error("exiting with status 1: the engine died while serving")
+        return 1
+    return 0
+
+
+async def _set_when_done(trigger: Callable[[], Awaitable[None]], stop: trio.Event) -> None:
+    await trigger()
+    stop.set()
 
 
 async def _serve_then_stop(app: QuartTrio, config: HypercornConfig, shutdown_trigger: Callable[[], Awaitable[None]],

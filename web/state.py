@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -19,6 +20,8 @@ class ServerState:
     executor: Executor | None = None  # tests inject a fake; None: the configured executor
     engine: AsyncEngine | None = None
     engine_error: BaseException | None = None
+    # Called once if the engine dies while serving (serve() uses it to shut the server down).
+    on_engine_failure: Callable[[], None] | None = None
     metrics: ServerMetrics = field(init=False)
     limiter: anyio.CapacityLimiter = field(init=False)
 

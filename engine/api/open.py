@@ -77,6 +77,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
         loop_lag = LoopLagReadings()
         async with anyio.create_task_group() as tg:
             await tg.start(core.run)
+            tg.start_soon(_stop_core_on_executor_failure, executor, core)
             if config.loop_lag_interval is not None:
                 on_lag = (observer or NullObserver()).on_loop_lag
 
@@ -89,3 +90,11 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
                 yield AsyncEngine(config, info, tokenizer, core, loop_lag)
             finally:
                 tg.cancel_scope.cancel()
+
+
+async def _stop_core_on_executor_failure(executor: Executor, core: EngineCore) -> None:
+    """A worker that dies while the engine is idle stops it at once (not at the next request),
+    so health checks fail and every open request gets the error naming the worker.
+
+    Runs until cancelled with the engine."""
+    core.executor_failed(await executor.wait_for_failure())

@@ -52,7 +52,14 @@ class AbortRequest:
     request_id: str
 
 
-CoreMessage = AddRequest | AbortRequest
+@dataclass
+class ExecutorFailed:
+    """The executor lost a worker while the core may be idle: the core stops with this error."""
+
+    error: BaseException
+
+
+CoreMessage = AddRequest | AbortRequest | ExecutorFailed
 
 
 class EngineCore:
@@ -77,6 +84,11 @@ class EngineCore:
             self._inbox_send.send_nowait(message)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise EngineDeadError("the engine has stopped") from None
+
+    def executor_failed(self, error: BaseException) -> None:
+        """Stop the core with `error` (from the executor's watcher task), busy or idle."""
+        if not self.dead:
+            self.submit(ExecutorFailed(error))
 
     def abort(self, request_id: str) -> None:
         """Abort a request if the core still runs; a no-op after it stopped."""
@@ -132,6 +144,8 @@ class EngineCore:
     def _apply(self, message: CoreMessage) -> None:
         if isinstance(message, AddRequest):
             self._add(message)
+        elif isinstance(message, ExecutorFailed):
+            raise message.error
         else:
             self._abort(message.request_id)
 

@@ -63,6 +63,14 @@ class Executor(ABC):
         """Run one step. Cancellation waits for the step in flight to end (the worker's
         state must stay consistent), then raises."""
 
+    async def wait_for_failure(self) -> BaseException:
+        """Wait until the executor fails on its own (a worker process dies), busy or idle; the
+        error to stop the engine with. In-process executors never do: this waits until cancelled.
+
+        Cancellation just stops the wait."""
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
     def workers_alive(self) -> tuple[bool, ...]:
         """Whether each worker (rank order) is alive. In-process executors have one, alive
         as long as the executor is open."""

@@ -57,6 +57,8 @@ class MultiprocExecutor(Executor):
         self.group: WorkerGroup | None = None
         self._closing = False
         self._a_worker_exited = anyio.Event()
+        self._failed = anyio.Event()
+        self._failure: BaseException | None = None
         self._init_method: str | None = None  # torch.distributed's rendezvous, chosen once
         self._stack: AsyncExitStack | None = None
 
@@ -154,8 +156,17 @@ class MultiprocExecutor(Executor):
     def _report_exit(self, rank: int) -> None:
         process = self.processes[rank]
         if process.returncode is not None and not self._closing and self.group is not None:
-            self.group.fail(EngineDeadError(
-                f"worker rank {rank} (pid {process.pid}) exited unexpectedly ({_describe(process.returncode)})"))
+            error = EngineDeadError(
+                f"worker rank {rank} (pid {process.pid}) exited unexpectedly ({_describe(process.returncode)})")
+            self.group.fail(error)
+            if self._failure is None:
+                self._failure = error
+                self._failed.set()
+
+    async def wait_for_failure(self) -> BaseException:
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
 
     async def _stop_workers(self) -> None:
         """Ask, wait, SIGTERM, wait, SIGKILL, reap. Shielded: runs to the end even when cancelled."""

@@ -22,6 +22,7 @@ later call raises the failure.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -297,4 +298,6 @@ class WorkerGroup:
         self.closing = True
         for conn in self.connections:
             if conn.failure is None:
-                conn.post(Shutdown())
+                # A connection already closed (the group was cancelled) has told its worker to exit.
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    conn.post(Shutdown())
