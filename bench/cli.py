@@ -20,6 +20,20 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_rpc(bench)
     _add_bench_embed(bench)
     _add_bench_fuzz(bench)
+    _add_bench_prefix_hash(bench)
+
+
+def _add_bench_prefix_hash(bench: Subcommands) -> None:
+    ph = bench.add_parser("prefix-hash", help="prefix-cache hashing per block against a prefill step")
+    ph.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    ph.add_argument("--repeats", type=int, default=200)
+    ph.set_defaults(run=_bench_prefix_hash)
+
+
+def _bench_prefix_hash(args: argparse.Namespace) -> int:
+    from bench import prefix_hash
+    print(prefix_hash.run(model_dir(args.model), args.repeats))
+    return 0
 
 
 def _add_bench_fuzz(bench: Subcommands) -> None:

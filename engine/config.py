@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 _EXECUTORS = ("inproc", "mp")
+_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.prefix_hash.HASH_ALGOS
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # defaults to max(2048, max_num_seqs)
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # vLLM's choices: sha256, sha256_cbor, xxhash, xxhash_cbor
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
@@ -53,6 +55,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.pooling_type is not None and self.pooling_type not in ("mean", "cls", "last"):
             raise ValueError(f"pooling_type must be mean, cls or last, got {self.pooling_type!r}")
+        if self.prefix_caching_hash_algo not in _HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {_HASH_ALGOS}, got "
+                             f"{self.prefix_caching_hash_algo!r}")
         if self.executor is not None and self.executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
         if self.executor == "inproc" and self.tensor_parallel_size > 1:

@@ -42,6 +42,7 @@ COMPLETION = {"prompt": "Hello", "max_tokens": 4}
     ("/v1/completions", {**COMPLETION, "stop": ["x"] * 65}, "stop", "at most 64 stop strings"),
     ("/v1/completions", {**COMPLETION, "temperature": 1e308 * 10}, "temperature", "finite"),
     ("/v1/completions", {"prompt": [2**64], "max_tokens": 4}, "prompt", "out of vocabulary"),
+    ("/v1/completions", {**COMPLETION, "cache_salt": ""}, "cache_salt", "at least 1 character"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "seed": 2**64}, "seed", "64 bits"),
     ("/v1/embeddings", {"input": "Hello", "truncate_prompt_tokens": 2**70}, "truncate_prompt_tokens",
      "greater than max_model_len (128)"),
@@ -91,3 +92,10 @@ def test_values_finite_in_float32_but_not_in_the_model_dtype_are_refused():
     limits = EmbedsLimits.for_model(8, 16, torch.float16)
     with pytest.raises(InvalidRequestError, match="out of the range"):
         check_prompt_embeds(torch.full((2, 8), 1e6), limits)
+
+
+async def test_cache_salt_is_accepted_on_completions_and_chat(server):
+    salted = await request(server.url, "POST", "/v1/completions", {**COMPLETION, "cache_salt": "tenant-a"})
+    chat = await request(server.url, "POST", "/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "cache_salt": "t"})
+    assert salted.status == 200 and chat.status == 200

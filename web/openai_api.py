@@ -127,7 +127,7 @@ async def create_completion(state: ServerState) -> Response:
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = req.sampling_params(req.max_tokens, req.logprobs, kind, prompt_logprobs)
     response_id, created = f"cmpl-{random_id()}", int(time.time())
-    outputs = engine.generate_batch(prompts, params, request_id=response_id)
+    outputs = engine.generate_batch([req.salted(p) for p in prompts], params, request_id=response_id)
     first = await first_item(outputs)
     if req.stream:
         stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None)
@@ -153,7 +153,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind)
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
-    outputs = engine.generate_batch([{"prompt": prompt, "prompt_token_ids": token_ids}], params,
+    outputs = engine.generate_batch([req.salted({"prompt": prompt, "prompt_token_ids": token_ids})], params,
                                     request_id=response_id)
     first = await first_item(outputs)
     top = logprobs if req.logprobs else None

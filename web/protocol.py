@@ -44,6 +44,17 @@ class _Sampling(_Body):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's field: requests with different salts never share prefix-cache blocks.
+    cache_salt: str | None = Field(default=None, min_length=1)
+
+    def salted(self, prompt: str | list[int] | dict[str, Any]) -> str | list[int] | dict[str, Any]:
+        """`prompt` as the engine takes it, carrying this request's `cache_salt` if it has one."""
+        if self.cache_salt is None:
+            return prompt
+        if isinstance(prompt, dict):
+            return {**prompt, "cache_salt": self.cache_salt}
+        key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+        return {key: prompt, "cache_salt": self.cache_salt}
 
     @property
     def include_usage(self) -> bool:

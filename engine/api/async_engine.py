@@ -259,7 +259,7 @@ class AsyncEngine:
                         arrival_time=anyio.current_time(), priority=priority, max_tokens=1,
                         prompt_embeds=engine_input.embeds, pooling_params=params,
                         token_type_ids=engine_input.token_type_ids,
-                        cache_key=None if engine_input.embeds is None else ("prompt_embeds", request_id))]
+                        cache_key=engine_input.cache_key(request_id))]
 
     def _check_against_model(self, params: SamplingParams, engine_input: EngineInput) -> None:
         """The bounds that depend on the model and the engine's limits (SamplingParams checks the rest)."""
@@ -300,9 +300,7 @@ class AsyncEngine:
             children = [(request_id, params)]
         else:  # n samples: children "id-0", "id-1", ... with distinct seeds
             children = [(f"{request_id}-{i}", params.for_child(i)) for i in range(params.n)]
-        # Embeddings prompts get their own prefix-cache namespace: their placeholder ids must never
-        # match a token prompt (the samples of one request may share it: same embeddings).
-        cache_key = None if engine_input.embeds is None else ("prompt_embeds", request_id)
+        cache_key = engine_input.cache_key(request_id)
         return [Request(child_id, token_ids, child_params, arrival_time=now, priority=priority,
                         max_tokens=max_tokens, cache_key=cache_key, prompt_embeds=engine_input.embeds)
                 for child_id, child_params in children]

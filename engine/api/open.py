@@ -22,6 +22,7 @@ from engine.executor import Executor, create_executor
 from engine.model_info import ModelInfo
 from engine.render.tokenizer import Tokenizer
 from engine.sched.block_manager import KVBlockManager
+from engine.sched.prefix_hash import PrefixHasher
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 
 
@@ -48,7 +49,10 @@ def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
         max_model_len=info.max_model_len, policy=config.scheduling_policy,
         enable_chunked_prefill=config.enable_chunked_prefill)
-    blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+    # Blocks are namespaced by the model: a cache never serves KV computed by another model or dtype.
+    namespace = f"{config.model}\0{info.architecture}\0{info.dtype}".encode()
+    hasher = PrefixHasher(config.prefix_caching_hash_algo, namespace)
+    blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching, hasher)
     return Scheduler(sched_config, blocks)
 
 

@@ -48,6 +48,16 @@ class EngineInput:
     token_ids: list[int]
     embeds: torch.Tensor | None = None
     token_type_ids: list[int] | None = None  # segment ids of a sentence pair (cross-encoders)
+    # Requests with different salts never share prefix-cache blocks (vLLM's `cache_salt`).
+    cache_salt: str | None = None
+
+    def cache_key(self, request_id: str) -> tuple[str, ...] | None:
+        """The prefix-cache namespace of this prompt. Embeddings prompts get their own per request:
+        their placeholder ids must never match a token prompt (the samples of one request may
+        share it: same embeddings)."""
+        key: tuple[str, ...] = ("prompt_embeds", request_id) if self.embeds is not None else ()
+        key += ("cache_salt", self.cache_salt) if self.cache_salt is not None else ()
+        return key or None
 
 
 class Renderer:
@@ -90,6 +100,15 @@ class Renderer:
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", param="prompt")
 
     async def _render_mapping(self, prompt: Mapping[str, Any]) -> EngineInput:
+        rendered = await self._render_mapping_prompt(prompt)
+        salt = prompt.get("cache_salt")
+        if salt is not None:
+            if not isinstance(salt, str) or not salt:
+                raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+            rendered.cache_salt = salt
+        return rendered
+
+    async def _render_mapping_prompt(self, prompt: Mapping[str, Any]) -> EngineInput:
         if prompt.get("prompt_embeds") is not None:
             return await self._embeds_input(prompt["prompt_embeds"])
         if prompt.get("prompt_token_ids") is not None:

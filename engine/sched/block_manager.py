@@ -12,9 +12,10 @@ else, a later request with the same prefix still hits it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.sched.prefix_hash import BlockHash, PrefixHasher
 from engine.sched.request import Request
 
 
@@ -22,27 +23,28 @@ from engine.sched.request import Request
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
-
-
-def hash_block(parent_hash: int | None, tokens: Sequence[int], cache_key: Hashable | None) -> int:
-    """The prefix-cache identity of one full block: its tokens, everything before it, and its namespace."""
-    return hash((parent_hash, tuple(tokens), cache_key))
+    block_hash: BlockHash | None = None
+    # What the hash stands for, checked on every hit: a hash collision must never share KV.
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class KVBlockManager:
     """Allocates KV blocks to requests. Plain Python; owned by the scheduler."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hasher: PrefixHasher | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = hasher or PrefixHasher()
+        self.num_collisions = 0  # hits whose tokens or parent differed: refused (counted for tests and logs)
         self._blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front first). Cached blocks stay hashed while free.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self._blocks)
-        self._cached: dict[int, KVBlock] = {}
+        self._cached: dict[BlockHash, KVBlock] = {}
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed_blocks: dict[str, int] = {}
 
@@ -74,8 +76,8 @@ class KVBlockManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * size <= len(tokens):
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[start:start + size], request.cache_key))
+            parent = hashes[-1] if hashes else self.hasher.request_root(request.cache_key)
+            hashes.append(self.hasher.block(parent, tokens[start:start + size]))
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """Blocks already holding a prefix of the request's tokens.
@@ -88,12 +90,21 @@ class KVBlockManager:
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             block = self._cached.get(block_hash)
             if block is None:
                 break
+            if block.parent_hash != self._parent_hash(request, i) or block.token_ids != self._block_tokens(request, i):
+                self.num_collisions += 1  # same hash, other content: never share it
+                break
             hits.append(block)
         return hits
+
+    def _parent_hash(self, request: Request, index: int) -> BlockHash:
+        return request.block_hashes[index - 1] if index else self.hasher.request_root(request.cache_key)
+
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        return tuple(request.all_token_ids[index * self.block_size:(index + 1) * self.block_size])
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -147,6 +158,8 @@ class KVBlockManager:
             block_hash = request.block_hashes[i]
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
+                block.parent_hash = self._parent_hash(request, i)
+                block.token_ids = self._block_tokens(request, i)
                 self._cached[block_hash] = block
         self._num_hashed_blocks[rid] = num_full
 

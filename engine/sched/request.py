@@ -64,7 +64,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit length at first schedule; -1 until then
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     known_to_worker: bool = False
