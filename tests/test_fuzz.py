@@ -48,12 +48,12 @@ def server_url(tiny_model_dir):
 
 
 def _wait_until_serving(process: subprocess.Popen[str]) -> None:
-    """Block on the server's log until hypercorn says it is listening (no polling, no sleeps)."""
+    """Block on the server's log until it says it is listening (no polling, no sleeps)."""
     assert process.stderr is not None
     seen = []
     for line in process.stderr:
         seen.append(line)
-        if "Running on" in line:
+        if "Serving on" in line:
             return
     raise RuntimeError("the server exited during start-up:\n" + "".join(seen[-30:]))
 

@@ -16,7 +16,7 @@ from bench.http import open_request
 
 async def _bound_url(stderr) -> str:
     seen = b""
-    while not (match := re.search(rb"Running on (http://127\.0\.0\.1:\d+)", seen)):
+    while not (match := re.search(rb"Serving on (http://127\.0\.0\.1:\d+)", seen)):
         chunk = await stderr.receive_some(4096)
         assert chunk, f"the server exited before listening: {seen.decode(errors='replace')[-2000:]}"
         seen += chunk

@@ -24,6 +24,7 @@ from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestEr
 from web import admin_api, openai_api, pooling_api
 from web.errors import APIError
 from web.settings import ServerSettings
+from web.startup import describe_engine
 from web.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
 
     @app.before_serving
     async def start_engine() -> None:
-        await app.nursery.start(_run_engine, state)
+        if state.engine is None:  # serve() opens it first, before the port is bound
+            await app.nursery.start(run_engine, state)
         assert state.engine is not None
         embeds_limits = state.engine.prompt_embeds_limits
         app.config["MAX_CONTENT_LENGTH"] = state.settings.body_limit(
@@ -67,17 +69,22 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     return app
 
 
-async def _run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+async def run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Hold the engine open for the app's lifetime. A start-up failure fails the server start;
-    a failure while serving is recorded, and the server answers 503 from then on."""
+    a failure while serving is recorded, the server answers 503 from then on, and
+    `state.on_engine_failure` is called. Cancellation closes the engine (its open requests
+    end with `EngineDeadError`)."""
     started = False
     config = state.engine_config
     if config.loop_lag_interval is None:
         config = replace(config, loop_lag_interval=state.settings.loop_lag_interval)
+    started_at = anyio.current_time()
     try:
         async with open_engine(config, executor=state.executor, observer=state.metrics) as engine:
             state.engine = engine
             state.metrics.bind(engine.stats)
+            for line in describe_engine(engine, config, anyio.current_time() - started_at):
+                logger.info("%s", line)
             task_status.started()
             started = True
             await anyio.sleep_forever()

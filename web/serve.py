@@ -21,7 +21,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
 from engine.api import EngineConfig, Executor
-from web.app import create_app
+from web.app import create_app, run_engine
 from web.settings import ServerSettings
 from web.state import ServerState
 
@@ -51,8 +51,12 @@ def hypercorn_config(host: str, port: int, settings: ServerSettings, log_level: 
     config = HypercornConfig()
     config.bind = [f"{host}:{port}"]
     config.graceful_timeout = settings.grace_period
-    config.loglevel = log_level.upper()
+    # hypercorn's own "Running on" line would repeat ours ("Serving on"): its log shows from warnings.
+    config.loglevel = "DEBUG" if log_level.upper() == "DEBUG" else "WARNING"
     config.accesslog = None
+    config.root_path = settings.root_path
+    if settings.ssl_certfile and settings.ssl_keyfile:
+        config.certfile, config.keyfile = settings.ssl_certfile, settings.ssl_keyfile
     return config
 
 
@@ -77,7 +81,12 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
             nursery.start_soon(_set_on_signal, stop)
         else:
             nursery.start_soon(_set_when_done, shutdown_trigger, stop)
+        # The engine first: a start-up failure is raised here, before the port is bound, and the app
+        # then finds it open. It closes when this nursery does, after hypercorn's graceful stop.
+        await nursery.start(run_engine, state)
         binds = await nursery.start(_serve_then_stop, app, config, stop.wait, nursery.cancel_scope)
+        for bind in binds:
+            logger.info("Serving on %s", bind)
         task_status.started(binds)
     if state.engine_error is not None:
         logger.error("exiting with status 1: the engine died while serving")

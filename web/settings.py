@@ -19,6 +19,9 @@ class ServerSettings:
     # Bodies this large or larger have their prompt_embeds parsed as views on the body (web.embeds_body).
     split_embeds_bytes: int = 1 << 20
     metrics_require_key: bool = False  # --metrics-require-key: /metrics needs the API key too
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    root_path: str = ""  # the prefix a proxy serves the API under
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import anyio
 
@@ -75,6 +76,8 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
     async with executor:  # worker processes start here (multi-process executor) and stop on the way out
         if tokenizer is None:
             tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
+        if config.chat_template is not None:
+            tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
         info = await _size_engine(config, executor, tokenizer)
         await executor.initialize_kv_cache(info.num_kv_blocks)
         core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer)
@@ -102,3 +105,16 @@ async def _stop_core_on_executor_failure(executor: Executor, core: EngineCore) -
 
     Runs until cancelled with the engine."""
     core.executor_failed(await executor.wait_for_failure())
+
+
+def resolve_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM reads it)."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template long or odd enough not to be a path
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ModelLoadError(f"--chat-template {value!r} is neither a file nor a Jinja template")

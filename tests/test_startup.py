@@ -1,0 +1,65 @@
+"""`trio-llm serve` explains itself: what it serves when it starts, one line when it cannot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from web.cli import _parser
+
+
+def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "web.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def unknown_architecture(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("unknown-arch") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["MambaForCausalLM"], "mamba"
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield str(holder.getsockname()[1])
+
+
+def _failures(tiny_model_dir, unknown_architecture, busy_port):
+    return [
+        (["/no/such/model"], 1, "model directory '/no/such/model' does not exist"),
+        ([unknown_architecture], 1, "MambaForCausalLM"),
+        ([tiny_model_dir, "--kv-cache-memory-bytes", "1000"], 1, "raise kv_cache_memory_bytes"),
+        ([tiny_model_dir, "--port", busy_port], 1, "choose another --port"),
+        ([tiny_model_dir, "--trust-remote-code"], 2, "runs no code from model directories"),
+        ([tiny_model_dir, "--gpu-memory-utilization", "0.9"], 2, "--kv-cache-memory-bytes"),
+    ]
+
+
+def test_start_up_failures_are_one_line_naming_the_cause(tiny_model_dir, unknown_architecture, busy_port):
+    for args, status, phrase in _failures(tiny_model_dir, unknown_architecture, busy_port):
+        result = _serve(*args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == status, (args, result.stderr[-2000:])
+        assert 1 <= len(lines) <= 2 and all(line.startswith("trio-llm serve: ") for line in lines), (args, lines)
+        assert phrase in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
+
+
+def test_every_serve_option_has_help_and_shows_its_default():
+    serve = _parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    options = [a for a in serve._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 35
+    assert [a.option_strings for a in options if not a.help] == []
+    text = serve.format_help()
+    assert "(default: 256)" in text and "(default: sha256)" in text and "--no-enable-prefix-caching" in text

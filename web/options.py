@@ -1,0 +1,124 @@
+"""The command-line options of `trio-llm serve` and `trio-llm generate`, with vLLM's names.
+
+A `vllm serve` command line carries over wherever the feature exists; a flag
+trio-llm cannot honour is refused with a one-line reason (`refused_flags`),
+never silently accepted. Every option has a help text, and `--help` shows its
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from engine.api import EngineConfig
+from web.settings import ServerSettings
+
+HASH_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+
+
+def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
+    """The engine's options; `seed=False` for a command whose --seed means something else."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (auto: the checkpoint's torch_dtype)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens in one step at most (default: max(2048, max-num-seqs))")
+    p.add_argument("--max-logprobs", type=int, default=20, help="the largest logprobs / prompt_logprobs accepted")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="memory for the KV cache, per rank")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's GPU memory share: refused (size the cache with --kv-cache-memory-bytes)")
+    p.add_argument("--device", default="cpu", help="torch device the model runs on")
+    if seed:
+        p.add_argument("--seed", type=int, default=0, help="seed of the sampler's generator for unseeded requests")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes")
+    p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS,
+                   help="block identity (xxhash: faster, not cryptographic: only if every prompt is trusted)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one per rank")
+    p.add_argument("--executor", default=None, choices=["inproc", "mp"],
+                   help="where the model runs (default: in-process, or worker processes with tensor parallelism)")
+    p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
+                   help="how embeddings pool hidden states (default: the model's config; decoders: last)")
+    p.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompt_embeds (base64 torch.save tensors) in completions")
+    p.add_argument("--renderer-workers", type=int, default=None,
+                   help="threads that tokenize long prompts and decode prompt embeddings (default: CPUs - 1, <= 4)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="refused: trio-llm runs no code from model directories")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from the parsed options."""
+    return {"dtype": args.dtype, "tokenizer": args.tokenizer, "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_logprobs": args.max_logprobs, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+            "device": args.device, "seed": getattr(args, "seed", None) or 0,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
+            "enable_chunked_prefill": args.enable_chunked_prefill, "enable_prompt_embeds": args.enable_prompt_embeds,
+            "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
+            "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template}
+
+
+def add_server_options(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version "
+                          "and /metrics")
+    srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path)")
+    srv.add_argument("--max-queued-requests", type=int, default=None,
+                     help="waiting requests beyond this get 503 + Retry-After (default: no bound)")
+    srv.add_argument("--max-body-bytes", type=int, default=None,
+                     help="request body limit (default 16 MiB, more with --enable-prompt-embeds)")
+    srv.add_argument("--grace-period", type=float, default=30.0,
+                     help="seconds in-flight requests get on SIGINT/SIGTERM")
+    srv.add_argument("--ssl-keyfile", default=None, help="TLS private key (with --ssl-certfile)")
+    srv.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (with --ssl-keyfile)")
+    srv.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under")
+    srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the global --log-level")
+    srv.add_argument("--uvicorn-log-level", dest="log_level", default=argparse.SUPPRESS,
+                     help="vLLM's name for --log-level")
+    for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
+        srv.add_argument(flag, default=None, help="CORS: refused (not supported yet)")
+    srv.add_argument("--disable-log-requests", action="store_true", help="accepted: requests are not logged")
+    srv.add_argument("--enable-log-requests", action="store_true", help="refused: request logging is not built")
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(api_key=args.api_key, metrics_require_key=args.metrics_require_key,
+                          served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
+                          max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
+
+
+def refused_flags(args: argparse.Namespace) -> list[str]:
+    """One line per flag given that trio-llm cannot honour."""
+    reasons = []
+    if getattr(args, "trust_remote_code", False):
+        reasons.append("--trust-remote-code: trio-llm runs no code from model directories; it loads the "
+                       "architectures it implements (Llama, Qwen2, Qwen3, BERT) from their weights")
+    if getattr(args, "gpu_memory_utilization", None) is not None:
+        reasons.append("--gpu-memory-utilization: the KV cache is sized in bytes here: use "
+                       "--kv-cache-memory-bytes")
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        if getattr(args, name, None) is not None:
+            reasons.append(f"--{name.replace('_', '-')}: CORS is not supported yet; put a proxy in front")
+    if getattr(args, "enable_log_requests", False):
+        reasons.append("--enable-log-requests: per-request logging is not built yet")
+    if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
+        reasons.append("--ssl-keyfile and --ssl-certfile go together")
+    return reasons
+
+
+def engine_config(model: str, args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=model, **engine_options(args))

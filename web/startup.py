@@ -1,0 +1,79 @@
+"""What `trio-llm serve` says when it starts, and when it cannot.
+
+Failures before serving are one or two lines naming the cause and what to do,
+not tracebacks (`--log-level debug` adds the traceback).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import sys
+import traceback
+from importlib.metadata import PackageNotFoundError, version
+
+from engine.api import AsyncEngine, EngineConfig, ModelLoadError
+
+logger = logging.getLogger("trio_llm.serve")
+
+
+def trio_llm_version() -> str:
+    try:
+        return version("trio-llm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: float) -> list[str]:
+    """The lines users look for once the engine is up."""
+    info = engine.info
+    layout = (f"{config.tensor_parallel_size} worker processes (tensor parallel)" if config.tensor_parallel_size > 1
+              else "a worker process" if config.executor_kind == "mp" else "in-process (a worker thread)")
+    return [f"trio-llm {trio_llm_version()}",
+            f"model {config.model} ({info.architecture or info.kind}), dtype {info.dtype}, "
+            f"context {info.max_model_len} tokens",
+            f"executor: {layout}, device {config.device}",
+            f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "
+            f"({info.num_kv_blocks * config.block_size} tokens)",
+            f"engine ready in {load_seconds:.1f} s"]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise the OSError a listener on (host, port) would meet now (EADDRINUSE, ...)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+        probe.bind((host, port))
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _causes(inner)]
+    return [exc]
+
+
+def explain(exc: BaseException) -> str | None:
+    """One line for a failure users can fix; None for anything else (a bug: show the traceback)."""
+    for cause in _causes(exc):
+        if isinstance(cause, ModelLoadError):
+            return f"cannot load the model: {cause}"
+        if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
+            return f"the address is in use ({cause.strerror}): choose another --port, or stop what listens there"
+        if isinstance(cause, ValueError):
+            return f"invalid configuration: {cause}"
+    return None
+
+
+def startup_failure(exc: BaseException, *, debug: bool = False) -> int:
+    """Report a failure of `trio-llm serve` and return the exit status (never 0)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    line = explain(exc)
+    if line is None or debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    if line is not None:
+        print(f"trio-llm serve: {line}", file=sys.stderr)
+    return 1
