@@ -6,6 +6,7 @@ import json
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.http import request
 from tests.conftest import engine_config
@@ -219,3 +220,34 @@ async def test_large_bodies_and_responses_take_the_offloaded_paths(server):
                             {"prompt": prompts[137], "max_tokens": 25, "temperature": 0,
                              "ignore_eos": True})).json()
     assert body["choices"][137]["text"] == single["choices"][0]["text"]
+
+
+VLLM_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
+                "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+                "vllm:request_queue_time_seconds", "vllm:num_preemptions", "vllm:prefix_cache_queries",
+                "vllm:prefix_cache_hits", "vllm:request_success"]
+
+
+async def test_metrics_carry_vllms_names_with_a_model_name_label(server):
+
+    for _ in range(2):  # the second shares the first's prompt prefix
+        done = await request(server.url, "POST", "/v1/completions",
+                             {"prompt": "word " * 40, "max_tokens": 3, "ignore_eos": True})
+        assert done.status == 200
+    scraped = await request(server.url, "GET", "/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(scraped.body.decode())}
+    assert [name for name in VLLM_METRICS if name not in families] == []
+    model = server.state.model_name
+
+    def value(name, suffix="", **labels):
+        return next(s.value for s in families[name].samples
+                    if s.name == name + suffix and s.labels == {"model_name": model, **labels})
+
+    assert value("vllm:generation_tokens", "_total") == 6
+    assert value("vllm:request_success", "_total", finished_reason="length") == 2
+    assert value("vllm:time_to_first_token_seconds", "_count") == 2
+    assert value("vllm:request_queue_time_seconds", "_count") == 2
+    assert value("vllm:prefix_cache_hits", "_total") > 0
+    assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
+    assert "trio_llm_requests_running" in families  # the old names stay beside them

@@ -20,7 +20,10 @@ def autojump_clock():
 
 class Recorder:
     def __init__(self):
-        self.ttft, self.itl, self.finished = [], [], []
+        self.ttft, self.itl, self.finished, self.queued = [], [], [], []
+
+    def on_scheduled(self, queue_time):
+        self.queued.append(queue_time)
 
     def on_first_token(self, ttft):
         self.ttft.append(ttft)
@@ -41,6 +44,7 @@ async def test_observer_sees_ttft_itl_and_finishes(tiny_model_dir, autojump_cloc
             await final_output(engine, [5, 6], greedy(50, ignore_eos=True))
         await engine.core.wait_until_idle()
     assert recorder.ttft == [pytest.approx(0.1), pytest.approx(0.1)]
+    assert recorder.queued == [0.0, 0.0]  # each was scheduled in the step after it arrived
     assert recorder.itl[:4] == [(pytest.approx(0.1), 1)] * 4
     (reason1, e2e1, prompt1, gen1), (reason2, _, prompt2, gen2) = recorder.finished
     assert (reason1, prompt1, gen1) == ("length", 4, 5) and e2e1 == pytest.approx(0.5)

@@ -8,9 +8,10 @@ consistent state without locks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.api import EngineStats
 
@@ -45,19 +46,28 @@ class ServerMetrics:
         self.loop_lag = Histogram("trio_llm_event_loop_lag_seconds", "How late the loop-lag probe woke up",
                                   buckets=_LAG_BUCKETS, registry=r)
         self._model = model_name
+        self.vllm = _VllmMetrics(r)
+        self._stats_collector = _EngineStatsCollector(model_name)
+        r.register(self._stats_collector)
 
     def bind(self, stats: Callable[[], EngineStats]) -> None:
         """Read the gauges from the engine's `stats()` snapshot at every scrape."""
         self.running.labels(self._model).set_function(lambda: stats().num_running)
         self.waiting.labels(self._model).set_function(lambda: stats().num_waiting)
         self.kv_usage.labels(self._model).set_function(lambda: stats().kv_cache_usage)
+        self._stats_collector.stats = stats
 
     # ---- StatsObserver ------------------------------------------------------------------------
     def on_first_token(self, ttft: float) -> None:
         self.ttft.labels(self._model).observe(ttft)
+        self.vllm.ttft.labels(self._model).observe(ttft)
 
     def on_tokens(self, inter_token_latency: float, num_tokens: int) -> None:
         self.itl.labels(self._model).observe(inter_token_latency)
+        self.vllm.itl.labels(self._model).observe(inter_token_latency)
+
+    def on_scheduled(self, queue_time: float) -> None:
+        self.vllm.queue_time.labels(self._model).observe(queue_time)
 
     def on_finished(self, finish_reason: str, e2e_latency: float, prompt_tokens: int,
                     generation_tokens: int) -> None:
@@ -65,9 +75,67 @@ class ServerMetrics:
         self.e2e.labels(self._model).observe(e2e_latency)
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.generation_tokens.labels(self._model).inc(generation_tokens)
+        self.vllm.success.labels(self._model, finish_reason).inc()
+        self.vllm.e2e.labels(self._model).observe(e2e_latency)
+        self.vllm.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self.vllm.generation_tokens.labels(self._model).inc(generation_tokens)
 
     def on_loop_lag(self, lag: float) -> None:
         self.loop_lag.observe(lag)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VllmMetrics:
+    """The `vllm:` names dashboards and autoscalers read, beside the `trio_llm_` ones (both stay:
+    docs/decisions.md). The engine-state ones come from `_EngineStatsCollector` at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels, r = ["model_name"], registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                                         registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", labels, buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+
+
+class _EngineStatsCollector:
+    """Gauges and counters read from `AsyncEngine.stats()` when /metrics is scraped."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+        self.stats: Callable[[], EngineStats] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        if self.stats is None:
+            return
+        stats, labels = self.stats(), ["model_name"]
+        gauges = [("vllm:num_requests_running", "Number of requests in model execution batches.",
+                   stats.num_running),
+                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)]
+        for name, text, value in gauges:
+            gauge = GaugeMetricFamily(name, text, labels=labels)
+            gauge.add_metric([self.model], value)
+            yield gauge
+        counters = [("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                     stats.num_preemptions),
+                    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                     stats.prefix_cache_queries),
+                    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                     stats.prefix_cache_hits)]
+        for name, text, value in counters:
+            counter = CounterMetricFamily(name, text, labels=labels)
+            counter.add_metric([self.model], value)
+            yield counter

@@ -30,6 +30,7 @@ from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedErr
 from engine.executor.base import Executor
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.render.tokenizer import Tokenizer
+from engine.sched.output import NewRequestData
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import RequestUpdate, Scheduler
 
@@ -207,6 +208,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return False
+        self._report_scheduled(sched_out.new_requests, anyio.current_time())
         result = await self.executor.execute_model(sched_out)
         if result.failed:
             self._fail_requests(result.failed)
@@ -248,6 +250,13 @@ class EngineCore:
                                       metrics=dict(tracker.metrics))
         self._send(tracker.request_id, output)
         self._forget(tracker.request_id)
+
+    def _report_scheduled(self, new_requests: list[NewRequestData], now: float) -> None:
+        for new in new_requests:
+            tracker = self._child_owner.get(new.request_id)
+            if tracker is not None and "scheduled_time" not in tracker.metrics:
+                tracker.metrics["scheduled_time"] = now
+                self.observer.on_scheduled(now - tracker.metrics["arrival_time"])
 
     def _report_tokens(self, tracker: RequestTracker, num_tokens: int, now: float) -> None:
         if not num_tokens:

@@ -61,6 +61,9 @@ class StatsObserver(Protocol):
     def on_loop_lag(self, lag: float) -> None:
         """Seconds the loop-lag probe woke late (only with `EngineConfig.loop_lag_interval`)."""
 
+    def on_scheduled(self, queue_time: float) -> None:
+        """Seconds a request waited from arrival to its first scheduled step."""
+
 
 class NullObserver:
     def on_first_token(self, ttft: float) -> None:
@@ -74,4 +77,7 @@ class NullObserver:
         pass
 
     def on_loop_lag(self, lag: float) -> None:
+        pass
+
+    def on_scheduled(self, queue_time: float) -> None:
         pass
