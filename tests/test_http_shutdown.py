@@ -12,6 +12,10 @@ import pytest
 import trio
 
 from bench.http import open_request
+from engine.testing import FakeExecutor
+from tests.conftest import engine_config
+from web.serve import serve
+from web.settings import ServerSettings
 
 
 async def _bound_url(stderr) -> str:
@@ -52,3 +56,30 @@ async def test_signal_lets_the_in_flight_stream_finish_then_exits_zero(tiny_mode
     assert json.loads(events[-1])["choices"][0]["finish_reason"] == "length"
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+
+
+async def test_streams_still_open_when_the_grace_period_ends_get_an_error_event_and_done(tiny_model_dir):
+    stop, status = trio.Event(), []
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED):
+        status.append(await serve(engine_config(tiny_model_dir), ServerSettings(grace_period=1.0), "127.0.0.1", 0,
+                                  executor=FakeExecutor(step_time=0.02), shutdown_trigger=stop.wait,
+                                  log_level="error", task_status=task_status))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(run)
+            body = {"prompt": "keep going", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            connection = await open_request(url, "POST", "/v1/completions", body)
+            data = b""
+            while b"data: " not in data:
+                data += await connection.receive_some(4096)
+            stop.set()  # as SIGTERM does; the stream would need ~8 s more, the grace period is 1 s
+            while chunk := await connection.receive_some(4096):
+                data += chunk
+            await connection.aclose()
+    events = re.findall(rb"data: (.*?)\n\n", data)
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_shutting_down" and "shutting down" in error["message"]
+    assert status == [0]

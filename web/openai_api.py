@@ -132,7 +132,7 @@ async def create_completion(state: ServerState) -> Response:
     if req.stream:
         stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(*item),
-                                 lambda: [stream.usage_chunk()] if req.include_usage else [])
+                                 lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
         return Response(body, content_type="text/event-stream", headers=sse.HEADERS)
     finals = await final_outputs(first, outputs, len(prompts))
     tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -160,7 +160,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     if req.stream:
         stream = ChatStream(response_id, created, state.model_name, top)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1]),
-                                 lambda: [stream.usage_chunk()] if req.include_usage else [])
+                                 lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
         return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
                         headers=sse.HEADERS)
     (final,) = await final_outputs(first, outputs, 1)

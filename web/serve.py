@@ -84,6 +84,7 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
         # The engine first: a start-up failure is raised here, before the port is bound, and the app
         # then finds it open. It closes when this nursery does, after hypercorn's graceful stop.
         await nursery.start(run_engine, state)
+        nursery.start_soon(_end_streams_before_the_grace_period_ends, stop, state, settings.grace_period)
         binds = await nursery.start(_serve_then_stop, app, config, stop.wait, nursery.cancel_scope)
         for bind in binds:
             logger.info("Serving on %s", bind)
@@ -92,6 +93,17 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
         logger.error("exiting with status 1: the engine died while serving")
         return 1
     return 0
+
+
+# Streams still open this long before the grace period ends get their closing error event and
+# [DONE] (a stream cut by hypercorn's cancellation would end mid-chunk, with no reason given).
+STREAM_END_MARGIN = 1.0
+
+
+async def _end_streams_before_the_grace_period_ends(stop: trio.Event, state: ServerState, grace: float) -> None:
+    await stop.wait()
+    await trio.sleep(max(0.0, grace - min(STREAM_END_MARGIN, grace / 4)))
+    state.streams.stop_all()
 
 
 async def _set_when_done(trigger: Callable[[], Awaitable[None]], stop: trio.Event) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -19,18 +20,55 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + to_json(payload) + b"\n\n"
 
 
+class StreamStopper:
+    """Ends the server's open streams cleanly, an error event then [DONE], when the shutdown
+    grace period is about to run out: a client then sees why its stream ended, not a cut."""
+
+    def __init__(self) -> None:
+        self._scopes: set[anyio.CancelScope] = set()
+        self.stopping = False
+
+    @contextmanager
+    def guard(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope for one wait of one stream; `stop_all` cancels it."""
+        with anyio.CancelScope() as scope:
+            if self.stopping:
+                scope.cancel()
+            self._scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._scopes.discard(scope)
+
+    def stop_all(self) -> None:
+        self.stopping = True
+        for scope in list(self._scopes):
+            scope.cancel()
+
+
+SHUTTING_DOWN = APIError(503, "the server is shutting down; retry the request", code="server_shutting_down")
+
+
 async def stream_events(first: Any, rest: AsyncGenerator[Any], to_chunk: Callable[[Any], dict[str, Any]],
-                        closing: Callable[[], Iterable[dict[str, Any]]]) -> AsyncGenerator[bytes]:
+                        closing: Callable[[], Iterable[dict[str, Any]]],
+                        stopper: StreamStopper | None = None) -> AsyncGenerator[bytes]:
     """One event per engine output (each carries every token since the previous one),
-    then the closing chunks and [DONE]. An error mid-stream becomes one error event.
-    If the client goes away, the cancellation closes `rest`, which aborts the requests."""
+    then the closing chunks and [DONE]. An error mid-stream becomes one error event, and so
+    does the server's shutdown (`stopper`). If the client goes away, the cancellation closes
+    `rest`, which aborts the requests."""
+    stopper = stopper or StreamStopper()
     try:
         item = first
         while item is not None:
             yield event(to_chunk(item))
-            item = await anext(rest, None)
-        for chunk in closing():
-            yield event(chunk)
+            with stopper.guard() as wait:
+                item = await anext(rest, None)
+            if wait.cancelled_caught:
+                yield event(SHUTTING_DOWN.body())
+                break
+        else:
+            for chunk in closing():
+                yield event(chunk)
     except InvalidRequestError as exc:
         yield event(APIError(400, str(exc), param=exc.param).body())
     except RequestFailedError as exc:

@@ -11,6 +11,7 @@ from engine.api import AsyncEngine, EngineConfig, Executor
 from web.errors import APIError
 from web.metrics import ServerMetrics
 from web.settings import ServerSettings
+from web.sse import StreamStopper
 
 
 @dataclass
@@ -22,6 +23,7 @@ class ServerState:
     engine_error: BaseException | None = None
     # Called once if the engine dies while serving (serve() uses it to shut the server down).
     on_engine_failure: Callable[[], None] | None = None
+    streams: StreamStopper = field(default_factory=StreamStopper)  # ends open streams at shutdown
     metrics: ServerMetrics = field(init=False)
     limiter: anyio.CapacityLimiter = field(init=False)
 
