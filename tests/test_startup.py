@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
-from web.cli import _parser
+from engine import ModelLoadError
+from engine.executor.multiproc import check_tensor_parallel
+from tests.conftest import TEST_SPEC, engine_config
+from web.cli import _parser, main
 
 
 def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -63,3 +66,25 @@ def test_every_serve_option_has_help_and_shows_its_default():
     assert [a.option_strings for a in options if not a.help] == []
     text = serve.format_help()
     assert "(default: 256)" in text and "(default: sha256)" in text and "--no-enable-prefix-caching" in text
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_fails_before_any_worker(tiny_model_dir):
+    check_tensor_parallel(engine_config(tiny_model_dir, tensor_parallel_size=2))  # divides: no error
+    with pytest.raises(ModelLoadError, match=rf"does not divide the model's {TEST_SPEC.heads} attention heads "
+                                             rf"and {TEST_SPEC.kv_heads} key/value heads; sizes that do: 1, 2"):
+        check_tensor_parallel(engine_config(tiny_model_dir, tensor_parallel_size=3))
+
+
+def test_make_model_refuses_to_overwrite_and_answers_bad_shapes_in_one_line(tmp_path, capsys):
+    target = tmp_path / "model"
+    small = ["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64",
+             "--vocab", "300"]
+    assert main(["make-model", str(target), *small]) == 0
+    written = (target / "config.json").read_text()
+    assert main(["make-model", str(target), *small, "--seed", "9"]) == 1
+    assert "exists and is not empty; pass --force" in capsys.readouterr().err
+    assert (target / "config.json").read_text() == written  # untouched
+    assert main(["make-model", str(target), *small, "--force"]) == 0
+    assert main(["make-model", str(tmp_path / "bad"), "--hidden", "30", "--heads", "4"]) == 2
+    assert capsys.readouterr().err.strip() == "trio-llm make-model: hidden must divide by heads, and heads by kv_heads"
+    assert oct((target / "config.json").stat().st_mode & 0o777) == "0o644"

@@ -49,13 +49,17 @@ def _add_serve(sub: Subcommands) -> None:
 
 
 def _add_make_model(sub: Subcommands) -> None:
-    mk = sub.add_parser("make-model", help="write a tiny random-weight HF checkpoint with a local BPE tokenizer")
+    mk = sub.add_parser("make-model", help="write a tiny random-weight HF checkpoint with a local BPE tokenizer",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     defaults = TinyModelSpec()
-    mk.add_argument("dir")
-    mk.add_argument("--arch", default=defaults.arch, choices=sorted(ARCHITECTURES))
+    mk.add_argument("dir", help="where to write it")
+    mk.add_argument("--arch", default=defaults.arch, choices=sorted(ARCHITECTURES), help="the architecture")
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed"):
-        mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    mk.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+        mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
+                        help=f"the model's {name.replace('_', ' ')}")
+    mk.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"],
+                    help="the weights' dtype")
+    mk.add_argument("--force", action="store_true", help="replace a directory that is not empty")
     mk.set_defaults(run=_make_model)
 
 
@@ -95,11 +99,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from engine.api import make_model
-    spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                         kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
-                         max_positions=args.max_positions, dtype=args.dtype, seed=args.seed)
-    print(make_model(args.dir, spec))
+    try:
+        spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                             kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
+                             max_positions=args.max_positions, dtype=args.dtype, seed=args.seed)
+    except ValueError as exc:
+        print(f"trio-llm make-model: {exc}", file=sys.stderr)
+        return 2
+    target = Path(args.dir)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not args.force:
+        print(f"trio-llm make-model: {target} exists and is not empty; pass --force to replace it", file=sys.stderr)
+        return 1
+    print(make_model(target, spec))
     return 0
 
 

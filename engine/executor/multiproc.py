@@ -19,6 +19,7 @@ Lifecycle (use as an async context manager; `open_engine` does):
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -40,6 +41,7 @@ from engine.executor.fast_socket import STREAM_BROKEN, FastSocketStream
 from engine.executor.messages import Init, Ready, StartupFailed
 from engine.executor.rpc import WorkerConnection, WorkerError, WorkerGroup
 from engine.model_info import ModelInfo
+from engine.models.hf_config import read_config_json
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
@@ -64,6 +66,7 @@ class MultiprocExecutor(Executor):
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def __aenter__(self) -> MultiprocExecutor:
+        check_tensor_parallel(self.config)  # before any worker starts: a wrong size fails at once
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -225,6 +228,23 @@ class MultiprocExecutor(Executor):
             with anyio.move_on_after(1.0):
                 await self._a_worker_exited.wait()  # set together with the exit's report
         return self.group.failure if self.group is not None and self.group.failure is not None else error
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """`ModelLoadError` if the model's heads do not split evenly over the ranks, naming sizes that work."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    raw = read_config_json(config.model)
+    heads = raw.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return  # not a decoder config: the worker reports what it cannot split
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % size or kv_heads % size:
+        common = math.gcd(heads, kv_heads)
+        sizes = [n for n in range(1, common + 1) if common % n == 0]
+        raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's {heads} attention heads "
+                             f"and {kv_heads} key/value heads; sizes that do: {', '.join(map(str, sizes))}")
 
 
 def _signal(process: Process, sig: signal.Signals) -> None:
