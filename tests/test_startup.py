@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -88,3 +89,12 @@ def test_make_model_refuses_to_overwrite_and_answers_bad_shapes_in_one_line(tmp_
     assert main(["make-model", str(tmp_path / "bad"), "--hidden", "30", "--heads", "4"]) == 2
     assert capsys.readouterr().err.strip() == "trio-llm make-model: hidden must divide by heads, and heads by kv_heads"
     assert oct((target / "config.json").stat().st_mode & 0o777) == "0o644"
+
+
+def test_hypercorns_app_factory_exits_1_when_the_engine_cannot_start(tmp_path):
+    environment = {**os.environ, "TRIO_LLM_MODEL": str(tmp_path / "missing")}
+    result = subprocess.run([sys.executable, "-m", "hypercorn", "-w", "0", "-k", "trio", "-b", "127.0.0.1:0",
+                             "web.app:app_from_env()"], capture_output=True, text=True, timeout=120, env=environment)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "the engine failed to start: cannot load the model: model directory" in result.stderr
+    assert "Traceback" not in result.stderr

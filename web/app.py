@@ -24,17 +24,19 @@ from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestEr
 from web import admin_api, openai_api, pooling_api
 from web.errors import APIError
 from web.settings import ServerSettings
-from web.startup import describe_engine
+from web.startup import describe_engine, explain
 from web.state import ServerState
 
 logger = logging.getLogger(__name__)
 
 
 def create_app(engine_config: EngineConfig, settings: ServerSettings | None = None, *,
-               executor: Executor | None = None, on_ready: Callable[[], None] | None = None) -> QuartTrio:
+               executor: Executor | None = None, on_ready: Callable[[], None] | None = None,
+               exit_on_failed_start: bool = False) -> QuartTrio:
     """The app; the engine opens when it starts serving. `executor` replaces the configured one
     (tests pass a fake); `on_ready` runs once the engine is up (the process entry points pass
-    `web.serve.tune_collector_for_serving`)."""
+    `web.serve.tune_collector_for_serving`); with `exit_on_failed_start` (hypercorn's factory) a
+    failed engine start ends the process with status 1."""
     state = ServerState(engine_config, settings or ServerSettings(), executor)
     app = QuartTrio(__name__)
     app.config.update(
@@ -49,7 +51,17 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     @app.before_serving
     async def start_engine() -> None:
         if state.engine is None:  # serve() opens it first, before the port is bound
-            await app.nursery.start(run_engine, state)
+            try:
+                await app.nursery.start(run_engine, state)
+            except Exception as exc:
+                if not exit_on_failed_start:
+                    raise
+                # hypercorn logs a failed lifespan start-up and exits 0, and a SystemExit raised here
+                # hangs its lifespan task: a supervisor must see a failure, so the process ends now.
+                # Nothing runs yet (open_engine has cleaned up what it started); the log is flushed.
+                logger.critical("trio-llm: the engine failed to start: %s", explain(exc) or repr(exc))
+                logging.shutdown()
+                os._exit(1)
         assert state.engine is not None
         embeds_limits = state.engine.prompt_embeds_limits
         app.config["MAX_CONTENT_LENGTH"] = state.settings.body_limit(
@@ -147,4 +159,4 @@ def app_from_env() -> QuartTrio:
     engine_config = EngineConfig(model=model, max_num_seqs=int(os.environ.get("TRIO_LLM_MAX_NUM_SEQS", "256")))
     settings = ServerSettings(api_key=os.environ.get("TRIO_LLM_API_KEY"),
                               served_model_name=os.environ.get("TRIO_LLM_SERVED_MODEL_NAME"))
-    return create_app(engine_config, settings, on_ready=tune_collector_for_serving)
+    return create_app(engine_config, settings, on_ready=tune_collector_for_serving, exit_on_failed_start=True)
