@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import openai
 import pytest
@@ -12,6 +13,7 @@ from bench.http import request
 from tests.conftest import engine_config
 from tests.helpers import sse_events
 from tests.server_fixtures import running_server
+from web.cors import CorsSettings
 from web.settings import ServerSettings
 
 
@@ -251,3 +253,39 @@ async def test_metrics_carry_vllms_names_with_a_model_name_label(server):
     assert value("vllm:prefix_cache_hits", "_total") > 0
     assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
     assert "trio_llm_requests_running" in families  # the old names stay beside them
+
+
+async def test_a_browser_preflight_gets_cors_headers_even_with_an_api_key(tiny_model_dir):
+    settings = ServerSettings(api_key="k", cors=CorsSettings(allowed_origins=("https://app.example",)))
+    async with running_server(engine_config(tiny_model_dir), settings) as server:
+        preflight = await request(server.url, "OPTIONS", "/v1/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        assert preflight.headers["access-control-allow-headers"] == "authorization, content-type"
+        answer = await request(server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                               headers={"Origin": "https://app.example", "Authorization": "Bearer k"})
+        assert answer.status == 200 and answer.headers["access-control-allow-origin"] == "https://app.example"
+        stranger = await request(server.url, "OPTIONS", "/v1/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in stranger.headers
+
+
+async def test_cors_defaults_allow_every_origin_as_vllms_do(server):
+    answer = await request(server.url, "GET", "/v1/models", headers={"Origin": "https://any.example"})
+    assert answer.status == 200 and answer.headers["access-control-allow-origin"] == "*"
+
+
+async def test_the_request_log_is_one_json_line_per_request_without_the_prompt(tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="trio_llm.requests")
+    async with running_server(engine_config(tiny_model_dir), ServerSettings(log_requests=True)) as server:
+        done = await request(server.url, "POST", "/v1/completions",
+                             {"prompt": "a secret prompt", "max_tokens": 3, "ignore_eos": True})
+        assert done.status == 200
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "trio_llm.requests"]
+    record = json.loads(line)
+    assert record["request_id"].startswith(done.json()["id"]) and record["finish_reason"] == "length"
+    assert record["generation_tokens"] == 3 and record["prompt_tokens"] > 0
+    assert record["ttft"] >= 0 and record["e2e"] >= record["ttft"] and "secret" not in line

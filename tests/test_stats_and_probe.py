@@ -25,6 +25,9 @@ class Recorder:
     def on_scheduled(self, queue_time):
         self.queued.append(queue_time)
 
+    def on_request_done(self, record):
+        self.records = [*getattr(self, "records", []), record]
+
     def on_first_token(self, ttft):
         self.ttft.append(ttft)
 
@@ -45,6 +48,10 @@ async def test_observer_sees_ttft_itl_and_finishes(tiny_model_dir, autojump_cloc
         await engine.core.wait_until_idle()
     assert recorder.ttft == [pytest.approx(0.1), pytest.approx(0.1)]
     assert recorder.queued == [0.0, 0.0]  # each was scheduled in the step after it arrived
+    first, second = recorder.records
+    assert (first.finish_reason, first.prompt_tokens, first.generation_tokens) == ("length", 4, 5)
+    assert first.ttft == pytest.approx(0.1) and first.e2e == pytest.approx(0.5) and first.queue_time == 0.0
+    assert second.finish_reason == "abort" and second.request_id != first.request_id
     assert recorder.itl[:4] == [(pytest.approx(0.1), 1)] * 4
     (reason1, e2e1, prompt1, gen1), (reason2, _, prompt2, gen2) = recorder.finished
     assert (reason1, prompt1, gen1) == ("length", 4, 5) and e2e1 == pytest.approx(0.5)

@@ -21,7 +21,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestError, RequestFailedError, open_engine
-from web import admin_api, openai_api, pooling_api
+from web import admin_api, cors, openai_api, pooling_api
 from web.errors import APIError
 from web.settings import ServerSettings
 from web.startup import describe_engine, explain
@@ -71,9 +71,10 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
 
     @app.before_request
     async def authenticate() -> None:
-        if request.path not in state.settings.open_paths():
+        if request.method != "OPTIONS" and request.path not in state.settings.open_paths():
             _check_api_key(state.settings.api_key)
 
+    cors.register(app, state.settings.cors)
     _register_error_handlers(app)
     openai_api.register(app, state)
     pooling_api.register(app, state)

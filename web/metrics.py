@@ -8,22 +8,31 @@ consistent state without locks).
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.api import EngineStats
+from engine.api import EngineStats, RequestRecord
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _LAG_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
+request_log = logging.getLogger("trio_llm.requests")
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
+
+
 class ServerMetrics:
     """Also the engine's `StatsObserver`."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, log_requests: bool = False) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -46,6 +55,7 @@ class ServerMetrics:
         self.loop_lag = Histogram("trio_llm_event_loop_lag_seconds", "How late the loop-lag probe woke up",
                                   buckets=_LAG_BUCKETS, registry=r)
         self._model = model_name
+        self.log_requests = log_requests
         self.vllm = _VllmMetrics(r)
         self._stats_collector = _EngineStatsCollector(model_name)
         r.register(self._stats_collector)
@@ -65,6 +75,16 @@ class ServerMetrics:
     def on_tokens(self, inter_token_latency: float, num_tokens: int) -> None:
         self.itl.labels(self._model).observe(inter_token_latency)
         self.vllm.itl.labels(self._model).observe(inter_token_latency)
+
+    def on_request_done(self, record: RequestRecord) -> None:
+        """--enable-log-requests: one JSON line per finished request (never the prompt's text)."""
+        if self.log_requests:
+            request_log.info("%s", json.dumps({"request_id": record.request_id,
+                                               "finish_reason": record.finish_reason,
+                                               "prompt_tokens": record.prompt_tokens,
+                                               "generation_tokens": record.generation_tokens,
+                                               "queue_time": _rounded(record.queue_time),
+                                               "ttft": _rounded(record.ttft), "e2e": _rounded(record.e2e)}))
 
     def on_scheduled(self, queue_time: float) -> None:
         self.vllm.queue_time.labels(self._model).observe(queue_time)

@@ -9,9 +9,11 @@ default.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from engine.api import EngineConfig
+from web.cors import CorsSettings
 from web.settings import ServerSettings
 
 HASH_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
@@ -88,17 +90,24 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the global --log-level")
     srv.add_argument("--uvicorn-log-level", dest="log_level", default=argparse.SUPPRESS,
                      help="vLLM's name for --log-level")
-    for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
-        srv.add_argument(flag, default=None, help="CORS: refused (not supported yet)")
-    srv.add_argument("--disable-log-requests", action="store_true", help="accepted: requests are not logged")
-    srv.add_argument("--enable-log-requests", action="store_true", help="refused: request logging is not built")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        srv.add_argument(flag, type=json.loads, default=["*"], help=f"CORS: allowed {what}, a JSON list")
+    srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    srv.add_argument("--enable-log-requests", action="store_true",
+                     help="log a JSON line per finished request: id, tokens, queue time, TTFT, total time, finish "
+                          "reason (never the prompt)")
+    srv.add_argument("--disable-log-requests", action="store_true", help="vLLM's older flag: the default here")
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(api_key=args.api_key, metrics_require_key=args.metrics_require_key,
                           served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
                           max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
-                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
+                          log_requests=args.enable_log_requests,
+                          cors=CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                                            tuple(args.allowed_headers), args.allow_credentials))
 
 
 def refused_flags(args: argparse.Namespace) -> list[str]:
@@ -111,10 +120,11 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
         reasons.append("--gpu-memory-utilization: the KV cache is sized in bytes here: use "
                        "--kv-cache-memory-bytes")
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-        if getattr(args, name, None) is not None:
-            reasons.append(f"--{name.replace('_', '-')}: CORS is not supported yet; put a proxy in front")
-    if getattr(args, "enable_log_requests", False):
-        reasons.append("--enable-log-requests: per-request logging is not built yet")
+        value = getattr(args, name, ["*"])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            reasons.append(f"--{name.replace('_', '-')} takes a JSON list of strings, e.g. '[\"*\"]'")
+    if getattr(args, "enable_log_requests", False) and getattr(args, "disable_log_requests", False):
+        reasons.append("--enable-log-requests and --disable-log-requests contradict each other")
     if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
         reasons.append("--ssl-keyfile and --ssl-certfile go together")
     return reasons

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from web.cors import CorsSettings
+
 DEFAULT_BODY_BYTES = 16 << 20
 
 
@@ -22,6 +24,8 @@ class ServerSettings:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     root_path: str = ""  # the prefix a proxy serves the API under
+    cors: CorsSettings = CorsSettings()  # vLLM's defaults: every origin, no credentials
+    log_requests: bool = False  # --enable-log-requests: a JSON line per finished request
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

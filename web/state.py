@@ -28,7 +28,7 @@ class ServerState:
     limiter: anyio.CapacityLimiter = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, log_requests=self.settings.log_requests)
         self.limiter = anyio.CapacityLimiter(self.settings.http_workers)
 
     @property

@@ -10,7 +10,7 @@ from engine.api.async_engine import AsyncEngine
 from engine.api.llm import LLM
 from engine.api.open import open_engine
 from engine.config import EngineConfig
-from engine.core.stats import EngineStats, StatsObserver
+from engine.core.stats import EngineStats, RequestRecord, StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
 from engine.executor.base import Executor
 from engine.model_info import ModelInfo, PoolerConfig
@@ -23,7 +23,7 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 __all__ = [
     "ARCHITECTURES", "LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStats",
     "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError", "PoolerConfig",
-    "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError", "RequestOutput",
+    "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError", "RequestOutput", "RequestRecord",
     "RequestOutputKind",
     "SamplingParams", "StatsObserver", "Tokenizer", "TinyModelSpec", "ensure_default_model", "make_model",
     "open_engine",

@@ -25,7 +25,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.core.output_processor import RequestTracker
-from engine.core.stats import NullObserver, StatsObserver
+from engine.core.stats import NullObserver, RequestRecord, StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.executor.base import Executor
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -271,8 +271,13 @@ class EngineCore:
 
     def _report_finished(self, tracker: RequestTracker, reason: str, now: float) -> None:
         generated = sum(len(c.token_ids) for c in tracker.children)
-        self.observer.on_finished(reason, now - tracker.metrics["arrival_time"],
-                                  len(tracker.prompt_token_ids), generated)
+        metrics = tracker.metrics
+        arrival = metrics["arrival_time"]
+        self.observer.on_finished(reason, now - arrival, len(tracker.prompt_token_ids), generated)
+        self.observer.on_request_done(RequestRecord(
+            tracker.request_id, reason, len(tracker.prompt_token_ids), generated,
+            metrics["scheduled_time"] - arrival if "scheduled_time" in metrics else None,
+            metrics["first_token_time"] - arrival if "first_token_time" in metrics else None, now - arrival))
 
     def _apply_update(self, tracker: RequestTracker, update: RequestUpdate) -> None:
         request = update.request

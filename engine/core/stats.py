@@ -35,6 +35,19 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request, for a request log: numbers only, never the prompt's text."""
+
+    request_id: str
+    finish_reason: str  # stop, length, abort, error
+    prompt_tokens: int
+    generation_tokens: int
+    queue_time: float | None  # seconds from arrival to the first scheduled step (None: never scheduled)
+    ttft: float | None  # seconds from arrival to the first token (None: no token)
+    e2e: float  # seconds from arrival to the end
+
+
 class LoopLagReadings:
     """The loop-lag probe's readings: the last and the largest."""
 
@@ -64,6 +77,9 @@ class StatsObserver(Protocol):
     def on_scheduled(self, queue_time: float) -> None:
         """Seconds a request waited from arrival to its first scheduled step."""
 
+    def on_request_done(self, record: RequestRecord) -> None:
+        """A request finished, however it ended (after `on_finished`)."""
+
 
 class NullObserver:
     def on_first_token(self, ttft: float) -> None:
@@ -80,4 +96,7 @@ class NullObserver:
         pass
 
     def on_scheduled(self, queue_time: float) -> None:
+        pass
+
+    def on_request_done(self, record: RequestRecord) -> None:
         pass
