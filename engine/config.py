@@ -42,6 +42,7 @@ class EngineConfig:
     enable_prompt_embeds: bool = False  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
     max_prompt_embeds_bytes: int | None = None  # decoded payload limit; default: a float32 tensor filling the context
     served_model_name: str | None = None
+    generation_config: str = "auto"  # sampling defaults: "auto" (the model's generation_config.json), "vllm", a dir
     chat_template: str | None = None  # a Jinja template, or a file holding one (default: the tokenizer's)
     # Seconds between wake-ups of the event-loop lag probe (`AsyncEngine.stats()`, the observer's
     # `on_loop_lag`); None runs no probe. The server sets it from its own settings.

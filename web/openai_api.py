@@ -125,7 +125,7 @@ async def create_completion(state: ServerState) -> Response:
         raise bad_request("prompt must not be empty", "prompt")
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = req.sampling_params(req.max_tokens, req.logprobs, kind, prompt_logprobs)
+    params = req.sampling_params(req.max_tokens, req.logprobs, kind, prompt_logprobs, engine.sampling_defaults)
     response_id, created = f"cmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([req.salted(p) for p in prompts], params, request_id=response_id)
     first = await first_item(outputs)
@@ -151,7 +151,8 @@ async def create_chat_completion(state: ServerState) -> Response:
     token_ids = await engine.tokenize(prompt, add_special_tokens=False)
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind)
+    params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind,
+                                 defaults=engine.sampling_defaults)
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([req.salted({"prompt": prompt, "prompt_token_ids": token_ids})], params,
                                     request_id=response_id)

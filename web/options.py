@@ -51,6 +51,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="accept prompt_embeds (base64 torch.save tensors) in completions")
     p.add_argument("--renderer-workers", type=int, default=None,
                    help="threads that tokenize long prompts and decode prompt embeddings (default: CPUs - 1, <= 4)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -67,7 +69,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_chunked_prefill": args.enable_chunked_prefill, "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
-            "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template}
+            "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template,
+            "generation_config": args.generation_config}
 
 
 def add_server_options(srv: argparse.ArgumentParser) -> None:

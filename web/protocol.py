@@ -61,7 +61,10 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's sampling parameters; fields it leaves unset take `defaults` (the model's
+        generation config), then SamplingParams' own."""
         values: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "stop": self.stop or (), "stop_token_ids": self.stop_token_ids or (),
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
@@ -73,6 +76,8 @@ class _Sampling(_Body):
                      "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
+            elif defaults and name in defaults:
+                values[name] = defaults[name]
         try:
             return SamplingParams(**values)
         except InvalidRequestError as exc:

@@ -36,7 +36,9 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
             f"executor: {layout}, device {config.device}",
             f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "
             f"({info.num_kv_blocks * config.block_size} tokens)",
-            f"engine ready in {load_seconds:.1f} s"]
+            f"engine ready in {load_seconds:.1f} s"] + (
+        [f"sampling defaults from generation_config.json (a request's own values win): {engine.sampling_defaults}"]
+        if engine.sampling_defaults else [])
 
 
 def check_port_free(host: str, port: int) -> None:

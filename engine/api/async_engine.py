@@ -51,8 +51,11 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer, core: EngineCore,
-                 loop_lag: LoopLagReadings | None = None) -> None:
+                 loop_lag: LoopLagReadings | None = None, *, sampling_defaults: dict[str, Any] | None = None) -> None:
         self.config = config
+        # Defaults for sampling fields a request leaves unset (`EngineConfig.generation_config`); the
+        # HTTP server applies them, as vLLM does; library callers pass whole SamplingParams.
+        self.sampling_defaults: dict[str, Any] = dict(sampling_defaults or {})
         self.info = info
         self.tokenizer = tokenizer
         self.core = core

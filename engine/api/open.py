@@ -21,6 +21,7 @@ from engine.core.stats import LoopLagReadings, NullObserver, StatsObserver
 from engine.errors import ModelLoadError
 from engine.executor import Executor, create_executor
 from engine.model_info import ModelInfo
+from engine.models.hf_config import read_generation_defaults
 from engine.render.tokenizer import Tokenizer
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.prefix_hash import PrefixHasher
@@ -79,6 +80,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
         if config.chat_template is not None:
             tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
         info = await _size_engine(config, executor, tokenizer)
+        defaults = await anyio.to_thread.run_sync(read_generation_defaults, config.generation_config, config.model)
         await executor.initialize_kv_cache(info.num_kv_blocks)
         core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer)
         loop_lag = LoopLagReadings()
@@ -94,7 +96,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
 
                 await tg.start(run_loop_lag_probe, observe_lag, config.loop_lag_interval)
             try:
-                yield AsyncEngine(config, info, tokenizer, core, loop_lag)
+                yield AsyncEngine(config, info, tokenizer, core, loop_lag, sampling_defaults=defaults)
             finally:
                 tg.cancel_scope.cancel()
 

@@ -138,3 +138,21 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json for {arch} lacks the field {exc.args[0]!r}") from exc
+
+
+# generation_config.json keys that become default sampling parameters (vLLM's `--generation-config auto`).
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty"}
+
+
+def read_generation_defaults(setting: str, model_dir: str | Path) -> dict[str, Any]:
+    """Sampling defaults from `generation_config.json`: the model's own (`auto`), none (`vllm`), or
+    the one in the directory `setting` names. Only the keys vLLM takes; a request's own values win."""
+    if setting == "vllm":
+        return {}
+    directory = Path(model_dir) if setting == "auto" else Path(setting)
+    if setting != "auto" and not (directory / "generation_config.json").is_file():
+        raise ModelLoadError(f"--generation-config {setting}: no generation_config.json there")
+    raw = read_json_file(directory / "generation_config.json")
+    return {ours: raw[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
+            if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw.get(theirs), bool)}
