@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
@@ -42,10 +43,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 -- a safetensors handle has keys() but is not iterable
-                yield name, f.get_tensor(name)
+    """Every tensor of the checkpoint. A progress bar (on stderr) appears if loading takes over a
+    second; small models load without one."""
+    with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, delay=1.0,
+              desc="Loading weights", leave=False) as progress:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 -- a safetensors handle has keys() but is not iterable
+                    tensor = f.get_tensor(name)
+                    progress.update(tensor.numel() * tensor.element_size())
+                    yield name, tensor
 
 
 def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
