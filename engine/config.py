@@ -35,6 +35,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
+    max_prompts_per_request: int = 2048  # prompts (or embeddings inputs) in one request; OpenAI's input limit
     executor: str | None = None  # "inproc" or "mp" (worker processes); default: mp when tensor_parallel_size > 1
     tensor_parallel_size: int = 1
     renderer_workers: int | None = None  # threads for long tokenizations and embeddings decoding; see below
@@ -64,7 +65,8 @@ class EngineConfig:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
         if self.executor == "inproc" and self.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs worker processes (executor='mp')")
-        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size"]
+        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size",
+                    "max_prompts_per_request"]
         optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prompt_embeds_bytes",
                              "renderer_workers"]
         for name in positive:

@@ -99,3 +99,12 @@ async def test_cache_salt_is_accepted_on_completions_and_chat(server):
     chat = await request(server.url, "POST", "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "cache_salt": "t"})
     assert salted.status == 200 and chat.status == 200
+
+
+async def test_the_number_of_prompts_in_one_request_is_bounded(engine):
+    with pytest.raises(InvalidRequestError, match="2049 prompts in one request is more than the limit of 2048"):
+        async for _ in engine.generate_batch([[5]] * 2049, SamplingParams(max_tokens=1)):
+            pass
+    with pytest.raises(InvalidRequestError, match="more than the limit of 2048"):
+        await engine.encode(["a"] * 2049)
+    assert engine.is_running and engine.stats().num_waiting == 0

@@ -30,6 +30,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens in one step at most (default: max(2048, max-num-seqs))")
     p.add_argument("--max-logprobs", type=int, default=20, help="the largest logprobs / prompt_logprobs accepted")
+    p.add_argument("--max-prompts-per-request", type=int, default=2048,
+                   help="prompts (or embeddings inputs) one request may carry")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="memory for the KV cache, per rank")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's GPU memory share: refused (size the cache with --kv-cache-memory-bytes)")
@@ -63,7 +65,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from the parsed options."""
     return {"dtype": args.dtype, "tokenizer": args.tokenizer, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_logprobs": args.max_logprobs, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+            "max_logprobs": args.max_logprobs, "max_prompts_per_request": args.max_prompts_per_request,
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
             "device": args.device, "seed": getattr(args, "seed", None) or 0,
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,

@@ -139,6 +139,10 @@ class AsyncEngine:
                    output_kind: RequestOutputKind) -> AsyncGenerator[tuple[int, Any]]:
         if not prompts:
             raise InvalidRequestError("no prompt given", param="prompt")
+        limit = self.config.max_prompts_per_request
+        if len(prompts) > limit:
+            raise InvalidRequestError(f"{len(prompts)} prompts in one request is more than the limit of {limit}",
+                                      param="prompt")
         rendered = await self.renderer.render(prompts)
         batches = [make_requests(rid, engine_input) for rid, engine_input in zip(request_ids, rendered, strict=True)]
         # One output stream for the whole batch: each request gets a clone of the send side,
