@@ -98,3 +98,12 @@ def test_hypercorns_app_factory_exits_1_when_the_engine_cannot_start(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert "the engine failed to start: cannot load the model: model directory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_kv_cache_size_follows_the_flag_then_vllm_cpus_variable():
+    from web.options import kv_cache_bytes
+    assert kv_cache_bytes(12345, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 12345
+    assert kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 4 << 30
+    assert kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "0"}) == kv_cache_bytes(None, {}) == 1 << 30
+    with pytest.raises(ValueError, match="number of GiB"):
+        kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "lots"})

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from engine.api import EngineConfig
@@ -32,7 +34,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--max-logprobs", type=int, default=20, help="the largest logprobs / prompt_logprobs accepted")
     p.add_argument("--max-prompts-per-request", type=int, default=2048,
                    help="prompts (or embeddings inputs) one request may carry")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="memory for the KV cache, per rank")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="memory for the KV cache, per rank (default: VLLM_CPU_KVCACHE_SPACE GiB if set, else 1 GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's GPU memory share: refused (size the cache with --kv-cache-memory-bytes)")
     p.add_argument("--device", default="cpu", help="torch device the model runs on")
@@ -66,7 +69,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"dtype": args.dtype, "tokenizer": args.tokenizer, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_logprobs": args.max_logprobs, "max_prompts_per_request": args.max_prompts_per_request,
-            "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+            "kv_cache_memory_bytes": kv_cache_bytes(args.kv_cache_memory_bytes, os.environ),
             "device": args.device, "seed": getattr(args, "seed", None) or 0,
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
@@ -74,6 +77,19 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
             "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template,
             "generation_config": args.generation_config}
+
+
+def kv_cache_bytes(flag: int | None, environ: Mapping[str, str]) -> int:
+    """The flag, else vLLM-CPU's `VLLM_CPU_KVCACHE_SPACE` (GiB), else 1 GiB."""
+    if flag is not None:
+        return flag
+    space = environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not space or space == "0":  # vLLM reads 0 as "its default"
+        return 1 << 30
+    try:
+        return int(float(space) * (1 << 30))
+    except ValueError:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}") from None
 
 
 def add_server_options(srv: argparse.ArgumentParser) -> None:
