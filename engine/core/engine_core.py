@@ -25,7 +25,8 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.core.output_processor import RequestTracker
-from engine.core.stats import NullObserver, RequestRecord, StatsObserver
+from engine.core.reporting import RequestTimings
+from engine.core.stats import NullObserver, StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.executor.base import Executor
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -70,6 +71,7 @@ class EngineCore:
         self.executor = executor
         self.tokenizer = tokenizer
         self.observer: StatsObserver = observer or NullObserver()
+        self.timings = RequestTimings(self.observer)
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[CoreMessage](math.inf)
         self._trackers: dict[str, RequestTracker] = {}
         self._streams: dict[str, OutputSender] = {}
@@ -172,7 +174,7 @@ class EngineCore:
             return
         child_ids = [c.request.request_id for c in tracker.children]
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        self._report_finished(tracker, "abort", anyio.current_time())
+        self.timings.finished(tracker, "abort", anyio.current_time())
         self._forget(request_id)
 
     def _fail_requests(self, failures: dict[str, str]) -> None:
@@ -189,7 +191,7 @@ class EngineCore:
                 self._streams[tracker.request_id].send_nowait(error)
             child_ids = [c.request.request_id for c in tracker.children]
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            self._report_finished(tracker, "error", anyio.current_time())
+            self.timings.finished(tracker, "error", anyio.current_time())
             self._forget(tracker.request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -231,10 +233,10 @@ class EngineCore:
             touched[tracker.request_id] = tracker
             new_tokens[tracker.request_id] = new_tokens.get(tracker.request_id, 0) + len(update.new_token_ids)
         for rid, tracker in touched.items():
-            self._report_tokens(tracker, new_tokens[rid], now)
+            self.timings.tokens(tracker, new_tokens[rid], now)
             if tracker.finished:
                 tracker.metrics["finished_time"] = now
-                self._report_finished(tracker, tracker.children[0].finish_reason or "stop", now)
+                self.timings.finished(tracker, tracker.children[0].finish_reason or "stop", now)
             output = tracker.build_output()
             delivered = output is None or self._send(rid, output)
             if tracker.finished:
@@ -245,7 +247,7 @@ class EngineCore:
     def _publish_pooled(self, tracker: RequestTracker, update: RequestUpdate, now: float) -> None:
         """A pooling request finishes in the step that computed its prompt: one output, then done."""
         tracker.metrics["finished_time"] = now
-        self._report_finished(tracker, "stop", now)
+        self.timings.finished(tracker, "stop", now)
         output = PoolingRequestOutput(tracker.request_id, tracker.prompt_token_ids, update.pooled,
                                       metrics=dict(tracker.metrics))
         self._send(tracker.request_id, output)
@@ -254,30 +256,8 @@ class EngineCore:
     def _report_scheduled(self, new_requests: list[NewRequestData], now: float) -> None:
         for new in new_requests:
             tracker = self._child_owner.get(new.request_id)
-            if tracker is not None and "scheduled_time" not in tracker.metrics:
-                tracker.metrics["scheduled_time"] = now
-                self.observer.on_scheduled(now - tracker.metrics["arrival_time"])
-
-    def _report_tokens(self, tracker: RequestTracker, num_tokens: int, now: float) -> None:
-        if not num_tokens:
-            return
-        metrics = tracker.metrics
-        if "first_token_time" not in metrics:
-            metrics["first_token_time"] = now
-            self.observer.on_first_token(now - metrics["arrival_time"])
-        else:
-            self.observer.on_tokens(now - metrics["last_token_time"], num_tokens)
-        metrics["last_token_time"] = now
-
-    def _report_finished(self, tracker: RequestTracker, reason: str, now: float) -> None:
-        generated = sum(len(c.token_ids) for c in tracker.children)
-        metrics = tracker.metrics
-        arrival = metrics["arrival_time"]
-        self.observer.on_finished(reason, now - arrival, len(tracker.prompt_token_ids), generated)
-        self.observer.on_request_done(RequestRecord(
-            tracker.request_id, reason, len(tracker.prompt_token_ids), generated,
-            metrics["scheduled_time"] - arrival if "scheduled_time" in metrics else None,
-            metrics["first_token_time"] - arrival if "first_token_time" in metrics else None, now - arrival))
+            if tracker is not None:
+                self.timings.scheduled(tracker, now)
 
     def _apply_update(self, tracker: RequestTracker, update: RequestUpdate) -> None:
         request = update.request
