@@ -14,6 +14,7 @@ import logging
 import sys
 from functools import partial
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TypeAlias
 
 import trio
@@ -99,8 +100,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from engine.api import make_model
     try:
         spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
