@@ -1,9 +1,11 @@
-"""Llama / Qwen2 / Qwen3 decoder-only transformers over the paged KV cache.
+"""Llama / Qwen2 / Qwen3 decoder-only transformers, and their mixture-of-experts kin (Mixtral,
+Qwen2-MoE, Qwen3-MoE), over the paged KV cache.
 
-One module covers the three families; they differ only in where attention has
-biases (Qwen2: q/k/v) and in Qwen3's per-head RMSNorm of q and k. q/k/v and
+One module covers the families; they differ in where attention has biases
+(Qwen2: q/k/v), in Qwen3's per-head RMSNorm of q and k, and in whether (and
+in which layers) the MLP is an expert block (`engine.models.moe`). q/k/v and
 gate/up projections are fused into one matmul each, filled at load time from
-the checkpoint's separate tensors.
+the checkpoint's separate tensors; so is each expert's gate/up pair.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.attention import AttentionMetadata, paged_attention, write_kv
 from engine.models.hf_config import DecoderConfig
+from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
 from engine.models.parallel import TensorParallel
 from engine.models.rope import RotaryEmbedding
 from engine.models.weights import load_named_weights
@@ -25,82 +28,29 @@ from engine.models.weights import load_named_weights
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-class Linear(nn.Module):
-    """y = x W^T + b with uninitialised parameters: every weight comes from the checkpoint.
-
-    nn.Linear/nn.Embedding would random-initialise first: wasted work at load, and
-    their init functions import torch._dynamo (measured: half of server start-up)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, **factory: Any) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class RowParallelLinear(Linear):
-    """A Linear whose input features are split across ranks: partial sums are all-reduced,
-    then the (unsplit) bias is added once."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, **factory: Any) -> None:
-        super().__init__(in_features, out_features, bias, **factory)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Each rank holds rows [start, start + n) of the table; ids elsewhere read zeros, and the
-    all-reduce adds the one rank that holds each id."""
-
-    def __init__(self, num_embeddings: int, dim: int, tp: TensorParallel, **factory: Any) -> None:
-        super().__init__()
-        rows = tp.split(num_embeddings, "vocab_size")
-        self.start, self.tp = tp.rank * rows, tp
-        self.weight = nn.Parameter(torch.empty(rows, dim, **factory))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, **factory: Any) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size, **factory))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 class DecoderLayer(nn.Module):
     """One transformer block; under tensor parallelism it holds this rank's heads and
-    intermediate features."""
+    intermediate features. Its MLP is dense, or an expert block in the MoE model's sparse layers."""
 
-    def __init__(self, cfg: DecoderConfig, tp: TensorParallel, **factory: Any) -> None:
+    def __init__(self, cfg: DecoderConfig, index: int, tp: TensorParallel, experts: ExpertLayout | None,
+                 **factory: Any) -> None:
         super().__init__()
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
-        intermediate = tp.split(cfg.intermediate_size, "intermediate_size")
+        self.tp = tp
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, **factory)
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp, **factory)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias, **factory)
-        self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, **factory)
+        self.mlp: DenseMLP | SparseMoeBlock
+        moe = cfg.moe
+        if moe is not None and experts is not None and index in moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg.hidden_size, moe.intermediate_size, moe.top_k, moe.renormalize, experts,
+                                      tp, moe.shared_expert_intermediate_size, **factory)
+        else:
+            intermediate = tp.split(cfg.intermediate_size, "intermediate_size")
+            self.mlp = DenseMLP(cfg.hidden_size, intermediate, cfg.mlp_bias, tp, **factory)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.qk_norm = cfg.qk_norm
@@ -112,8 +62,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self._attention(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h = self.mlp(self.post_attention_layernorm(x))
+        if isinstance(self.mlp, SparseMoeBlock):  # partial sums of this rank's experts
+            h = self.tp.all_reduce(h)
+        return x + h
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                    kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -132,14 +84,19 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str,
-                 tp: TensorParallel = TensorParallel()) -> None:
+                 tp: TensorParallel = TensorParallel(), experts: ExpertLayout | None = None) -> None:
+        """`experts`: how this rank holds an MoE model's expert slots (default: every logical
+        expert once, tensor-sharded like the dense MLP)."""
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.config = cfg
         self.dtype = dtype
         self.tp = tp
+        if cfg.moe is not None and experts is None:
+            experts = ExpertLayout(cfg.moe.num_experts, cfg.moe.num_experts)
+        self.expert_layout = experts
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, **factory) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, experts, **factory) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False, **factory)
         self.rope: RotaryEmbedding | None = None
@@ -171,6 +128,15 @@ class DecoderForCausalLM(nn.Module):
         return layer
 
     @property
+    def moe_layers(self) -> list[FusedExperts]:
+        """The expert slots of each sparse layer, in layer order (empty for a dense model)."""
+        return [layer.mlp.experts for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def take_expert_load(self) -> torch.Tensor:
+        """[MoE layers, physical experts]: tokens routed to each slot since the last call."""
+        return torch.stack([experts.take_step_load() for experts in self.moe_layers]).cpu()
+
+    @property
     def num_local_kv_heads(self) -> int:
         return self.first_layer.num_kv_heads
 
@@ -179,12 +145,6 @@ class DecoderForCausalLM(nn.Module):
         return self.tp.all_gather_last_dim(self.lm_head(hidden)).float()
 
     # ---- weight loading ---------------------------------------------------------------
-    # Fused parameters are filled from several checkpoint tensors: HF name -> (ours, slot).
-    _FUSED = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into our (partly fused) parameters.
 
@@ -199,49 +159,89 @@ class DecoderForCausalLM(nn.Module):
     def _slots_of(self, name: str) -> list[tuple[str, int | None]]:
         if self.config.tie_word_embeddings and name == "lm_head.weight":
             return []
+        num_experts = self.config.moe.num_experts if self.config.moe else 0
+        if name.endswith(".experts.w13"):  # expert e's gate is slot 2e, its up 2e + 1
+            return [(name, i) for i in range(2 * num_experts)]
+        if name.endswith(".experts.w2"):
+            return [(name, e) for e in range(num_experts)]
         if ".qkv_proj." in name:
             return [(name, 0), (name, 1), (name, 2)]
         if ".gate_up_proj." in name:
             return [(name, 0), (name, 1)]
         return [(name, None)]
 
+    # Fused parameters are filled from several checkpoint tensors: HF name -> (ours, slot).
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    # One expert's tensors (Mixtral's w1/w3/w2, Qwen-MoE's gate/up/down) -> (ours, part)
+    _EXPERT = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
+               "w2": ("w2", None), "down_proj": ("w2", None)}
+
     def _map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         if "rotary_emb.inv_freq" in hf_name:
             return None
         if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
-        name = hf_name.removeprefix("model.").replace("self_attn.", "").replace("mlp.", "")
+        name = hf_name.removeprefix("model.").replace("self_attn.", "").replace("block_sparse_moe.", "mlp.")
         parts = name.split(".")
-        if len(parts) >= 3 and parts[0] == "layers" and parts[2] in self._FUSED:
-            fused, slot = self._FUSED[parts[2]]
-            return ".".join([parts[0], parts[1], fused, *parts[3:]]), slot
+        if len(parts) == 7 and parts[2:4] == ["mlp", "experts"] and parts[5] in self._EXPERT:
+            ours, part = self._EXPERT[parts[5]]
+            expert = int(parts[4])
+            return ".".join([*parts[:4], ours]), expert if part is None else 2 * expert + part
+        if len(parts) >= 3 and parts[-2] in self._FUSED:
+            fused, slot = self._FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), slot
         return name, None
 
     def _copy_into(self, param: torch.Tensor, name: str, slot: int | None,
                    tensor: torch.Tensor, hf_name: str) -> None:
+        if ".experts." in name and slot is not None:
+            self._copy_expert(param, name, slot, tensor, hf_name)
+            return
         target = param.data
         if slot is not None:
-            sizes = self._slot_sizes(name)
+            sizes = self._slot_sizes(name, param)
             target = target.narrow(0, sum(sizes[:slot]), sizes[slot])
-        tensor = self._shard(name, tensor)
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(target.shape)}")
-        target.copy_(tensor)
+        _checked_copy(target, self._shard(name, tensor), hf_name)
 
-    def _slot_sizes(self, name: str) -> list[int]:
-        layer = self.first_layer
+    def _copy_expert(self, param: torch.Tensor, name: str, slot: int, tensor: torch.Tensor, hf_name: str) -> None:
+        """One logical expert's tensor into every local slot that holds a replica of it."""
+        experts = self.get_submodule(name.rsplit(".", 1)[0])
+        assert isinstance(experts, FusedExperts)
+        sharded = experts.layout.ep_size == 1  # without expert parallelism each expert is tensor-sharded
+        if name.endswith(".w13"):
+            expert, part = divmod(slot, 2)
+            half = param.shape[1] // 2
+            tensor = self.tp.shard(tensor, 0) if sharded else tensor
+            targets = [param.data[local].narrow(0, part * half, half) for local in experts.local_slots_of(expert)]
+        else:
+            tensor = self.tp.shard(tensor, 1) if sharded else tensor
+            targets = [param.data[local] for local in experts.local_slots_of(slot)]
+        for target in targets:
+            _checked_copy(target, tensor, hf_name)
+
+    def _slot_sizes(self, name: str, param: torch.Tensor) -> list[int]:
         if ".gate_up_proj." in name:
-            return [layer.down_proj.weight.shape[1]] * 2
-        return list(layer.split)
+            return [param.shape[0] // 2] * 2
+        return list(self.first_layer.split)
 
     _ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
     _COLUMN_PARALLEL = (".qkv_proj.", ".gate_up_proj.", "embed_tokens.weight", "lm_head.weight")
 
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full checkpoint tensor (the identity without tensor parallelism)."""
+        """This rank's part of a full checkpoint tensor (the identity without tensor parallelism;
+        routers and the shared expert's gate are replicated)."""
         if name.endswith(self._ROW_PARALLEL):
             return self.tp.shard(tensor, 1)
         if any(part in name for part in self._COLUMN_PARALLEL):
             return self.tp.shard(tensor, 0)
         return tensor
+
+
+def _checked_copy(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(target.shape)}")
+    target.copy_(tensor)

@@ -17,7 +17,38 @@ DECODER_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts part of a decoder config: which layers route, and how."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    renormalize: bool  # rescale the top-k routing weights to sum to 1
+    sparse_layers: tuple[int, ...]  # layers whose MLP is the expert block (the rest are dense)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
+
+
+def _moe(raw: dict[str, Any], family: str, num_layers: int) -> MoeConfig | None:
+    if family == "mixtral":
+        return MoeConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]),
+                         int(raw["intermediate_size"]), True, tuple(range(num_layers)))
+    if family not in ("qwen2_moe", "qwen3_moe"):
+        return None
+    dense = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step", 1))
+    # Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts.
+    num_experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
+    sparse = tuple(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    return MoeConfig(num_experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                     bool(raw.get("norm_topk_prob", False)), sparse,
+                     int(raw.get("shared_expert_intermediate_size") or 0))
 
 
 @dataclass(frozen=True)
@@ -43,6 +74,7 @@ class DecoderConfig:
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None = None
 
 
 def require_model_dir(model_dir: str | Path) -> Path:
@@ -113,13 +145,15 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
             raise ModelLoadError(f"unsupported hidden_act {act!r} for {arch}; expected 'silu'")
         theta, scaling = _rope(raw)
         attention_bias = bool(raw.get("attention_bias", False))
+        num_layers = int(raw["num_hidden_layers"])
+        qkv_bias = bool(raw.get("qkv_bias", True)) if family in ("qwen2", "qwen2_moe") else attention_bias
         return DecoderConfig(
             architecture=arch,
             family=family,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -128,13 +162,14 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=False if family == "qwen2" else attention_bias,
+            qkv_bias=qkv_bias,
+            o_bias=False if family in ("qwen2", "qwen2_moe") else attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+            moe=_moe(raw, family, num_layers),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json for {arch} lacks the field {exc.args[0]!r}") from exc

@@ -14,6 +14,7 @@ from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.hf_config import DecoderConfig, parse_decoder_config, read_config_json, read_json_file
+from engine.models.moe import ExpertLayout
 from engine.models.parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,15 +57,16 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
-                 max_positions: int | None = None, tp: TensorParallel = TensorParallel()) -> DecoderForCausalLM:
-    """Build and load the model (this rank's shard of it, under tensor parallelism).
-    Blocking (file I/O, copies): run it off the event loop."""
+                 max_positions: int | None = None, tp: TensorParallel = TensorParallel(),
+                 experts: ExpertLayout | None = None) -> DecoderForCausalLM:
+    """Build and load the model (this rank's shard of it, under tensor or expert parallelism;
+    `experts` places an MoE model's expert slots). Blocking (file I/O, copies): run it off the loop."""
     model_dir = Path(model_dir)
     cfg: DecoderConfig = parse_decoder_config(read_config_json(model_dir))
     files = safetensors_files(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype)
     try:
-        model = DecoderForCausalLM(cfg, torch_dtype, device, tp)  # uninitialised storage: the weights come next
+        model = DecoderForCausalLM(cfg, torch_dtype, device, tp, experts)  # uninitialised: the weights come next
     except ValueError as exc:  # a dimension tensor parallelism cannot split
         raise ModelLoadError(str(exc)) from None
     with torch.no_grad():

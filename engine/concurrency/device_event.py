@@ -1,0 +1,162 @@
+"""`DeviceEvent`: a device (CUDA) event that a trio task can wait for without blocking the loop.
+
+vLLM's asynchronous EPLB handed weights from a transfer thread to the step loop with CUDA
+events, and waiting on a CUDA event that was never recorded returns at once: the consumer
+went ahead before the producer had even started. Its fix paired each CUDA event with a
+`threading.Event`. Here the pair is a device event and an `anyio.Event`:
+
+- `record(stream)` records the device event on `stream`, then sets the anyio event;
+- `await wait(stream)` waits for the anyio event first, so a wait can never pass an event that
+  was not recorded; then for the device work, without blocking the loop (with a `stream`, the
+  stream is made to wait on the device and the call returns at once); then re-arms with a
+  fresh anyio event for the next cycle;
+- a second `record` before the matching `wait` raises: a producer that got ahead of its
+  consumer is a bug, not a race to lose silently;
+- `stop()` ends a waiter cleanly (its `wait` returns False), for shutdown.
+
+One producer and one consumer per event. The device part is a backend: `CPU_BACKEND` (work is
+complete when it is recorded), `FakeDeviceBackend` (complete only when a test says so) and
+`CudaBackend` (`torch.cuda.Event`, polled from the loop with back-off, never synchronised on it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+import anyio.lowlevel
+
+
+class DeviceBackend(Protocol):
+    def record(self, stream: Any) -> Any:
+        """Enqueue an event after the work queued so far on `stream`; returns its handle."""
+
+    def is_done(self, handle: Any) -> bool:
+        """Whether the device work before the event has finished (never blocks)."""
+
+    async def wait(self, handle: Any, stream: Any) -> None:
+        """Until the work before the event is done; or, given a `stream`, order that stream after
+        it on the device and return. Never blocks the loop. Cancellation stops the wait only."""
+
+
+class CpuBackend:
+    """On CPU the work is done by the time it is recorded: the same code path, nothing to wait for."""
+
+    def record(self, stream: Any) -> Any:
+        return None
+
+    def is_done(self, handle: Any) -> bool:
+        return True
+
+    async def wait(self, handle: Any, stream: Any) -> None:
+        """Returns at once (a checkpoint: cancellation is delivered here)."""
+        await anyio.lowlevel.checkpoint()
+
+
+CPU_BACKEND = CpuBackend()
+
+
+@dataclass
+class FakeWork:
+    done: anyio.Event = field(default_factory=anyio.Event)
+    stream: Any = None
+
+
+class FakeDeviceBackend:
+    """For tests: recorded work completes only when the test calls `complete()`, so "recorded, but
+    the device is not done yet" can be exercised without a GPU."""
+
+    def __init__(self) -> None:
+        self.pending: list[FakeWork] = []
+
+    def record(self, stream: Any) -> FakeWork:
+        work = FakeWork(stream=stream)
+        self.pending.append(work)
+        return work
+
+    def is_done(self, handle: FakeWork) -> bool:
+        return handle.done.is_set()
+
+    async def wait(self, handle: FakeWork, stream: Any) -> None:
+        """Until the test completes the work. Cancellation stops the wait only."""
+        await handle.done.wait()
+
+    def complete(self, count: int | None = None) -> int:
+        """Finish the oldest `count` pieces of recorded work (all by default); returns how many."""
+        finishing = self.pending if count is None else self.pending[:count]
+        self.pending = self.pending[len(finishing):]
+        for work in finishing:
+            work.done.set()
+        return len(finishing)
+
+
+class CudaBackend:
+    """`torch.cuda.Event`s. A wait with a stream is a device-side `stream.wait_event`; a wait
+    without one polls `query()` with back-off (50 us up to 2 ms), so the loop is never blocked
+    in `synchronize()` and the wait stays cancellable."""
+
+    def record(self, stream: Any) -> Any:
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def is_done(self, handle: Any) -> bool:
+        return bool(handle.query())
+
+    async def wait(self, handle: Any, stream: Any) -> None:
+        """Device-side ordering with a stream; otherwise polls until done. Cancellation stops the
+        polling (the device work itself goes on)."""
+        if stream is not None:
+            stream.wait_event(handle)
+            await anyio.lowlevel.checkpoint()
+            return
+        delay = 50e-6
+        while not handle.query():
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
+
+class DeviceEvent:
+    """A device event paired with an anyio event (see the module docstring)."""
+
+    def __init__(self, backend: DeviceBackend = CPU_BACKEND) -> None:
+        self._backend = backend
+        self._recorded = anyio.Event()
+        self._handle: Any = None
+        self._stopped = False
+
+    def record(self, stream: Any = None) -> None:
+        """Record the device event on `stream` and wake the waiter. Raises `RuntimeError` if the
+        last recording has not been waited for yet, or after `stop()`."""
+        if self._stopped:
+            raise RuntimeError("DeviceEvent was stopped")
+        if self._recorded.is_set():
+            raise RuntimeError("DeviceEvent recorded twice without a wait in between")
+        self._handle = self._backend.record(stream)
+        self._recorded.set()
+
+    def query(self) -> bool:
+        """Recorded and its device work done: the check a step loop makes without waiting."""
+        return self._recorded.is_set() and not self._stopped and self._backend.is_done(self._handle)
+
+    async def wait(self, stream: Any = None) -> bool:
+        """Wait for the recording, then for its device work; True once both happened, False if
+        `stop()` ended the wait. Re-arms the event for the next cycle.
+
+        Cancellation stops the wait and leaves the event as it was: a recording that happened
+        stays pending for the next `wait`."""
+        await self._recorded.wait()
+        if self._stopped:
+            return False
+        await self._backend.wait(self._handle, stream)
+        self._recorded = anyio.Event()
+        self._handle = None
+        return True
+
+    def stop(self) -> None:
+        """End the current and any later wait (they return False); later records raise."""
+        self._stopped = True
+        self._recorded.set()

@@ -1,0 +1,91 @@
+"""The building blocks the decoders share: uninitialised linear layers (plain, row-parallel), the
+vocab-parallel embedding, RMSNorm and the SwiGLU MLP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.parallel import TensorParallel
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with uninitialised parameters: every weight comes from the checkpoint.
+
+    nn.Linear/nn.Embedding would random-initialise first: wasted work at load, and
+    their init functions import torch._dynamo (measured: half of server start-up)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, **factory: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split across ranks: partial sums are all-reduced,
+    then the (unsplit) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, reduce: bool = True,
+                 **factory: Any) -> None:
+        super().__init__(in_features, out_features, bias, **factory)
+        self.tp = tp
+        self.reduce = reduce  # False: leave the partial sum for the caller's one all-reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds rows [start, start + n) of the table; ids elsewhere read zeros, and the
+    all-reduce adds the one rank that holds each id."""
+
+    def __init__(self, num_embeddings: int, dim: int, tp: TensorParallel, **factory: Any) -> None:
+        super().__init__()
+        rows = tp.split(num_embeddings, "vocab_size")
+        self.start, self.tp = tp.rank * rows, tp
+        self.weight = nn.Parameter(torch.empty(rows, dim, **factory))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, **factory: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul. `reduce=False`
+    leaves this rank's partial sum (a shared expert inside an MoE block, reduced with it)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel, reduce: bool = True,
+                 **factory: Any) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias, **factory)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp, reduce=reduce, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

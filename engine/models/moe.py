@@ -1,0 +1,145 @@
+"""The mixture-of-experts MLP: router, logical -> physical expert choice, grouped expert execution.
+
+Each MoE layer holds `num_physical = num_logical + num_redundant` expert slots. The router
+picks logical experts; each pick goes to one of that expert's replicas, chosen by the token's
+position in the batch (spread evenly and deterministically). The slots are split across
+ranks in two ways:
+
+- expert parallelism (`ExpertLayout.ep_size` > 1): rank r holds slots
+  [r * P / size, (r + 1) * P / size) whole, and computes only their tokens;
+- tensor parallelism without it: every rank holds every slot, with its share of each expert's
+  intermediate features.
+
+Either way each rank's output is a partial sum and one all-reduce (the caller's) completes it.
+The placement (`phy2log`, `log2phy`, replica counts) lives in buffers that a rebalance swaps
+between steps; each forward counts the tokens routed to each physical slot (`step_load`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.eplb.maps import ExpertMaps, initial_phy2log
+from engine.models.layers import DenseMLP, Linear
+from engine.models.parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one rank holds the physical expert slots."""
+
+    num_logical: int
+    num_physical: int
+    ep_rank: int = 0
+    ep_size: int = 1  # > 1: expert parallelism (slots split across ranks, experts whole)
+
+    def __post_init__(self) -> None:
+        if self.num_physical < self.num_logical:
+            raise ValueError(f"{self.num_physical} expert slots cannot hold {self.num_logical} experts")
+        if self.num_physical % self.ep_size:
+            raise ValueError(f"{self.num_physical} physical experts ({self.num_logical} logical + "
+                             f"{self.num_physical - self.num_logical} redundant) do not split evenly over "
+                             f"{self.ep_size} expert-parallel ranks")
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_physical // self.ep_size
+
+    @property
+    def first_slot(self) -> int:
+        return self.ep_rank * self.slots_per_rank
+
+    def is_local(self, slot: int) -> bool:
+        return self.first_slot <= slot < self.first_slot + self.slots_per_rank
+
+
+class FusedExperts(nn.Module):
+    """This rank's expert slots: `w13` [slots, 2 * intermediate, hidden] (gate; up) and `w2`
+    [slots, hidden, intermediate], plus the placement buffers."""
+
+    def __init__(self, hidden: int, intermediate: int, layout: ExpertLayout, **factory: Any) -> None:
+        super().__init__()
+        self.layout = layout
+        slots = layout.slots_per_rank
+        self.w13 = nn.Parameter(torch.empty(slots, 2 * intermediate, hidden, **factory), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(slots, hidden, intermediate, **factory), requires_grad=False)
+        device = factory.get("device")
+        self.set_maps(ExpertMaps.from_phy2log(initial_phy2log(1, layout.num_logical, layout.num_physical),
+                                              layout.num_logical), device)
+        self.step_load = torch.zeros(layout.num_physical, dtype=torch.long, device=device)
+
+    def set_maps(self, maps: ExpertMaps, device: Any = None) -> None:
+        """Adopt one layer's placement (tensors with a leading dimension of 1)."""
+        device = device if device is not None else self.w13.device
+        self.phy2log = maps.phy2log[0].to(device)
+        self.log2phy = maps.log2phy[0].to(device)
+        self.replica_count = maps.replica_count[0].to(device)
+
+    def local_slots_of(self, expert: int) -> list[int]:
+        """This rank's local slot indices that hold logical `expert` (to load its weights into)."""
+        first = self.layout.first_slot
+        return [slot - first for slot, held in enumerate(self.phy2log.tolist())
+                if held == expert and self.layout.is_local(slot)]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights, experts [T, k] (logical ids) -> this rank's partial output [T, H]."""
+        T, k = experts.shape
+        # One of each expert's replicas, chosen by the (token, pick) position: even, deterministic.
+        spread = torch.arange(T * k, device=x.device).view(T, k) % self.replica_count[experts]
+        physical = self.log2phy[experts, spread]
+        self.step_load += torch.bincount(physical.flatten(), minlength=self.layout.num_physical)
+        local = (physical - self.layout.first_slot).flatten()
+        picks = ((local >= 0) & (local < self.layout.slots_per_rank)).nonzero().squeeze(1)
+        slots, order = local[picks].sort(stable=True)
+        picks = picks[order]
+        tokens, pick_weights = picks // k, weights.flatten()[picks].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for slot, count in enumerate(torch.bincount(slots, minlength=self.layout.slots_per_rank).tolist()):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            gate, up = F.linear(x[rows], self.w13[slot]).chunk(2, dim=-1)
+            out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.w2[slot]) * pick_weights[start:start + count])
+            start += count
+        return out
+
+    def take_step_load(self) -> torch.Tensor:
+        load = self.step_load.clone()
+        self.step_load.zero_()
+        return load
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's gated shared expert). Returns this rank's partial sum."""
+
+    def __init__(self, hidden: int, intermediate: int, top_k: int, renormalize: bool, layout: ExpertLayout,
+                 tp: TensorParallel, shared_intermediate: int = 0, **factory: Any) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Linear(hidden, layout.num_logical, bias=False, **factory)
+        # Under expert parallelism experts are whole on their rank; otherwise each is tensor-sharded.
+        expert_intermediate = intermediate if layout.ep_size > 1 else tp.split(intermediate, "moe_intermediate_size")
+        self.experts = FusedExperts(hidden, expert_intermediate, layout, **factory)
+        self.shared_expert: DenseMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if shared_intermediate:
+            self.shared_expert = DenseMLP(hidden, tp.split(shared_intermediate, "shared_expert_intermediate_size"),
+                                          False, tp, reduce=False, **factory)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x, weights.to(x.dtype), experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
