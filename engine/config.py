@@ -6,13 +6,56 @@ length, EOS ids) live in `engine.model_info.ModelInfo`, not here.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 _EXECUTORS = ("inproc", "mp")
 _HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.prefix_hash.HASH_ALGOS
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing (`--eplb-config`, vLLM's keys and defaults).
+
+    Every `step_interval` engine steps, the load of the last `window_size` steps decides a new
+    placement of the experts (with `num_redundant_experts` extra slots per MoE layer for
+    replicas of hot experts); `use_async` moves the weights layer by layer while inference goes
+    on, otherwise all at once at a step boundary."""
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    use_async: bool = True
+    log_balancedness: bool = False
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("window_size", 1), ("step_interval", 1), ("num_redundant_experts", 0)):
+            value = getattr(self, name)
+            if type(value) is not int or value < minimum:
+                kind = "a positive integer" if minimum else "a non-negative integer"
+                raise ValueError(f"eplb_config.{name} must be {kind}, got {value!r}")
+        for name in ("use_async", "log_balancedness"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"eplb_config.{name} must be true or false, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> EplbConfig:
+        """From `--eplb-config`'s JSON object; `ValueError` naming an unknown key or a bad value."""
+        try:
+            raw = json.loads(text) if isinstance(text, str) else text
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"eplb_config is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"eplb_config must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"eplb_config has unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+        return cls(**raw)
 
 
 @dataclass(frozen=True)
@@ -38,6 +81,10 @@ class EngineConfig:
     max_prompts_per_request: int = 2048  # prompts (or embeddings inputs) in one request; OpenAI's input limit
     executor: str | None = None  # "inproc" or "mp" (worker processes); default: mp when tensor_parallel_size > 1
     tensor_parallel_size: int = 1
+    # MoE models: split the experts over the tensor-parallel ranks instead of sharding each one
+    enable_expert_parallel: bool = False
+    enable_eplb: bool = False  # rebalance experts by their measured load (see EplbConfig)
+    eplb_config: EplbConfig = field(default_factory=EplbConfig)
     renderer_workers: int | None = None  # threads for long tokenizations and embeddings decoding; see below
     pooling_type: str | None = None  # "mean", "cls" or "last": overrides the model's pooling config
     enable_prompt_embeds: bool = False  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
@@ -78,6 +125,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.loop_lag_interval is not None and not self.loop_lag_interval > 0:
             raise ValueError(f"loop_lag_interval must be positive, got {self.loop_lag_interval}")
+        if self.eplb_config.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("eplb_config.num_redundant_experts needs enable_eplb (redundant experts are placed "
+                             "by the load balancer)")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
 

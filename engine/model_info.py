@@ -34,6 +34,13 @@ class ModelInfo:
     architecture: str = ""
     pooler: PoolerConfig = PoolerConfig()
     num_labels: int = 0  # classification heads (cross-encoders)
+    # Mixture-of-experts models (all 0 for dense ones): layers with experts, experts per layer as
+    # the router sees them (logical) and as slots hold them (physical: logical + redundant), and
+    # the ranks the slots are split over (1 without expert parallelism).
+    num_moe_layers: int = 0
+    num_logical_experts: int = 0
+    num_physical_experts: int = 0
+    num_expert_ranks: int = 1
     # Set by the engine, not the worker:
     num_kv_blocks: int = 0
     max_model_len: int = 0

@@ -226,7 +226,8 @@ class AsyncEngine:
             kv_cache_usage=scheduler.kv.usage, prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
             loop_lag=self._loop_lag.last, loop_lag_max=self._loop_lag.max,
-            workers_alive=self.core.executor.workers_alive())
+            workers_alive=self.core.executor.workers_alive(),
+            eplb=self.core.eplb.stats() if self.core.eplb is not None else None)
 
     @property
     def is_running(self) -> bool:

@@ -17,11 +17,13 @@ from engine.api.async_engine import AsyncEngine
 from engine.concurrency.loop_lag import run_loop_lag_probe
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.eplb_driver import EplbDriver
 from engine.core.stats import LoopLagReadings, NullObserver, StatsObserver
 from engine.errors import ModelLoadError
 from engine.executor import Executor, create_executor
 from engine.model_info import ModelInfo
 from engine.models.hf_config import read_generation_defaults
+from engine.models.moe import check_expert_options
 from engine.render.tokenizer import Tokenizer
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.prefix_hash import PrefixHasher
@@ -73,6 +75,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
     limited). Load errors raise `ModelLoadError` naming the problem, with
     nothing left running.
     """
+    await anyio.to_thread.run_sync(check_expert_options, config)  # before any worker starts
     executor = executor or create_executor(config)
     async with executor:  # worker processes start here (multi-process executor) and stop on the way out
         if tokenizer is None:
@@ -82,9 +85,12 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
         info = await _size_engine(config, executor, tokenizer)
         defaults = await anyio.to_thread.run_sync(read_generation_defaults, config.generation_config, config.model)
         await executor.initialize_kv_cache(info.num_kv_blocks)
-        core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer)
+        eplb = EplbDriver(config.eplb_config, executor, info, observer) if config.enable_eplb else None
+        core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer, eplb)
         loop_lag = LoopLagReadings()
         async with anyio.create_task_group() as tg:
+            if eplb is not None:
+                await tg.start(eplb.run)
             await tg.start(core.run)
             tg.start_soon(_stop_core_on_executor_failure, executor, core)
             if config.loop_lag_interval is not None:

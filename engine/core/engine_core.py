@@ -24,6 +24,7 @@ import anyio.lowlevel
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
+from engine.core.eplb_driver import EplbDriver
 from engine.core.output_processor import RequestTracker
 from engine.core.reporting import RequestTimings
 from engine.core.stats import NullObserver, StatsObserver
@@ -66,8 +67,9 @@ CoreMessage = AddRequest | AbortRequest | ExecutorFailed
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer,
-                 observer: StatsObserver | None = None) -> None:
+                 observer: StatsObserver | None = None, eplb: EplbDriver | None = None) -> None:
         self.scheduler = scheduler
+        self.eplb = eplb  # expert load balancing: consulted at every step boundary
         self.executor = executor
         self.tokenizer = tokenizer
         self.observer: StatsObserver = observer or NullObserver()
@@ -211,7 +213,10 @@ class EngineCore:
         if sched_out.is_empty:
             return False
         self._report_scheduled(sched_out.new_requests, anyio.current_time())
+        adopted = self.eplb.before_step(sched_out) if self.eplb is not None else None
         result = await self.executor.execute_model(sched_out)
+        if self.eplb is not None:
+            await self.eplb.after_step(adopted, result.expert_load)
         if result.failed:
             self._fail_requests(result.failed)
         updates = self.scheduler.update_from_output(sched_out, result)
@@ -282,6 +287,8 @@ class EngineCore:
 
     def _shutdown(self, failure: BaseException | None) -> None:
         self.dead = True
+        if self.eplb is not None:
+            self.eplb.stop()
         self._inbox_send.close()
         for rid in list(self._trackers):
             stream = self._streams[rid]

@@ -12,6 +12,16 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class EplbStats:
+    """Expert load balancing, for an engine running an MoE model with `enable_eplb`."""
+
+    rebalances: int  # completed since start
+    experts_moved: int  # expert slots whose weights changed, since start
+    balancedness: tuple[float, ...]  # per MoE layer: mean / max load per rank, over the steps since the last rebalance
+    rebalancing: bool  # an asynchronous rebalance is under way
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A read-only snapshot of a running engine (`AsyncEngine.stats()`), taken between steps.
 
@@ -28,6 +38,7 @@ class EngineStats:
     loop_lag: float | None  # seconds: the loop-lag probe's last reading (None: no probe, or no reading yet)
     loop_lag_max: float | None  # seconds: its largest reading since start
     workers_alive: tuple[bool, ...]  # one per worker (rank order); in-process: one, alive while the engine runs
+    eplb: EplbStats | None = None  # None unless the engine balances experts
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -80,6 +91,10 @@ class StatsObserver(Protocol):
     def on_request_done(self, record: RequestRecord) -> None:
         """A request finished, however it ended (after `on_finished`)."""
 
+    def on_eplb_rebalance(self, seconds: float, experts_moved: int) -> None:
+        """An expert rebalance finished: how long it took from start to the last layer adopted,
+        and how many expert slots changed."""
+
 
 class NullObserver:
     def on_first_token(self, ttft: float) -> None:
@@ -99,4 +114,7 @@ class NullObserver:
         pass
 
     def on_request_done(self, record: RequestRecord) -> None:
+        pass
+
+    def on_eplb_rebalance(self, seconds: float, experts_moved: int) -> None:
         pass

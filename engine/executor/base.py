@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 
+from engine.eplb.plan import LayerPlan
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -62,6 +63,14 @@ class Executor(ABC):
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Cancellation waits for the step in flight to end (the worker's
         state must stay consistent), then raises."""
+
+    async def eplb_stage_layer(self, plan: LayerPlan) -> None:
+        """Stage one MoE layer's expert moves on every worker (`Worker.eplb_stage_layer`), ready for a
+        step to commit. Worker processes run it between steps, in call order on every rank.
+
+        Cancellation abandons the call (as `collective_rpc`); a staged layer nobody commits is
+        replaced by the next staging of that layer."""
+        await self.collective_rpc("eplb_stage_layer", (plan,))
 
     async def wait_for_failure(self) -> BaseException:
         """Wait until the executor fails on its own (a worker process dies), busy or idle; the

@@ -15,6 +15,7 @@ import anyio
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor
+from engine.eplb.plan import LayerPlan
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
@@ -24,6 +25,8 @@ class InProcExecutor(Executor):
     def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
         self.worker = worker or Worker(config)
         self._limiter = anyio.CapacityLimiter(1)
+        # Expert staging runs next to the forward pass: it only reads live weights and writes its own buffer.
+        self._staging_limiter = anyio.CapacityLimiter(1)
         self._info: ModelInfo | None = None
 
     async def load_model(self) -> ModelInfo:
@@ -51,6 +54,11 @@ class InProcExecutor(Executor):
         with anyio.fail_after(timeout):
             value = await anyio.to_thread.run_sync(call, limiter=self._limiter)
         return value if unique_reply_rank == 0 else [value]
+
+    async def eplb_stage_layer(self, plan: LayerPlan) -> None:
+        """In a thread of its own, concurrently with the step in flight (which a staged layer never
+        touches until a later step commits it). Cancellation takes effect when the thread returns."""
+        await anyio.to_thread.run_sync(self.worker.eplb_stage_layer, plan, limiter=self._staging_limiter)
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return await anyio.to_thread.run_sync(self.worker.execute_model, sched_out, limiter=self._limiter)

@@ -24,7 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import EngineConfig
 from engine.eplb.maps import ExpertMaps, initial_phy2log
+from engine.errors import ModelLoadError
+from engine.models.hf_config import MoeConfig, parse_decoder_config, read_config_json
 from engine.models.layers import DenseMLP, Linear
 from engine.models.parallel import TensorParallel
 
@@ -143,3 +146,37 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def expert_layout_for(moe: MoeConfig | None, config: EngineConfig, rank: int) -> ExpertLayout | None:
+    """How rank `rank` holds an MoE model's experts under `config` (None for a dense model)."""
+    if moe is None:
+        return None
+    num_physical = moe.num_experts + config.eplb_config.num_redundant_experts
+    if config.enable_expert_parallel:
+        return ExpertLayout(moe.num_experts, num_physical, rank, config.tensor_parallel_size)
+    return ExpertLayout(moe.num_experts, num_physical)
+
+
+def check_expert_options(config: EngineConfig) -> None:
+    """Refuse expert options the model cannot take, before any worker starts (`ModelLoadError`):
+    `--enable-eplb` on a model without experts, more redundant experts than logical ones, or
+    physical experts that do not split over the expert-parallel ranks."""
+    if not (config.enable_eplb or config.enable_expert_parallel):
+        return
+    try:
+        moe = parse_decoder_config(read_config_json(config.model)).moe
+    except ModelLoadError:
+        moe = None  # not a decoder we run (an encoder, say): no experts; loading reports the rest
+    if moe is None:
+        if config.enable_eplb:
+            raise ModelLoadError(f"--enable-eplb needs a mixture-of-experts model; {config.model} has no experts")
+        return
+    redundant = config.eplb_config.num_redundant_experts
+    if redundant > moe.num_experts:
+        raise ModelLoadError(f"eplb_config.num_redundant_experts ({redundant}) exceeds the model's "
+                             f"{moe.num_experts} experts: at most one spare slot per expert")
+    try:
+        expert_layout_for(moe, config, 0)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None

@@ -44,6 +44,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the worker drops their state
+    eplb_commit: Any = None  # a staged LayerPlan: the worker adopts it before this step's forward pass
 
     @property
     def total_num_tokens(self) -> int:
@@ -71,3 +72,5 @@ class ModelRunnerOutput:
     pooled: dict[str, Any] = field(default_factory=dict)
     # requests the worker could not run (their own inputs failed it) -> why; the rest of the step ran
     failed: dict[str, str] = field(default_factory=dict)
+    # with EPLB: tokens routed to each physical expert this step, [MoE layers, physical] (CPU int64)
+    expert_load: Any = None

@@ -40,7 +40,7 @@ class RequestState:
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
                  device: torch.device, seed: int, is_driver: bool = True,
-                 pooler: PoolerConfig = PoolerConfig()) -> None:
+                 pooler: PoolerConfig = PoolerConfig(), report_expert_load: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -53,6 +53,7 @@ class ModelRunner:
         # driver (rank 0) samples and reports; the others return an empty output.
         self.is_driver = is_driver
         self.pooler = pooler
+        self.report_expert_load = report_expert_load and bool(model.moe_layers)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -69,6 +70,8 @@ class ModelRunner:
         if not batch:
             return out
         hidden = self._forward(batch)
+        if self.report_expert_load and self.is_driver:
+            out.expert_load = self.model.take_expert_load()
         self._sample(batch, hidden, out)
         self._prompt_logprobs(batch, hidden, out)
         self._pool(batch, hidden, out)

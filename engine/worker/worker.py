@@ -16,13 +16,16 @@ from engine.errors import ModelLoadError
 from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.bert import BertEncoder, is_encoder_config
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.hf_config import read_config_json
+from engine.eplb.plan import LayerPlan
+from engine.models.hf_config import parse_decoder_config, read_config_json
 from engine.models.loader import load_decoder, load_encoder
+from engine.models.moe import expert_layout_for
 from engine.models.parallel import TensorParallel, init_distributed
 from engine.models.pooler import read_pooler_config
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
 from engine.worker.encoder_runner import EncoderRunner
+from engine.worker.expert_mover import ExpertMover
 from engine.worker.model_runner import ModelRunner
 
 
@@ -45,6 +48,7 @@ class Worker:
         self.model: DecoderForCausalLM | BertEncoder | None = None
         self.runner: ModelRunner | EncoderRunner | None = None
         self.pooler = PoolerConfig()
+        self.mover: ExpertMover | None = None  # an MoE model's rebalancing hands
 
     def load_model(self) -> ModelInfo:
         raw = read_config_json(self.config.model)
@@ -52,15 +56,23 @@ class Worker:
             return self._load_encoder(raw)
         self.pooler = read_pooler_config(self.config.model, raw, "last", self.config.pooling_type)
         max_positions = self.config.max_model_len
-        self.model = load_decoder(self.config.model, self.config.dtype, self.config.device, max_positions, self.tp)
-        cfg = self.model.config
+        cfg = parse_decoder_config(raw)
+        layout = expert_layout_for(cfg.moe, self.config, self.rank)
+        self.model = load_decoder(self.config.model, self.config.dtype, self.config.device, max_positions, self.tp,
+                                  layout)
+        if layout is not None:
+            self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         element_size = torch.empty((), dtype=self.model.dtype).element_size()
         # This rank's share: the cache budget applies per rank, as each holds its own heads.
         kv_heads = self.model.num_local_kv_heads
         per_block = 2 * cfg.num_layers * self.config.block_size * kv_heads * cfg.head_dim * element_size
-        return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
+        info = ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler)
+        if layout is None:
+            return info
+        return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
+                       num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
 
     def _load_encoder(self, raw: dict[str, Any]) -> ModelInfo:
         if self.tp.size > 1:
@@ -90,11 +102,29 @@ class Worker:
                    torch.zeros(shape, dtype=self.model.dtype, device=self.device))
                   for _ in range(cfg.num_layers)]
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
-                                  is_driver=self.rank == 0, pooler=self.pooler)
+                                  is_driver=self.rank == 0, pooler=self.pooler,
+                                  report_expert_load=self.config.enable_eplb)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
+        if sched_out.eplb_commit is not None:
+            self.eplb_commit_layer(sched_out.eplb_commit)
         return self.runner.execute(sched_out)
+
+    def eplb_stage_layer(self, plan: LayerPlan) -> int:
+        """Stage one MoE layer's moving experts (see `ExpertMover.stage`); how many slots change here."""
+        assert self.mover is not None, "an MoE model"
+        return self.mover.stage(plan)
+
+    def eplb_commit_layer(self, plan: LayerPlan) -> None:
+        """Adopt a staged layer: its weights into the live slots, its maps for routing."""
+        assert self.mover is not None, "an MoE model"
+        self.mover.commit(plan)
+
+    def expert_placement(self) -> list[list[int]]:
+        """Each MoE layer's physical slot -> logical expert map, as routing uses it now."""
+        assert isinstance(self.model, DecoderForCausalLM), "a loaded decoder"
+        return [experts.phy2log.tolist() for experts in self.model.moe_layers]
 
     def ping(self) -> str:
         return "pong"

@@ -1,0 +1,93 @@
+"""The worker side of a rebalance: stage one MoE layer's moving experts, then commit them.
+
+`stage(plan)` copies the weights of every slot this rank will receive into a staging buffer:
+from its own slots, or from the rank that holds them (send/receive over the process group,
+every rank walking the plan's moves in the same order). On CUDA the copies run on a side
+stream and a CUDA event marks their end. The live weights are untouched, so inference goes on
+with the old placement meanwhile. `commit(plan)`, called at a step boundary (inside the step,
+before the forward pass), makes the main stream wait for that event on the device, copies the
+buffer into the live slots and swaps the layer's maps. The staging memory is one layer's moving
+experts, freed at commit.
+
+Blocking torch code, called by the executor one call at a time; `stage` may run in a thread
+next to a forward pass (it only reads live weights; nothing else touches its buffers until the
+engine has handed the staged layer over to a step).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.eplb.maps import ExpertMaps
+from engine.eplb.plan import LayerPlan
+from engine.models.moe import ExpertLayout, FusedExperts
+
+
+@dataclass
+class StagedLayer:
+    local_slots: torch.Tensor  # this rank's slots that change
+    w13: torch.Tensor  # their new weights, in the same order
+    w2: torch.Tensor
+    ready: Any = None  # the CUDA event after the staging copies (None on CPU)
+
+
+class ExpertMover:
+    def __init__(self, layers: list[FusedExperts], layout: ExpertLayout, device: torch.device) -> None:
+        self.layers = layers
+        self.layout = layout
+        self.rank = layout.ep_rank
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.staged: dict[int, StagedLayer] = {}
+
+    def stage(self, plan: LayerPlan) -> int:
+        """Fill this rank's staging buffer for `plan`; returns how many slots it will change."""
+        experts = self.layers[plan.layer]
+        first = self.layout.first_slot
+        mine = plan.moves_to(self.rank)
+        w13 = torch.empty((len(mine), *experts.w13.shape[1:]), dtype=experts.w13.dtype, device=experts.w13.device)
+        w2 = torch.empty((len(mine), *experts.w2.shape[1:]), dtype=experts.w2.dtype, device=experts.w2.device)
+        with torch.cuda.stream(self.side_stream) if self.side_stream is not None else nullcontext():
+            for i, move in enumerate(mine):
+                if plan.rank_of(move.src_slot) == self.rank:
+                    w13[i].copy_(experts.w13[move.src_slot - first])
+                    w2[i].copy_(experts.w2[move.src_slot - first])
+            self._exchange(plan, experts, mine, w13, w2)
+            ready = None
+            if self.side_stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(self.side_stream)
+        slots = torch.tensor([m.dst_slot - first for m in mine], dtype=torch.long, device=experts.w13.device)
+        self.staged[plan.layer] = StagedLayer(slots, w13, w2, ready)
+        return len(mine)
+
+    def _exchange(self, plan: LayerPlan, experts: FusedExperts, mine: list[Any], w13: torch.Tensor,
+                  w2: torch.Tensor) -> None:
+        """The cross-rank moves, in the plan's order on every rank (so each pair meets)."""
+        first = self.layout.first_slot
+        for move in plan.moves:
+            src, dst = plan.rank_of(move.src_slot), plan.rank_of(move.dst_slot)
+            if src == dst:
+                continue
+            if src == self.rank:
+                dist.send(experts.w13[move.src_slot - first].contiguous(), dst)
+                dist.send(experts.w2[move.src_slot - first].contiguous(), dst)
+            elif dst == self.rank:
+                i = mine.index(move)
+                dist.recv(w13[i], src)
+                dist.recv(w2[i], src)
+
+    def commit(self, plan: LayerPlan) -> None:
+        """Copy the staged weights into the live slots and adopt the layer's new maps."""
+        staged = self.staged.pop(plan.layer)
+        experts = self.layers[plan.layer]
+        if staged.ready is not None:
+            torch.cuda.current_stream().wait_event(staged.ready)  # on the device: the CPU does not wait
+        experts.w13.data.index_copy_(0, staged.local_slots, staged.w13)
+        experts.w2.data.index_copy_(0, staged.local_slots, staged.w2)
+        experts.set_maps(ExpertMaps.from_phy2log(torch.tensor([plan.new_phy2log]), self.layout.num_logical))
+
