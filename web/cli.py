@@ -55,7 +55,8 @@ def _add_make_model(sub: Subcommands) -> None:
     defaults = TinyModelSpec()
     mk.add_argument("dir", help="where to write it")
     mk.add_argument("--arch", default=defaults.arch, choices=sorted(ARCHITECTURES), help="the architecture")
-    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed"):
+    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed",
+                 "experts", "top_k"):
         mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
                         help=f"the model's {name.replace('_', ' ')}")
     mk.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"],
@@ -104,7 +105,8 @@ def _make_model(args: argparse.Namespace) -> int:
     try:
         spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
                              kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
-                             max_positions=args.max_positions, dtype=args.dtype, seed=args.seed)
+                             max_positions=args.max_positions, dtype=args.dtype, seed=args.seed,
+                             experts=args.experts, top_k=args.top_k)
     except ValueError as exc:
         print(f"trio-llm make-model: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from engine.api import EngineStats, RequestRecord
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _LAG_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -54,6 +55,9 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.loop_lag = Histogram("trio_llm_event_loop_lag_seconds", "How late the loop-lag probe woke up",
                                   buckets=_LAG_BUCKETS, registry=r)
+        self.eplb_transfer = Histogram("trio_llm_eplb_transfer_seconds",
+                                       "Expert rebalances, from start to the last layer adopted", labels,
+                                       buckets=_TRANSFER_BUCKETS, registry=r)
         self._model = model_name
         self.log_requests = log_requests
         self.vllm = _VllmMetrics(r)
@@ -102,6 +106,9 @@ class ServerMetrics:
 
     def on_loop_lag(self, lag: float) -> None:
         self.loop_lag.observe(lag)
+
+    def on_eplb_rebalance(self, seconds: float, experts_moved: int) -> None:
+        self.eplb_transfer.labels(self._model).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -155,7 +162,18 @@ class _EngineStatsCollector:
                      stats.prefix_cache_queries),
                     ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                      stats.prefix_cache_hits)]
+        if stats.eplb is not None:
+            counters += [("trio_llm_eplb_rebalances", "Expert rebalances completed", stats.eplb.rebalances),
+                         ("trio_llm_eplb_experts_moved", "Expert slots whose weights a rebalance replaced",
+                          stats.eplb.experts_moved)]
         for name, text, value in counters:
             counter = CounterMetricFamily(name, text, labels=labels)
             counter.add_metric([self.model], value)
             yield counter
+        if stats.eplb is not None:
+            balance = GaugeMetricFamily("trio_llm_eplb_balancedness",
+                                        "Mean over max expert load per rank, per MoE layer, since the last "
+                                        "rebalance (1: even)", labels=["model_name", "layer"])
+            for layer, value in enumerate(stats.eplb.balancedness):
+                balance.add_metric([self.model, str(layer)], value)
+            yield balance

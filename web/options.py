@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.api import EngineConfig
+from engine.config import EplbConfig
 from web.cors import CorsSettings
 from web.settings import ServerSettings
 
@@ -48,6 +49,13 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over several steps")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one per rank")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts over the tensor-parallel ranks instead of sharding each")
+    p.add_argument("--enable-eplb", action="store_true",
+                   help="MoE models: rebalance experts over the ranks by their measured load")
+    p.add_argument("--eplb-config", default=None,
+                   help='EPLB settings, a JSON object: {"window_size": 1000, "step_interval": 3000, '
+                        '"num_redundant_experts": 0, "use_async": true, "log_balancedness": false}')
     p.add_argument("--executor", default=None, choices=["inproc", "mp"],
                    help="where the model runs (default: in-process, or worker processes with tensor parallelism)")
     p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
@@ -76,7 +84,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "enable_chunked_prefill": args.enable_chunked_prefill, "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
             "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template,
-            "generation_config": args.generation_config}
+            "generation_config": args.generation_config,
+            "enable_expert_parallel": args.enable_expert_parallel, "enable_eplb": args.enable_eplb,
+            "eplb_config": EplbConfig.from_json(args.eplb_config or "{}")}
 
 
 def kv_cache_bytes(flag: int | None, environ: Mapping[str, str]) -> int:
@@ -137,7 +147,7 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
     reasons = []
     if getattr(args, "trust_remote_code", False):
         reasons.append("--trust-remote-code: trio-llm runs no code from model directories; it loads the "
-                       "architectures it implements (Llama, Qwen2, Qwen3, BERT) from their weights")
+                       "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, BERT) from their weights")
     if getattr(args, "gpu_memory_utilization", None) is not None:
         reasons.append("--gpu-memory-utilization: the KV cache is sized in bytes here: use "
                        "--kv-cache-memory-bytes")

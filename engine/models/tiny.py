@@ -27,7 +27,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,16 @@ class TinyModelSpec:
     max_positions: int = 2048
     dtype: str = "float32"
     seed: int = 0
+    experts: int = 8  # MoE architectures: experts per layer, each token routed to top_k of them
+    top_k: int = 2
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {self.arch!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError("hidden must divide by heads, and heads by kv_heads")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError("top_k must be between 1 and experts")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
 
@@ -84,7 +89,7 @@ def write_tokenizer(model_dir: str | Path, vocab_size: int) -> int:
 
 
 def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]:
-    return {
+    config = {
         "architectures": [ARCHITECTURES[spec.arch]],
         "model_type": spec.arch,
         "vocab_size": vocab_size,
@@ -103,6 +108,28 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]
         "torch_dtype": spec.dtype,
         "eos_token_id": eos_id,
     }
+    if spec.arch == "mixtral":
+        config.update(num_local_experts=spec.experts, num_experts_per_tok=spec.top_k)
+    if spec.arch == "qwen3_moe":
+        config.update(num_experts=spec.experts, num_experts_per_tok=spec.top_k, norm_topk_prob=True,
+                      moe_intermediate_size=spec.intermediate, decoder_sparse_step=1, mlp_only_layers=[])
+    return config
+
+
+def _mlp_weights(spec: TinyModelSpec, prefix: str, normal: Any) -> dict[str, torch.Tensor]:
+    """A dense SwiGLU MLP, or the router and experts in the checkpoint layout of the architecture."""
+    if spec.arch not in ("mixtral", "qwen3_moe"):
+        return {prefix + "mlp.gate_proj.weight": normal(spec.intermediate, spec.hidden),
+                prefix + "mlp.up_proj.weight": normal(spec.intermediate, spec.hidden),
+                prefix + "mlp.down_proj.weight": normal(spec.hidden, spec.intermediate)}
+    block = prefix + ("block_sparse_moe." if spec.arch == "mixtral" else "mlp.")
+    names = ("w1", "w3", "w2") if spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    weights = {block + "gate.weight": normal(spec.experts, spec.hidden) * 20}  # a router with preferences
+    for e in range(spec.experts):
+        weights[f"{block}experts.{e}.{names[0]}.weight"] = normal(spec.intermediate, spec.hidden)
+        weights[f"{block}experts.{e}.{names[1]}.weight"] = normal(spec.intermediate, spec.hidden)
+        weights[f"{block}experts.{e}.{names[2]}.weight"] = normal(spec.hidden, spec.intermediate)
+    return weights
 
 
 def _random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -122,16 +149,14 @@ def _random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Ten
             p + "self_attn.k_proj.weight": normal(spec.kv_heads * head_dim, spec.hidden),
             p + "self_attn.v_proj.weight": normal(spec.kv_heads * head_dim, spec.hidden),
             p + "self_attn.o_proj.weight": normal(spec.hidden, spec.heads * head_dim),
-            p + "mlp.gate_proj.weight": normal(spec.intermediate, spec.hidden),
-            p + "mlp.up_proj.weight": normal(spec.intermediate, spec.hidden),
-            p + "mlp.down_proj.weight": normal(spec.hidden, spec.intermediate),
+            **_mlp_weights(spec, p, normal),
             p + "input_layernorm.weight": torch.ones(spec.hidden, dtype=dtype),
             p + "post_attention_layernorm.weight": torch.ones(spec.hidden, dtype=dtype),
         })
         if spec.arch == "qwen2":
             for proj, size in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
                 weights[p + f"self_attn.{proj}_proj.bias"] = normal(size * head_dim)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3_moe"):
             weights[p + "self_attn.q_norm.weight"] = torch.ones(head_dim, dtype=dtype)
             weights[p + "self_attn.k_norm.weight"] = torch.ones(head_dim, dtype=dtype)
     return weights
