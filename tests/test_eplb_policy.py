@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.eplb.maps import (ExpertMaps, initial_phy2log, logical_replica_count, logical_to_physical_map,
-                              max_replicas)
+from engine.eplb.maps import ExpertMaps, initial_phy2log, logical_replica_count, logical_to_physical_map, max_replicas
 from engine.eplb.plan import plan_layer
 from engine.eplb.policy import keep_slots, rebalance_experts
 from engine.eplb.window import LoadWindow, balancedness, logical_load, rank_loads

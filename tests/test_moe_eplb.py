@@ -8,8 +8,14 @@ import random
 import pytest
 import torch
 import trio
-from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from engine import EngineConfig, open_engine
 from engine.config import EplbConfig
@@ -65,8 +71,9 @@ def hf_greedy(model, max_tokens: int = 24) -> list[list[int]]:
     out = []
     with torch.no_grad():
         for prompt in PROMPTS:
-            generated = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                       max_new_tokens=max_tokens, do_sample=False)
+            mask = torch.ones(1, len(prompt), dtype=torch.long)
+            generated = model.generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=max_tokens,
+                                       do_sample=False)
             out.append(generated[0, len(prompt):].tolist())
     return out
 

@@ -147,7 +147,8 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
     reasons = []
     if getattr(args, "trust_remote_code", False):
         reasons.append("--trust-remote-code: trio-llm runs no code from model directories; it loads the "
-                       "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, BERT) from their weights")
+                       "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, BERT) "
+                       "from their weights")
     if getattr(args, "gpu_memory_utilization", None) is not None:
         reasons.append("--gpu-memory-utilization: the KV cache is sized in bytes here: use "
                        "--kv-cache-memory-bytes")

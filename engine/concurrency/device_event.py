@@ -99,7 +99,7 @@ class CudaBackend:
     def record(self, stream: Any) -> Any:
         import torch
 
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it untyped
         event.record(stream)
         return event
 

@@ -31,6 +31,7 @@ import torch
 from anyio.abc import TaskStatus
 
 from engine.concurrency.device_event import DeviceEvent
+from engine.concurrency.offload import run_sized
 from engine.config import EplbConfig
 from engine.core.stats import EplbStats, StatsObserver
 from engine.eplb.maps import ExpertMaps, initial_phy2log
@@ -72,6 +73,7 @@ class EplbDriver:
         self._requests_send, self._requests = anyio.create_memory_object_stream[torch.Tensor](0)
         self._handoff_send, self._handoff = anyio.create_memory_object_stream[EplbLayerResult](0)
         self._offered: EplbLayerResult | None = None  # the result the transfer task waits on
+        self._limiter = anyio.CapacityLimiter(1)
 
     # ---- the transfer task -------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -108,8 +110,10 @@ class EplbDriver:
             logger.info("EPLB rebalance %d starts; balancedness per layer %s", self.rebalances + 1,
                         _rounded(balancedness(load, self.num_ranks)))
         weight = logical_load(load, self.maps.phy2log, self.num_logical)
-        new = await anyio.to_thread.run_sync(rebalance_experts, weight, self.num_physical, 1, 1, self.num_ranks,
-                                             self.maps.phy2log)
+        # A small placement (a few dozen slots in all) is computed on the loop in under a
+        # millisecond; a real model's (tens of layers x hundreds of slots) goes to a thread.
+        new = await run_sized(rebalance_experts, weight, self.num_physical, 1, 1, self.num_ranks, self.maps.phy2log,
+                              size=weight.shape[0] * self.num_physical, inline_below=64, limiter=self._limiter)
         moved = 0
         for layer in range(new.shape[0]):
             plan = plan_layer(layer, self.maps.phy2log[layer].tolist(), new[layer].tolist(), self.num_ranks)

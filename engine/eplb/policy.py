@@ -75,7 +75,7 @@ def _hierarchical(weight: torch.Tensor, num_physical: int, num_groups: int, num_
     groups_per_node = num_groups // num_nodes
     slots_per_rank = num_physical // num_ranks
     # 1. expert groups onto nodes
-    group_load = weight.unflatten(-1, (num_groups, group_size)).sum(-1)
+    group_load = weight.view(layers, num_groups, group_size).sum(-1)
     group_pack, group_rank = balanced_packing(group_load, num_nodes)
     log2mlog = (((group_pack * groups_per_node + group_rank) * group_size).unsqueeze(-1)
                 + torch.arange(group_size)).flatten(-2)  # logical -> node-major ("meta-logical") order

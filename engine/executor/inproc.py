@@ -14,8 +14,8 @@ from typing import Any
 import anyio
 
 from engine.config import EngineConfig
-from engine.executor.base import Executor
 from engine.eplb.plan import LayerPlan
+from engine.executor.base import Executor
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker

@@ -41,7 +41,8 @@ class ExpertMover:
         self.layers = layers
         self.layout = layout
         self.rank = layout.ep_rank
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # torch leaves Stream and Event untyped
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self.staged: dict[int, StagedLayer] = {}
 
     def stage(self, plan: LayerPlan) -> int:
@@ -59,7 +60,7 @@ class ExpertMover:
             self._exchange(plan, experts, mine, w13, w2)
             ready = None
             if self.side_stream is not None:
-                ready = torch.cuda.Event()
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record(self.side_stream)
         slots = torch.tensor([m.dst_slot - first for m in mine], dtype=torch.long, device=experts.w13.device)
         self.staged[plan.layer] = StagedLayer(slots, w13, w2, ready)

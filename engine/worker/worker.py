@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
 from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.bert import BertEncoder, is_encoder_config
 from engine.models.decoder import DecoderForCausalLM
-from engine.eplb.plan import LayerPlan
 from engine.models.hf_config import parse_decoder_config, read_config_json
 from engine.models.loader import load_decoder, load_encoder
 from engine.models.moe import expert_layout_for
