@@ -21,6 +21,26 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_embed(bench)
     _add_bench_fuzz(bench)
     _add_bench_prefix_hash(bench)
+    _add_bench_eplb(bench)
+
+
+def _add_bench_eplb(bench: Subcommands) -> None:
+    ep = bench.add_parser("eplb", help="decode with expert parallelism: EPLB off, static, async and sync rebalancing")
+    ep.add_argument("--model", default=None, help="an MoE model directory (default: a tiny random Mixtral, made once)")
+    ep.add_argument("--concurrency", type=int, default=16)
+    ep.add_argument("--input-len", type=int, default=32)
+    ep.add_argument("--output-len", type=int, default=256)
+    ep.add_argument("--step-interval", type=int, default=32, help="steps between rebalances (also the window)")
+    ep.add_argument("--redundant-experts", type=int, default=2)
+    ep.set_defaults(run=_bench_eplb)
+
+
+def _bench_eplb(args: argparse.Namespace) -> int:
+    from bench import eplb
+    from engine.models.tiny import default_model_dir
+    print(eplb.run(args.model, default_model_dir().parent, args.concurrency, args.input_len, args.output_len,
+                   args.step_interval, args.redundant_experts))
+    return 0
 
 
 def _add_bench_prefix_hash(bench: Subcommands) -> None:

@@ -122,3 +122,20 @@ def test_expert_options_the_model_cannot_take_fail_before_any_worker_starts(moe_
     assert "do not split evenly over 2 expert-parallel ranks" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(ValueError, match="needs enable_eplb"):
         EngineConfig(model=moe_dir, eplb_config=EplbConfig(num_redundant_experts=1))
+
+
+async def test_prometheus_shows_rebalances_moves_balancedness_and_transfer_time(moe_dir, autojump_clock):
+    from web.metrics import ServerMetrics
+
+    metrics = ServerMetrics("moe")
+    executor = FakeMoeExecutor()
+    async with open_engine(config(moe_dir, use_async=True), executor=executor, observer=metrics) as engine:
+        metrics.bind(engine.stats)
+        await final_output(engine, [5, 6, 7], greedy(40, ignore_eos=True))
+        stats = engine.stats().eplb
+        text = metrics.render().decode()
+    assert stats.rebalances >= 1
+    assert f'trio_llm_eplb_rebalances_total{{model_name="moe"}} {float(stats.rebalances)}' in text
+    assert f'trio_llm_eplb_experts_moved_total{{model_name="moe"}} {float(stats.experts_moved)}' in text
+    assert 'trio_llm_eplb_balancedness{layer="1",model_name="moe"}' in text
+    assert f'trio_llm_eplb_transfer_seconds_count{{model_name="moe"}} {float(stats.rebalances)}' in text

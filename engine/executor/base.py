@@ -16,6 +16,11 @@ from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
+# Expert moves staged per call to worker processes: one expert's weights delays the next step by
+# a copy (and a send between ranks), a whole layer's by all of them (measured: `trio-llm bench eplb`).
+STAGE_MOVES_PER_CALL = 1
+
+
 class Executor(ABC):
     """Used as an async context manager by `open_engine`: entering starts whatever the
     executor runs (worker processes and their tasks), leaving stops it."""
@@ -66,11 +71,13 @@ class Executor(ABC):
 
     async def eplb_stage_layer(self, plan: LayerPlan) -> None:
         """Stage one MoE layer's expert moves on every worker (`Worker.eplb_stage_layer`), ready for a
-        step to commit. Worker processes run it between steps, in call order on every rank.
+        step to commit. Worker processes run calls between steps, in call order on every rank, so
+        the layer goes in parts of `STAGE_MOVES_PER_CALL` moves: no step waits behind a whole layer.
 
         Cancellation abandons the call (as `collective_rpc`); a staged layer nobody commits is
         replaced by the next staging of that layer."""
-        await self.collective_rpc("eplb_stage_layer", (plan,))
+        for first in range(0, max(1, len(plan.moves)), STAGE_MOVES_PER_CALL):
+            await self.collective_rpc("eplb_stage_layer", (plan, first, STAGE_MOVES_PER_CALL))
 
     async def wait_for_failure(self) -> BaseException:
         """Wait until the executor fails on its own (a worker process dies), busy or idle; the

@@ -1,6 +1,7 @@
 """The worker side of a rebalance: stage one MoE layer's moving experts, then commit them.
 
-`stage(plan)` copies the weights of every slot this rank will receive into a staging buffer:
+`stage(plan)` copies the weights of every slot this rank will receive into a staging buffer
+(whole, or in parts: `stage(plan, first, count)`):
 from its own slots, or from the rank that holds them (send/receive over the process group,
 every rank walking the plan's moves in the same order). On CUDA the copies run on a side
 stream and a CUDA event marks their end. The live weights are untouched, so inference goes on
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from engine.eplb.maps import ExpertMaps
-from engine.eplb.plan import LayerPlan
+from engine.eplb.plan import ExpertMove, LayerPlan
 from engine.models.moe import ExpertLayout, FusedExperts
 
 
@@ -45,42 +46,50 @@ class ExpertMover:
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self.staged: dict[int, StagedLayer] = {}
 
-    def stage(self, plan: LayerPlan) -> int:
-        """Fill this rank's staging buffer for `plan`; returns how many slots it will change."""
+    def stage(self, plan: LayerPlan, first: int = 0, count: int | None = None) -> int:
+        """Stage `plan.moves[first:first + count]` (all by default) into this rank's buffer for the
+        layer, allocated on the first part; returns how many of this rank's slots the part fills.
+        Worker processes stage a layer in parts between steps, so no step waits for a whole layer."""
         experts = self.layers[plan.layer]
-        first = self.layout.first_slot
+        first_slot = self.layout.first_slot
         mine = plan.moves_to(self.rank)
-        w13 = torch.empty((len(mine), *experts.w13.shape[1:]), dtype=experts.w13.dtype, device=experts.w13.device)
-        w2 = torch.empty((len(mine), *experts.w2.shape[1:]), dtype=experts.w2.dtype, device=experts.w2.device)
+        if first == 0:
+            slots = torch.tensor([m.dst_slot - first_slot for m in mine], dtype=torch.long,
+                                 device=experts.w13.device)
+            self.staged[plan.layer] = StagedLayer(slots, torch.empty((len(mine), *experts.w13.shape[1:]),
+                                                                     dtype=experts.w13.dtype, device=slots.device),
+                                                  torch.empty((len(mine), *experts.w2.shape[1:]),
+                                                              dtype=experts.w2.dtype, device=slots.device))
+        staged = self.staged[plan.layer]
+        part = plan.moves[first:] if count is None else plan.moves[first:first + count]
+        filled = 0
         with torch.cuda.stream(self.side_stream) if self.side_stream is not None else nullcontext():
-            for i, move in enumerate(mine):
-                if plan.rank_of(move.src_slot) == self.rank:
-                    w13[i].copy_(experts.w13[move.src_slot - first])
-                    w2[i].copy_(experts.w2[move.src_slot - first])
-            self._exchange(plan, experts, mine, w13, w2)
-            ready = None
+            for move in part:
+                filled += self._move(plan, experts, move, mine, staged)
             if self.side_stream is not None:
-                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                ready.record(self.side_stream)
-        slots = torch.tensor([m.dst_slot - first for m in mine], dtype=torch.long, device=experts.w13.device)
-        self.staged[plan.layer] = StagedLayer(slots, w13, w2, ready)
-        return len(mine)
+                staged.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                staged.ready.record(self.side_stream)
+        return filled
 
-    def _exchange(self, plan: LayerPlan, experts: FusedExperts, mine: list[Any], w13: torch.Tensor,
-                  w2: torch.Tensor) -> None:
-        """The cross-rank moves, in the plan's order on every rank (so each pair meets)."""
-        first = self.layout.first_slot
-        for move in plan.moves:
-            src, dst = plan.rank_of(move.src_slot), plan.rank_of(move.dst_slot)
-            if src == dst:
-                continue
+    def _move(self, plan: LayerPlan, experts: FusedExperts, move: ExpertMove, mine: list[ExpertMove],
+              staged: StagedLayer) -> int:
+        """One move as this rank sees it: a local copy, a send, a receive, or nothing. Every rank
+        walks the plan's moves in the same order, so each send meets its receive."""
+        src, dst = plan.rank_of(move.src_slot), plan.rank_of(move.dst_slot)
+        first_slot = self.layout.first_slot
+        if dst == self.rank:
+            i = mine.index(move)
             if src == self.rank:
-                dist.send(experts.w13[move.src_slot - first].contiguous(), dst)
-                dist.send(experts.w2[move.src_slot - first].contiguous(), dst)
-            elif dst == self.rank:
-                i = mine.index(move)
-                dist.recv(w13[i], src)
-                dist.recv(w2[i], src)
+                staged.w13[i].copy_(experts.w13[move.src_slot - first_slot])
+                staged.w2[i].copy_(experts.w2[move.src_slot - first_slot])
+            else:
+                dist.recv(staged.w13[i], src)
+                dist.recv(staged.w2[i], src)
+            return 1
+        if src == self.rank:
+            dist.send(experts.w13[move.src_slot - first_slot].contiguous(), dst)
+            dist.send(experts.w2[move.src_slot - first_slot].contiguous(), dst)
+        return 0
 
     def commit(self, plan: LayerPlan) -> None:
         """Copy the staged weights into the live slots and adopt the layer's new maps."""

@@ -111,10 +111,11 @@ class Worker:
             self.eplb_commit_layer(sched_out.eplb_commit)
         return self.runner.execute(sched_out)
 
-    def eplb_stage_layer(self, plan: LayerPlan) -> int:
-        """Stage one MoE layer's moving experts (see `ExpertMover.stage`); how many slots change here."""
+    def eplb_stage_layer(self, plan: LayerPlan, first: int = 0, count: int | None = None) -> int:
+        """Stage one MoE layer's moving experts, or the part `plan.moves[first:first + count]` of them
+        (see `ExpertMover.stage`); how many of this rank's slots the part fills."""
         assert self.mover is not None, "an MoE model"
-        return self.mover.stage(plan)
+        return self.mover.stage(plan, first, count)
 
     def eplb_commit_layer(self, plan: LayerPlan) -> None:
         """Adopt a staged layer: its weights into the live slots, its maps for routing."""
