@@ -174,3 +174,24 @@ async def test_rebalancing_a_skewed_load_evens_the_ranks(skewed_mixtral):
     assert before.rebalances == 0 and after.rebalances >= 1
     assert min(before.balancedness) < 0.9, before  # the workload is skewed to begin with
     assert sum(after.balancedness) > sum(before.balancedness), (before, after)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_make_model_writes_moe_checkpoints_transformers_reads_the_same(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    spec = TinyModelSpec(arch=arch, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=32, vocab=300,
+                         experts=4, top_k=2)
+    path = make_model(tmp_path / arch, spec)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_decoder(path, "float32")
+    assert ours.config.moe is not None and ours.config.moe.num_experts == 4
+    token_ids = list(range(5, 25))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([token_ids])).logits[0]
+        cfg = ours.config
+        kv = [(torch.zeros(64, cfg.num_kv_heads, cfg.head_dim), torch.zeros(64, cfg.num_kv_heads, cfg.head_dim))
+              for _ in range(cfg.num_layers)]
+        meta = build_metadata([SequenceChunk(0, 20, list(range(4)))], 16, torch.device("cpu"))
+        got = ours.compute_logits(ours(ours.embed(torch.tensor(token_ids)), torch.arange(20), kv, meta))
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)

@@ -15,7 +15,6 @@ from engine.eplb.plan import LayerPlan
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
-
 # Expert moves staged per call to worker processes: one expert's weights delays the next step by
 # a copy (and a send between ranks), a whole layer's by all of them (measured: `trio-llm bench eplb`).
 STAGE_MOVES_PER_CALL = 1
