@@ -144,15 +144,15 @@ class EplbDriver:
         sched_out.eplb_commit = result.plan
         return result
 
-    async def after_step(self, adopted: EplbLayerResult | None, expert_load: torch.Tensor | None) -> None:
+    async def after_step(self, adopted: EplbLayerResult | None, expert_load: Any) -> None:
         """Release an adopted layer, count the step, and start a rebalance every `step_interval`
         steps. Returns at once, except with `use_async: false`: then the whole rebalance runs here.
 
         Cancellation (synchronous mode) abandons the rebalance at a layer boundary or mid-call."""
         if adopted is not None:
             adopted.consumed.record()
-        if expert_load is not None:
-            self.window.add(expert_load)
+        if expert_load is not None:  # [MoE layers][physical] token counts, nested lists or a tensor
+            self.window.add(torch.as_tensor(expert_load, dtype=torch.long))
         self.num_steps += 1
         if self.num_steps % self.config.step_interval:
             return

@@ -72,5 +72,5 @@ class ModelRunnerOutput:
     pooled: dict[str, Any] = field(default_factory=dict)
     # requests the worker could not run (their own inputs failed it) -> why; the rest of the step ran
     failed: dict[str, str] = field(default_factory=dict)
-    # with EPLB: tokens routed to each physical expert this step, [MoE layers, physical] (CPU int64)
+    # with EPLB: tokens routed to each physical expert this step, [MoE layers][physical] (nested lists)
     expert_load: Any = None
