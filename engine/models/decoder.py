@@ -16,14 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
 from engine.models.attention import AttentionMetadata, paged_attention, write_kv
 from engine.models.hf_config import DecoderConfig
 from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
 from engine.models.parallel import TensorParallel
 from engine.models.rope import RotaryEmbedding
-from engine.models.weights import load_named_weights
+from engine.models.weights import checked_copy, load_named_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -204,7 +203,7 @@ class DecoderForCausalLM(nn.Module):
         if slot is not None:
             sizes = self._slot_sizes(name, param)
             target = target.narrow(0, sum(sizes[:slot]), sizes[slot])
-        _checked_copy(target, self._shard(name, tensor), hf_name)
+        checked_copy(target, self._shard(name, tensor), hf_name)
 
     def _copy_expert(self, param: torch.Tensor, name: str, slot: int, tensor: torch.Tensor, hf_name: str) -> None:
         """One logical expert's tensor into every local slot that holds a replica of it."""
@@ -220,7 +219,7 @@ class DecoderForCausalLM(nn.Module):
             tensor = self.tp.shard(tensor, 1) if sharded else tensor
             targets = [param.data[local] for local in experts.local_slots_of(slot)]
         for target in targets:
-            _checked_copy(target, tensor, hf_name)
+            checked_copy(target, tensor, hf_name)
 
     def _slot_sizes(self, name: str, param: torch.Tensor) -> list[int]:
         if ".gate_up_proj." in name:
@@ -238,10 +237,3 @@ class DecoderForCausalLM(nn.Module):
         if any(part in name for part in self._COLUMN_PARALLEL):
             return self.tp.shard(tensor, 0)
         return tensor
-
-
-def _checked_copy(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(target.shape)}")
-    target.copy_(tensor)

@@ -175,6 +175,43 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
         raise ModelLoadError(f"config.json for {arch} lacks the field {exc.args[0]!r}") from exc
 
 
+@dataclass(frozen=True)
+class LlavaConfig:
+    """`LlavaForConditionalGeneration`: a decoder (`text_config`) that reads images through a
+    vision tower (`vision_config`, parsed by `engine.models.vision`) and a projector."""
+
+    text: DecoderConfig
+    vision: dict[str, Any]
+    image_token_index: int
+    feature_layer: int
+    select_strategy: str
+    projector_act: str
+    projector_bias: bool
+
+
+def is_llava_config(raw: dict[str, Any]) -> bool:
+    return "LlavaForConditionalGeneration" in (raw.get("architectures") or []) or raw.get("model_type") == "llava"
+
+
+def parse_llava_config(raw: dict[str, Any]) -> LlavaConfig:
+    text_raw = dict(raw.get("text_config") or {})
+    by_type = {v: k for k, v in DECODER_ARCHITECTURES.items()}
+    text_type = text_raw.get("model_type", "llama")
+    if text_type not in by_type:
+        raise ModelLoadError(f"unsupported LLaVA text model {text_type!r}; supported: {sorted(by_type)}")
+    text_raw["architectures"] = [by_type[text_type]]
+    text_raw.setdefault("dtype", raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    feature_layer = raw.get("vision_feature_layer", -2)
+    if not isinstance(feature_layer, int):
+        raise ModelLoadError(f"vision_feature_layer {feature_layer!r}: only a single layer is supported")
+    if "vision_config" not in raw or "image_token_index" not in raw and "image_token_id" not in raw:
+        raise ModelLoadError("a LLaVA config.json needs vision_config and image_token_index")
+    return LlavaConfig(parse_decoder_config(text_raw), dict(raw["vision_config"]),
+                       int(raw.get("image_token_index", raw.get("image_token_id", -1))), feature_layer,
+                       str(raw.get("vision_feature_select_strategy", "default")),
+                       str(raw.get("projector_hidden_act", "gelu")), bool(raw.get("multimodal_projector_bias", True)))
+
+
 # generation_config.json keys that become default sampling parameters (vLLM's `--generation-config auto`).
 _GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                         "repetition_penalty": "repetition_penalty"}

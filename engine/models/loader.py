@@ -13,9 +13,17 @@ from tqdm import tqdm
 from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.hf_config import DecoderConfig, parse_decoder_config, read_config_json, read_json_file
+from engine.models.hf_config import (
+    DecoderConfig,
+    LlavaConfig,
+    parse_decoder_config,
+    parse_llava_config,
+    read_config_json,
+    read_json_file,
+)
 from engine.models.moe import ExpertLayout
 from engine.models.parallel import TensorParallel
+from engine.models.vision import LlavaVision, VisionConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,6 +81,46 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
         model.load_weights(iterate_weights(files))
     model.setup_rope(max_positions or cfg.max_position_embeddings)
     return model.eval()
+
+
+def load_llava(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", max_positions: int | None = None,
+               tp: TensorParallel = TensorParallel()) -> tuple[DecoderForCausalLM, LlavaVision, LlavaConfig]:
+    """A LLaVA checkpoint: its decoder (this rank's shard) and its vision tower + projector (whole on
+    every rank). Blocking: run it off the event loop."""
+    model_dir = Path(model_dir)
+    cfg = parse_llava_config(read_config_json(model_dir))
+    torch_dtype = resolve_dtype(dtype, cfg.text.torch_dtype)
+    try:
+        decoder = DecoderForCausalLM(cfg.text, torch_dtype, device, tp)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    vision = LlavaVision(VisionConfig.from_hf(cfg.vision), cfg.text.hidden_size, cfg.feature_layer,
+                         cfg.select_strategy, cfg.projector_act, cfg.projector_bias, torch_dtype, device)
+    text_weights: list[tuple[str, torch.Tensor]] = []
+    vision_weights: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in iterate_weights(safetensors_files(model_dir)):
+        part, local = _llava_part(name)
+        (vision_weights if part == "vision" else text_weights).append((local, tensor))
+    with torch.no_grad():
+        decoder.load_weights(text_weights)
+        vision.load_weights(vision_weights, "LlavaForConditionalGeneration")
+    decoder.setup_rope(max_positions or cfg.text.max_position_embeddings)
+    return decoder.eval(), vision.eval(), cfg
+
+
+def _llava_part(name: str) -> tuple[str, str]:
+    """("text" | "vision", the name within that part) for a LLaVA checkpoint tensor, in the
+    llava-hf layout (`language_model.model.*`, `vision_tower.vision_model.*`) or transformers 5's
+    (`model.language_model.*`, `model.vision_tower.*`, `lm_head.weight`)."""
+    if name.startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.")):
+        name = name.removeprefix("model.")
+        if name.startswith("language_model."):
+            return "text", "model." + name.removeprefix("language_model.")
+    if name.startswith("vision_tower."):
+        return "vision", name.removeprefix("vision_tower.").removeprefix("vision_model.")
+    if name.startswith("multi_modal_projector."):
+        return "vision", name.removeprefix("multi_modal_projector.")
+    return "text", name.removeprefix("language_model.")
 
 
 def load_encoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu") -> BertEncoder:

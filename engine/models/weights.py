@@ -32,3 +32,11 @@ def load_named_weights(params: dict[str, torch.nn.Parameter], weights: Iterable[
     if pending:
         names = sorted(n if s is None else f"{n}[{s}]" for n, s in pending)
         raise ModelLoadError(f"checkpoint lacks {len(names)} weights, e.g. {names[:6]}")
+
+
+def checked_copy(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
+    """Copy a checkpoint tensor into (part of) a parameter; `ModelLoadError` naming it if the shapes differ."""
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(target.shape)}")
+    target.copy_(tensor)
