@@ -92,6 +92,13 @@ class EngineConfig:
     served_model_name: str | None = None
     generation_config: str = "auto"  # sampling defaults: "auto" (the model's generation_config.json), "vllm", a dir
     chat_template: str | None = None  # a Jinja template, or a file holding one (default: the tokenizer's)
+    # Images (vision-language models): per prompt at most (vLLM's --limit-mm-per-prompt), bytes of one
+    # encoded image, pixels of one decoded image, and the hosts http(s) image URLs may name (none:
+    # only data: URLs, so the server fetches nothing on a client's behalf).
+    limit_images_per_prompt: int = 999
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 4096 * 4096
+    allowed_media_domains: tuple[str, ...] = ()
     # Seconds between wake-ups of the event-loop lag probe (`AsyncEngine.stats()`, the observer's
     # `on_loop_lag`); None runs no probe. The server sets it from its own settings.
     loop_lag_interval: float | None = None
@@ -113,7 +120,7 @@ class EngineConfig:
         if self.executor == "inproc" and self.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs worker processes (executor='mp')")
         positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size",
-                    "max_prompts_per_request"]
+                    "max_prompts_per_request", "max_image_bytes", "max_image_pixels"]
         optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prompt_embeds_bytes",
                              "renderer_workers"]
         for name in positive:
@@ -128,6 +135,8 @@ class EngineConfig:
         if self.eplb_config.num_redundant_experts and not self.enable_eplb:
             raise ValueError("eplb_config.num_redundant_experts needs enable_eplb (redundant experts are placed "
                              "by the load balancer)")
+        if self.limit_images_per_prompt < 0:
+            raise ValueError(f"limit_images_per_prompt must be non-negative, got {self.limit_images_per_prompt}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
 

@@ -41,6 +41,9 @@ class ModelInfo:
     num_logical_experts: int = 0
     num_physical_experts: int = 0
     num_expert_ranks: int = 1
+    # Vision-language models (LLaVA): the image placeholder token and the rows each image fills.
+    image_token_id: int | None = None
+    image_rows: int = 0
     # Set by the engine, not the worker:
     num_kv_blocks: int = 0
     max_model_len: int = 0

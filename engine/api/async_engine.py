@@ -29,7 +29,8 @@ from engine.ids import random_id
 from engine.model_info import ModelInfo
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.render.chat import render_chat
+from engine.render.chat import extract_images, render_chat
+from engine.render.multimodal import ImageLimits, ImageSpec
 from engine.render.prompt_embeds import EmbedsLimits
 from engine.render.renderer import EngineInput, Prompt, Renderer
 from engine.render.tokenizer import Tokenizer
@@ -51,7 +52,8 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer, core: EngineCore,
-                 loop_lag: LoopLagReadings | None = None, *, sampling_defaults: dict[str, Any] | None = None) -> None:
+                 loop_lag: LoopLagReadings | None = None, *, sampling_defaults: dict[str, Any] | None = None,
+                 image_spec: ImageSpec | None = None) -> None:
         self.config = config
         # Defaults for sampling fields a request leaves unset (`EngineConfig.generation_config`); the
         # HTTP server applies them, as vLLM does; library callers pass whole SamplingParams.
@@ -65,7 +67,10 @@ class AsyncEngine:
         if config.enable_prompt_embeds:
             embeds_limits = EmbedsLimits.for_model(info.hidden_size, info.max_model_len, getattr(torch, info.dtype),
                                                    config.max_prompt_embeds_bytes)
-        self.renderer = Renderer(tokenizer, info.vocab_size, self.render_limiter, embeds_limits)
+        image_limits = ImageLimits(config.limit_images_per_prompt, config.max_image_bytes, config.max_image_pixels,
+                                   config.allowed_media_domains)
+        self.renderer = Renderer(tokenizer, info.vocab_size, self.render_limiter, embeds_limits,
+                                 image_spec=image_spec, image_limits=image_limits)
 
     # ---- the main entry points -------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -180,9 +185,16 @@ class AsyncEngine:
 
         Cancellation aborts the request, as with `generate`.
         """
+        spec = self.renderer.image_spec
+        messages, images = extract_images(messages, self.tokenizer.chat_template,
+                                          spec.image_token if spec else "<image>")
+        if images and spec is None:
+            raise InvalidRequestError("this model does not take images", param="messages")
         prompt = await self.apply_chat_template(messages, **template_kwargs)
         token_ids = await self._tokenize(prompt, add_special_tokens=False)
-        prompt_input = {"prompt": prompt, "prompt_token_ids": token_ids}
+        prompt_input: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": token_ids}
+        if images:
+            prompt_input["multi_modal_data"] = {"image": images}
         async with aclosing(self.generate(prompt_input, sampling_params, request_id)) as outputs:
             async for output in outputs:
                 yield output
@@ -310,5 +322,6 @@ class AsyncEngine:
             children = [(f"{request_id}-{i}", params.for_child(i)) for i in range(params.n)]
         cache_key = engine_input.cache_key(request_id)
         return [Request(child_id, token_ids, child_params, arrival_time=now, priority=priority,
-                        max_tokens=max_tokens, cache_key=cache_key, prompt_embeds=engine_input.embeds)
+                        max_tokens=max_tokens, cache_key=cache_key, prompt_embeds=engine_input.embeds,
+                        mm_features=engine_input.mm_features)
                 for child_id, child_params in children]

@@ -24,6 +24,8 @@ from engine.executor import Executor, create_executor
 from engine.model_info import ModelInfo
 from engine.models.hf_config import read_generation_defaults
 from engine.models.moe import check_expert_options
+from engine.render.image import ImageProcessorConfig
+from engine.render.multimodal import ImageSpec
 from engine.render.tokenizer import Tokenizer
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.prefix_hash import PrefixHasher
@@ -49,10 +51,14 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
 
 
 def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
+    # As vLLM sizes them: the encoder may compute, and its cache hold, a step's worth of tokens in
+    # image rows, and always at least one image.
+    encoder_rows = max(config.token_budget, info.image_rows) if info.image_rows else 0
     sched_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
         max_model_len=info.max_model_len, policy=config.scheduling_policy,
-        enable_chunked_prefill=config.enable_chunked_prefill)
+        enable_chunked_prefill=config.enable_chunked_prefill, encoder_budget_rows=encoder_rows,
+        encoder_cache_rows=encoder_rows)
     # Blocks are namespaced by the model: a cache never serves KV computed by another model or dtype.
     namespace = f"{config.model}\0{info.architecture}\0{info.dtype}".encode()
     hasher = PrefixHasher(config.prefix_caching_hash_algo, namespace)
@@ -84,6 +90,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
             tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
         info = await _size_engine(config, executor, tokenizer)
         defaults = await anyio.to_thread.run_sync(read_generation_defaults, config.generation_config, config.model)
+        image_spec = await anyio.to_thread.run_sync(_image_spec, config, info, tokenizer)
         await executor.initialize_kv_cache(info.num_kv_blocks)
         eplb = EplbDriver(config.eplb_config, executor, info, observer) if config.enable_eplb else None
         core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer, eplb)
@@ -102,9 +109,20 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
 
                 await tg.start(run_loop_lag_probe, observe_lag, config.loop_lag_interval)
             try:
-                yield AsyncEngine(config, info, tokenizer, core, loop_lag, sampling_defaults=defaults)
+                yield AsyncEngine(config, info, tokenizer, core, loop_lag, sampling_defaults=defaults,
+                                  image_spec=image_spec)
             finally:
                 tg.cancel_scope.cancel()
+
+
+def _image_spec(config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer) -> ImageSpec | None:
+    """What the renderer needs for a vision-language model's images (None for other models)."""
+    if info.image_token_id is None:
+        return None
+    token = tokenizer.id_to_token(info.image_token_id)
+    if token is None:
+        raise ModelLoadError(f"the tokenizer has no token for the image token id {info.image_token_id}")
+    return ImageSpec(ImageProcessorConfig.from_model_dir(config.model), info.image_token_id, token, info.image_rows)
 
 
 async def _stop_core_on_executor_failure(executor: Executor, core: EngineCore) -> None:

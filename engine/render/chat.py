@@ -43,6 +43,53 @@ def _compile(template: str) -> jinja2.Template:
     return _ENV.from_string(template)
 
 
+IMAGE_PART_TYPES = ("image_url", "image", "image_pil")
+
+
+def extract_images(messages: list[dict[str, Any]], template: str | None,
+                   image_token: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Messages ready for the chat template, and the images their content parts carry, in order.
+
+    Content given as a list of parts (OpenAI's form) is kept as parts (`{"type": "image"}` for an
+    image) when the template handles them (it names the "image" type), and flattened to text
+    otherwise, with one `image_token` line per image before the message's text (vLLM's "string"
+    content format)."""
+    parts_aware = template is not None and ("'image'" in template or '"image"' in template)
+    out: list[dict[str, Any]] = []
+    images: list[Any] = []
+    for i, message in enumerate(validate_messages(messages)):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts: list[dict[str, Any]] = []
+        texts: list[str] = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(str(part.get("text", "")))
+                parts.append({"type": "text", "text": texts[-1]})
+            elif kind in IMAGE_PART_TYPES:
+                images.append(_image_source(part, kind, i))
+                parts.append({"type": "image"})
+            else:
+                raise InvalidRequestError(f"messages[{i}]: unsupported content part type {kind!r}; supported: "
+                                          f"text, {', '.join(IMAGE_PART_TYPES)}", param="messages")
+        num_images = len(parts) - len(texts)
+        flat = f"{image_token}\n" * num_images + "".join(texts)
+        out.append({**message, "content": parts if parts_aware else flat})
+    return out, images
+
+
+def _image_source(part: dict[str, Any], kind: str, index: int) -> Any:
+    value = part.get(kind)
+    if kind == "image_url" and isinstance(value, dict):
+        value = value.get("url")
+    if value is None:
+        raise InvalidRequestError(f"messages[{index}]: an {kind} part needs its {kind}", param="messages")
+    return value
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")

@@ -13,7 +13,7 @@ prompt (by input position).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
@@ -23,6 +23,8 @@ import torch
 from engine.concurrency.gather import gather_first_failure
 from engine.concurrency.offload import run_sized
 from engine.errors import InvalidRequestError
+from engine.multimodal import ImageFeature
+from engine.render.multimodal import ImageLimits, ImageSpec, expand_placeholders, process_images
 from engine.render.prompt_embeds import EmbedsLimits, check_prompt_embeds, decode_prompt_embeds
 from engine.render.tokenizer import Tokenizer
 
@@ -35,6 +37,8 @@ INLINE_TENSOR_BYTES = 1 << 20
 PayloadDecoder = Callable[[str | bytes | bytearray | memoryview, EmbedsLimits], torch.Tensor]
 
 Prompt = str | Sequence[int] | torch.Tensor | Mapping[str, Any]
+
+DEFAULT_IMAGE_LIMITS = ImageLimits()
 
 EMBEDS_DISABLED = ("prompt embeddings are not enabled; start the server with --enable-prompt-embeds "
                    "(EngineConfig(enable_prompt_embeds=True) for the library)")
@@ -50,13 +54,16 @@ class EngineInput:
     token_type_ids: list[int] | None = None  # segment ids of a sentence pair (cross-encoders)
     # Requests with different salts never share prefix-cache blocks (vLLM's `cache_salt`).
     cache_salt: str | None = None
+    mm_features: list[ImageFeature] = field(default_factory=list)  # images, in prompt order
 
     def cache_key(self, request_id: str) -> tuple[str, ...] | None:
         """The prefix-cache namespace of this prompt. Embeddings prompts get their own per request:
         their placeholder ids must never match a token prompt (the samples of one request may
-        share it: same embeddings)."""
+        share it: same embeddings). Prompts with images are keyed by the images' hashes: the
+        same placeholders with other pictures must not share KV."""
         key: tuple[str, ...] = ("prompt_embeds", request_id) if self.embeds is not None else ()
         key += ("cache_salt", self.cache_salt) if self.cache_salt is not None else ()
+        key += tuple(f"image:{f.mm_hash}" for f in self.mm_features)
         return key or None
 
 
@@ -70,7 +77,10 @@ class Renderer:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, limiter: anyio.CapacityLimiter,
                  embeds_limits: EmbedsLimits | None, *,
-                 decode_payload: PayloadDecoder = decode_prompt_embeds) -> None:
+                 decode_payload: PayloadDecoder = decode_prompt_embeds, image_spec: ImageSpec | None = None,
+                 image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> None:
+        self.image_spec = image_spec  # None: the model takes no images
+        self.image_limits = image_limits
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.limiter = limiter
@@ -109,6 +119,28 @@ class Renderer:
         return rendered
 
     async def _render_mapping_prompt(self, prompt: Mapping[str, Any]) -> EngineInput:
+        if prompt.get("multi_modal_data"):
+            return await self._with_images(await self._render_text_or_ids(prompt), prompt["multi_modal_data"])
+        if prompt.get("prompt_embeds") is not None:
+            return await self._embeds_input(prompt["prompt_embeds"])
+        return await self._render_text_or_ids(prompt)
+
+    async def _with_images(self, rendered: EngineInput, data: Any) -> EngineInput:
+        """Expand the prompt's image placeholders; all its images load and preprocess in one
+        worker-thread call. Cancellation drops the thread's result once it returns."""
+        spec = self.image_spec
+        if spec is None:
+            raise InvalidRequestError("this model does not take images", param="messages")
+        if not isinstance(data, Mapping) or set(data) - {"image"}:
+            raise InvalidRequestError("multi_modal_data takes only 'image' (an image or a list of them)",
+                                      param="multi_modal_data")
+        sources = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        images = await anyio.to_thread.run_sync(process_images, list(sources), spec, self.image_limits,
+                                                limiter=self.limiter)
+        rendered.token_ids, rendered.mm_features = expand_placeholders(rendered.token_ids, images, spec)
+        return rendered
+
+    async def _render_text_or_ids(self, prompt: Mapping[str, Any]) -> EngineInput:
         if prompt.get("prompt_embeds") is not None:
             return await self._embeds_input(prompt["prompt_embeds"])
         if prompt.get("prompt_token_ids") is not None:

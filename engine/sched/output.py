@@ -22,6 +22,7 @@ class NewRequestData:
     prompt_embeds: Any = None  # a (num prompt tokens, hidden) tensor replacing the prompt's token embeddings
     pooling_params: Any = None  # a PoolingParams: pool the prompt's hidden states instead of sampling
     token_type_ids: list[int] | None = None  # segment ids (BERT sentence pairs)
+    mm_features: list[Any] = field(default_factory=list)  # ImageFeatures, with their pixel values
 
 
 @dataclass
@@ -45,6 +46,9 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the worker drops their state
     eplb_commit: Any = None  # a staged LayerPlan: the worker adopts it before this step's forward pass
+    # request id -> indices of its mm_features to run through the encoder this step (not cached)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted from the encoder cache
 
     @property
     def total_num_tokens(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.multimodal import ImageFeature
 from engine.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Request:
     prompt_embeds: Any = None
     pooling_params: Any = None  # set: a prefill-only pooling request (no sampling, done after its prompt)
     token_type_ids: list[int] | None = None
+    mm_features: list[ImageFeature] = field(default_factory=list)  # images, in prompt order
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

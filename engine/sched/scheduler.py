@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.sched.block_manager import KVBlock, KVBlockManager
+from engine.sched.encoder_cache import EncoderCacheManager
 from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.sched.queues import make_queue
 from engine.sched.request import Request, RequestStatus, check_stop
@@ -46,6 +47,10 @@ class SchedulerConfig:
     max_model_len: int
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    # Vision models: image rows the encoder may compute in one step, and rows the worker's encoder
+    # cache holds (both at least one image's rows; 0 for models without images).
+    encoder_budget_rows: int = 0
+    encoder_cache_rows: int = 0
 
 
 @dataclass
@@ -72,6 +77,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_for_worker: list[str] = []
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_rows)
+        self._encoder_budget = 0  # rows left for the encoder in the step being scheduled
+        self._encoder_inputs: dict[str, list[int]] = {}
         self.num_preemptions = 0  # total, for metrics
         # Prompt tokens looked up in the prefix cache when a request first ran, and those found there.
         self.prefix_cache_queries = 0
@@ -105,6 +113,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        self.encoder_cache.release_all(request.request_id, [f.mm_hash for f in request.mm_features])
         del self.requests[request.request_id]
         if request.known_to_worker:
             self._finished_for_worker.append(request.request_id)
@@ -125,6 +134,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_for_worker)
         self._finished_for_worker = []
         self._readmit_blocked()
+        self._encoder_budget = self.config.encoder_budget_rows
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         budget, preempted = self._schedule_running(scheduled, budget)
@@ -134,13 +144,16 @@ class Scheduler:
             self.waiting.prepend(request)
         self.step_skipped_waiting.clear()
         out.scheduled = list(scheduled.values())
+        out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, {}
+        out.freed_encoder_hashes = self.encoder_cache.take_evicted()
         for item in out.scheduled:
             request = self.requests[item.request_id]
             if not request.known_to_worker:
                 request.known_to_worker = True
                 out.new_requests.append(NewRequestData(
                     request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                    request.prompt_embeds, request.pooling_params, request.token_type_ids))
+                    request.prompt_embeds, request.pooling_params, request.token_type_ids,
+                    list(request.mm_features)))
         return out
 
     def _schedule_running(self, scheduled: dict[str, ScheduledRequest], budget: int) -> tuple[int, bool]:
@@ -149,6 +162,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new, to_encode = self._plan_encoder(request, request.num_computed_tokens, num_new)
+            if num_new == 0:  # its next image cannot be encoded this step
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -159,6 +176,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; self.running shrank, index i now points at the next one
+            self._commit_encoder(request, request.num_computed_tokens, num_new, to_encode)
             scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
             i += 1
@@ -181,8 +199,8 @@ class Scheduler:
             # A pooling request is never chunked: its whole prompt is pooled in one step.
             if num_new > budget and (not self.config.enable_chunked_prefill or request.pooling_params is not None):
                 break
-            num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, cached):
+            num_new, to_encode = self._plan_encoder(request, num_computed, min(num_new, budget))
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -193,8 +211,38 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             self.running.append(request)
+            self._commit_encoder(request, num_computed, num_new, to_encode)
             scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
+
+    # ---- images ----------------------------------------------------------------------------
+    def _plan_encoder(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
+        """How many of `num_new` tokens from `start` can run, and which images must be encoded
+        for them: a chunk stops before the first image whose encoding does not fit this step's
+        encoder budget or the encoder cache (it waits for a later step)."""
+        end, to_encode, rows = start + num_new, [], 0
+        for index, feature in enumerate(request.mm_features):
+            if not feature.overlaps(start, end) or self.encoder_cache.has(feature.mm_hash):
+                continue
+            if feature.length > self._encoder_budget - rows or not self.encoder_cache.can_allocate(
+                    rows + feature.length):
+                end = max(start, feature.offset)
+                break
+            to_encode.append(index)
+            rows += feature.length
+        return end - start, to_encode
+
+    def _commit_encoder(self, request: Request, start: int, num_new: int, to_encode: list[int]) -> None:
+        """Reserve cache space for the images encoded this step; reference the cached ones read."""
+        for index, feature in enumerate(request.mm_features):
+            if not feature.overlaps(start, start + num_new):
+                continue
+            if index in to_encode and not self.encoder_cache.has(feature.mm_hash):
+                self.encoder_cache.allocate(feature.mm_hash, feature.length, request.request_id)
+                self._encoder_budget -= feature.length
+                self._encoder_inputs.setdefault(request.request_id, []).append(index)
+            elif request.request_id not in self.encoder_cache.refs.get(feature.mm_hash, ()):
+                self.encoder_cache.reference(feature.mm_hash, request.request_id)
 
     def _cached_prefix(self, request: Request) -> list[KVBlock]:
         # Prompt logprobs and pooling need every prompt position computed.
@@ -236,6 +284,9 @@ class Scheduler:
         """Free the request's blocks and send it back to waiting; returns budget handed back."""
         self.running.remove(request)
         self.kv.free(request)
+        # An image it was to encode this step is still encoded (the worker keeps the request's
+        # pixels): the cache entry reserved for it stays valid, and freeable.
+        self.encoder_cache.release_all(request.request_id, [f.mm_hash for f in request.mm_features])
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -262,6 +313,9 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(request)
+            for feature in request.mm_features:
+                if feature.end <= request.num_computed_tokens:  # its rows are in the KV cache now
+                    self.encoder_cache.release(feature.mm_hash, request.request_id)
             update = RequestUpdate(request, prompt_logprobs=result.prompt_logprobs.get(item.request_id))
             if request.pooling_params is not None:
                 self._finish_pooled(request, update, result)

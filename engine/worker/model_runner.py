@@ -16,6 +16,8 @@ from engine.model_info import PoolerConfig
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.pooler import finish, pool
+from engine.models.vision import LlavaVision
+from engine.multimodal import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
@@ -30,6 +32,7 @@ class RequestState:
     prompt_embeds: torch.Tensor | None = None
     pooling: PoolingParams | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    mm_features: list[ImageFeature] = field(default_factory=list)  # with pixel values, kept for re-encoding
 
     @property
     def penalty_prompt_ids(self) -> list[int]:
@@ -40,7 +43,8 @@ class RequestState:
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
                  device: torch.device, seed: int, is_driver: bool = True,
-                 pooler: PoolerConfig = PoolerConfig(), report_expert_load: bool = False) -> None:
+                 pooler: PoolerConfig = PoolerConfig(), report_expert_load: bool = False,
+                 vision: LlavaVision | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -54,6 +58,11 @@ class ModelRunner:
         self.is_driver = is_driver
         self.pooler = pooler
         self.report_expert_load = report_expert_load and bool(model.moe_layers)
+        self.vision = vision
+        # mm_hash -> encoder output rows [rows, hidden]; the scheduler decides what stays (its
+        # EncoderCacheManager mirrors this) and sends evictions in `freed_encoder_hashes`.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.num_encoded = 0  # images run through the vision encoder (metrics, tests)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -62,6 +71,9 @@ class ModelRunner:
         itself, which no request can be blamed for, raises."""
         out = ModelRunnerOutput()
         self._update_states(sched_out, out.failed)
+        for mm_hash in sched_out.freed_encoder_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+        self._run_encoder(sched_out.encoder_inputs)
         if sched_out.is_empty:
             return out
         # Decodes first: attention then treats them as one unpadded group.
@@ -107,7 +119,24 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.sampling_params.seed)
         embeds = None if new.prompt_embeds is None else new.prompt_embeds.to(self.device, self.model.dtype)
-        return RequestState(new.prompt_token_ids, new.sampling_params, generator, embeds, new.pooling_params)
+        if new.mm_features and self.vision is None:
+            raise ValueError("this model does not take images")
+        return RequestState(new.prompt_token_ids, new.sampling_params, generator, embeds, new.pooling_params,
+                            mm_features=list(new.mm_features))
+
+    def _run_encoder(self, encoder_inputs: dict[str, list[int]]) -> None:
+        """Encode this step's images (all in one batch) into the encoder cache."""
+        features = [self.requests[rid].mm_features[i] for rid, indices in encoder_inputs.items()
+                    if rid in self.requests for i in indices]
+        features = [f for f in features if f.mm_hash not in self.encoder_cache]
+        if not features:
+            return
+        assert self.vision is not None, "the scheduler sends images only for vision models"
+        pixels = torch.stack([f.pixel_values for f in features]).to(self.device)
+        rows = self.vision.encode(pixels)
+        for feature, feature_rows in zip(features, rows, strict=True):
+            self.encoder_cache[feature.mm_hash] = feature_rows
+        self.num_encoded += len(features)
 
     def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
         token_ids: list[int] = []
@@ -129,11 +158,17 @@ class ModelRunner:
         hidden = self.model.embed(input_ids)
         offset = 0
         for item in batch:
-            embeds = self.requests[item.request_id].prompt_embeds
-            start = item.start_position
+            state = self.requests[item.request_id]
+            embeds = state.prompt_embeds
+            start, end = item.start_position, item.start_position + item.num_tokens
             if embeds is not None and start < embeds.shape[0]:
                 count = min(item.num_tokens, embeds.shape[0] - start)
                 hidden[offset:offset + count] = embeds[start:start + count]
+            for feature in state.mm_features:  # image rows over their placeholders
+                if feature.overlaps(start, end):
+                    lo, hi = max(start, feature.offset), min(end, feature.end)
+                    rows = self.encoder_cache[feature.mm_hash]
+                    hidden[offset + lo - start:offset + hi - start] = rows[lo - feature.offset:hi - feature.offset]
             offset += item.num_tokens
         return hidden
 

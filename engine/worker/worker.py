@@ -17,11 +17,12 @@ from engine.errors import ModelLoadError
 from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.bert import BertEncoder, is_encoder_config
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.hf_config import parse_decoder_config, read_config_json
-from engine.models.loader import load_decoder, load_encoder
+from engine.models.hf_config import is_llava_config, parse_decoder_config, read_config_json
+from engine.models.loader import load_decoder, load_encoder, load_llava
 from engine.models.moe import expert_layout_for
 from engine.models.parallel import TensorParallel, init_distributed
 from engine.models.pooler import read_pooler_config
+from engine.models.vision import LlavaVision
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
 from engine.worker.encoder_runner import EncoderRunner
@@ -49,11 +50,14 @@ class Worker:
         self.runner: ModelRunner | EncoderRunner | None = None
         self.pooler = PoolerConfig()
         self.mover: ExpertMover | None = None  # an MoE model's rebalancing hands
+        self.vision: LlavaVision | None = None  # a vision-language model's tower and projector
 
     def load_model(self) -> ModelInfo:
         raw = read_config_json(self.config.model)
         if is_encoder_config(raw):
             return self._load_encoder(raw)
+        if is_llava_config(raw):
+            return self._load_llava()
         self.pooler = read_pooler_config(self.config.model, raw, "last", self.config.pooling_type)
         max_positions = self.config.max_model_len
         cfg = parse_decoder_config(raw)
@@ -62,17 +66,28 @@ class Worker:
                                   layout)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
-        element_size = torch.empty((), dtype=self.model.dtype).element_size()
-        # This rank's share: the cache budget applies per rank, as each holds its own heads.
-        kv_heads = self.model.num_local_kv_heads
-        per_block = 2 * cfg.num_layers * self.config.block_size * kv_heads * cfg.head_dim * element_size
-        info = ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
-                         str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
-                         self.pooler)
+        info = self._decoder_info()
         if layout is None:
             return info
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
+
+    def _load_llava(self) -> ModelInfo:
+        self.model, self.vision, cfg = load_llava(self.config.model, self.config.dtype, self.config.device,
+                                                  self.config.max_model_len, self.tp)
+        return replace(self._decoder_info(), image_token_id=cfg.image_token_index,
+                       image_rows=self.vision.rows_per_image, architecture="LlavaForConditionalGeneration")
+
+    def _decoder_info(self) -> ModelInfo:
+        assert isinstance(self.model, DecoderForCausalLM)
+        cfg = self.model.config
+        element_size = torch.empty((), dtype=self.model.dtype).element_size()
+        # This rank's share: the cache budget applies per rank, as each holds its own heads.
+        per_block = 2 * cfg.num_layers * self.config.block_size * self.model.num_local_kv_heads * cfg.head_dim \
+            * element_size
+        return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
+                         str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
+                         self.pooler)
 
     def _load_encoder(self, raw: dict[str, Any]) -> ModelInfo:
         if self.tp.size > 1:
@@ -103,7 +118,7 @@ class Worker:
                   for _ in range(cfg.num_layers)]
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
                                   is_driver=self.rank == 0, pooler=self.pooler,
-                                  report_expert_load=self.config.enable_eplb)
+                                  report_expert_load=self.config.enable_eplb, vision=self.vision)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
@@ -121,6 +136,10 @@ class Worker:
         """Adopt a staged layer: its weights into the live slots, its maps for routing."""
         assert self.mover is not None, "an MoE model"
         self.mover.commit(plan)
+
+    def encoder_runs(self) -> int:
+        """Images this rank ran through the vision encoder since the KV cache was set up."""
+        return self.runner.num_encoded if isinstance(self.runner, ModelRunner) else 0
 
     def expert_placement(self) -> list[list[int]]:
         """Each MoE layer's physical slot -> logical expert map, as routing uses it now."""
