@@ -147,14 +147,13 @@ async def create_chat_completion(state: ServerState) -> Response:
     """
     req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
     engine = generation_engine(state)
-    prompt = await engine.apply_chat_template(req.text_messages(), add_generation_prompt=req.add_generation_prompt)
-    token_ids = await engine.tokenize(prompt, add_special_tokens=False)
+    prompt_input = await engine.chat_prompt(req.checked_messages(), add_generation_prompt=req.add_generation_prompt)
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind,
                                  defaults=engine.sampling_defaults)
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
-    outputs = engine.generate_batch([req.salted({"prompt": prompt, "prompt_token_ids": token_ids})], params,
+    outputs = engine.generate_batch([req.salted(prompt_input)], params,
                                     request_id=response_id)
     first = await first_item(outputs)
     top = logprobs if req.logprobs else None

@@ -56,6 +56,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--eplb-config", default=None,
                    help='EPLB settings, a JSON object: {"window_size": 1000, "step_interval": 3000, '
                         '"num_redundant_experts": 0, "use_async": true, "log_balancedness": false}')
+    p.add_argument("--limit-mm-per-prompt", type=json.loads, default=None,
+                   help='images per prompt at most, as vLLM spells it: \'{"image": 4}\' (default 999)')
+    p.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="hosts http(s) image URLs may name (default: none; only data: URLs)")
     p.add_argument("--executor", default=None, choices=["inproc", "mp"],
                    help="where the model runs (default: in-process, or worker processes with tensor parallelism)")
     p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
@@ -86,7 +90,21 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template,
             "generation_config": args.generation_config,
             "enable_expert_parallel": args.enable_expert_parallel, "enable_eplb": args.enable_eplb,
-            "eplb_config": EplbConfig.from_json(args.eplb_config or "{}")}
+            "eplb_config": EplbConfig.from_json(args.eplb_config or "{}"),
+            "limit_images_per_prompt": images_per_prompt(args.limit_mm_per_prompt),
+            "allowed_media_domains": tuple(args.allowed_media_domains)}
+
+
+def images_per_prompt(value: Any) -> int:
+    """--limit-mm-per-prompt: {"image": N}; other modalities are refused (trio-llm reads images only)."""
+    if value is None:
+        return 999
+    if not isinstance(value, dict) or set(value) - {"image"}:
+        raise ValueError('--limit-mm-per-prompt takes {"image": N}: images are the only modality served')
+    count = value.get("image", 999)
+    if type(count) is not int or count < 0:
+        raise ValueError(f"--limit-mm-per-prompt image must be a non-negative integer, got {count!r}")
+    return count
 
 
 def kv_cache_bytes(flag: int | None, environ: Mapping[str, str]) -> int:

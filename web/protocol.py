@@ -117,18 +117,18 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
 
-    def text_messages(self) -> list[dict[str, Any]]:
-        """Messages with list-of-parts content flattened to text (images are not supported)."""
+    def checked_messages(self) -> list[dict[str, Any]]:
+        """The messages, with content a string or a list of `text` and `image_url` parts (the
+        engine renders the parts; a model without vision refuses images)."""
         out = []
         for i, message in enumerate(self.messages):
             content = message.get("content")
             if isinstance(content, list):
-                texts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
-                    texts.append(str(part.get("text", "")))
-                message = {**message, "content": "".join(texts)}
+                    if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise bad_request(f"messages[{i}]: unsupported content part {kind!r}; supported: text, "
+                                          "image_url", "messages")
             elif content is None:
                 message = {**message, "content": ""}
             elif not isinstance(content, str):

@@ -185,6 +185,17 @@ class AsyncEngine:
 
         Cancellation aborts the request, as with `generate`.
         """
+        prompt_input = await self.chat_prompt(messages, **template_kwargs)
+        async with aclosing(self.generate(prompt_input, sampling_params, request_id)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def chat_prompt(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> dict[str, Any]:
+        """The prompt `chat` runs for `messages`: the template's text, its token ids and the images
+        of the messages' `image_url` / `image` parts (`multi_modal_data`), ready for `generate`.
+
+        Template rendering and tokenization of long prompts run in worker threads; cancellation
+        drops their results once the threads return."""
         spec = self.renderer.image_spec
         messages, images = extract_images(messages, self.tokenizer.chat_template,
                                           spec.image_token if spec else "<image>")
@@ -195,9 +206,7 @@ class AsyncEngine:
         prompt_input: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": token_ids}
         if images:
             prompt_input["multi_modal_data"] = {"image": images}
-        async with aclosing(self.generate(prompt_input, sampling_params, request_id)) as outputs:
-            async for output in outputs:
-                yield output
+        return prompt_input
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """Rendering runs in a worker thread under the renderer's limiter; cancellation drops its

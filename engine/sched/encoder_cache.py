@@ -28,10 +28,11 @@ class EncoderCacheManager:
     def has(self, mm_hash: str) -> bool:
         return mm_hash in self.rows
 
-    def can_allocate(self, rows: int) -> bool:
-        """Whether `rows` fit now, counting what evicting every freeable entry would free."""
+    def can_allocate(self, rows: int, keep: frozenset[str] | set[str] = frozenset()) -> bool:
+        """Whether `rows` fit now, counting what evicting the freeable entries would free (all but
+        `keep`: entries the caller is about to read)."""
         free = self.capacity - self.used
-        return rows <= free + sum(self.rows[h] for h in self.freeable)
+        return rows <= free + sum(self.rows[h] for h in self.freeable if h not in keep)
 
     def reference(self, mm_hash: str, request_id: str) -> None:
         """`request_id` reads a cached entry (a hit keeps it from eviction)."""
@@ -40,7 +41,8 @@ class EncoderCacheManager:
         self.hits += 1
 
     def allocate(self, mm_hash: str, rows: int, request_id: str) -> None:
-        """Reserve space for an entry the worker computes this step (evicting freeable ones)."""
+        """Reserve space for an entry the worker computes this step (evicting freeable ones, oldest
+        first; `can_allocate` said there is room)."""
         while self.capacity - self.used < rows:
             victim, _ = self.freeable.popitem(last=False)
             self._evict(victim)

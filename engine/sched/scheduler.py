@@ -200,7 +200,10 @@ class Scheduler:
             if num_new > budget and (not self.config.enable_chunked_prefill or request.pooling_params is not None):
                 break
             num_new, to_encode = self._plan_encoder(request, num_computed, min(num_new, budget))
-            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+            if num_new == 0:  # its first image cannot be encoded this step: let those behind it run
+                self.step_skipped_waiting.append(self.waiting.pop())
+                continue
+            if not self.kv.allocate_slots(request, num_new, cached):
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -221,11 +224,12 @@ class Scheduler:
         for them: a chunk stops before the first image whose encoding does not fit this step's
         encoder budget or the encoder cache (it waits for a later step)."""
         end, to_encode, rows = start + num_new, [], 0
+        reading = {f.mm_hash for f in request.mm_features if f.overlaps(start, end)}  # not evictable now
         for index, feature in enumerate(request.mm_features):
             if not feature.overlaps(start, end) or self.encoder_cache.has(feature.mm_hash):
                 continue
             if feature.length > self._encoder_budget - rows or not self.encoder_cache.can_allocate(
-                    rows + feature.length):
+                    rows + feature.length, reading):
                 end = max(start, feature.offset)
                 break
             to_encode.append(index)
@@ -233,16 +237,18 @@ class Scheduler:
         return end - start, to_encode
 
     def _commit_encoder(self, request: Request, start: int, num_new: int, to_encode: list[int]) -> None:
-        """Reserve cache space for the images encoded this step; reference the cached ones read."""
-        for index, feature in enumerate(request.mm_features):
-            if not feature.overlaps(start, start + num_new):
-                continue
+        """Reference the cached images the chunk reads (first, so no allocation evicts them), then
+        reserve cache space for the images encoded this step."""
+        overlapping = [(i, f) for i, f in enumerate(request.mm_features) if f.overlaps(start, start + num_new)]
+        for index, feature in overlapping:
+            cached = index not in to_encode or self.encoder_cache.has(feature.mm_hash)
+            if cached and request.request_id not in self.encoder_cache.refs.get(feature.mm_hash, ()):
+                self.encoder_cache.reference(feature.mm_hash, request.request_id)
+        for index, feature in overlapping:
             if index in to_encode and not self.encoder_cache.has(feature.mm_hash):
                 self.encoder_cache.allocate(feature.mm_hash, feature.length, request.request_id)
                 self._encoder_budget -= feature.length
                 self._encoder_inputs.setdefault(request.request_id, []).append(index)
-            elif request.request_id not in self.encoder_cache.refs.get(feature.mm_hash, ()):
-                self.encoder_cache.reference(feature.mm_hash, request.request_id)
 
     def _cached_prefix(self, request: Request) -> list[KVBlock]:
         # Prompt logprobs and pooling need every prompt position computed.
