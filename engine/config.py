@@ -45,17 +45,66 @@ class EplbConfig:
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> EplbConfig:
         """From `--eplb-config`'s JSON object; `ValueError` naming an unknown key or a bad value."""
-        try:
-            raw = json.loads(text) if isinstance(text, str) else text
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"eplb_config is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"eplb_config must be a JSON object, got {type(raw).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
+        return cls(**_json_options(text, "eplb_config", {f.name for f in fields(cls)}))
+
+
+def _json_options(text: str | dict[str, Any], name: str, known: set[str]) -> dict[str, Any]:
+    """A JSON object of options (a flag's value), with only `known` keys; `ValueError` otherwise."""
+    try:
+        raw = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+    return raw
+
+
+_EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
+
+
+@dataclass(frozen=True)
+class ECTransferConfig:
+    """`--ec-transfer-config` (vLLM's keys): share encoder outputs between instances. The one
+    connector is `shared_storage`: a directory every instance mounts (`shared_storage_path` in
+    `ec_connector_extra_config`). Producers save what they encode; consumers load what is there
+    instead of encoding it."""
+
+    ec_connector: str = "shared_storage"
+    ec_role: str = "ec_both"
+    ec_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.ec_connector != "shared_storage":
+            raise ValueError(f"ec_transfer_config.ec_connector must be 'shared_storage', got {self.ec_connector!r}")
+        if self.ec_role not in _EC_ROLES:
+            raise ValueError(f"ec_transfer_config.ec_role must be one of {', '.join(_EC_ROLES)}, got {self.ec_role!r}")
+        extra = self.ec_connector_extra_config
+        path = extra.get("shared_storage_path") if isinstance(extra, dict) else None
+        if not isinstance(path, str) or not path:
+            raise ValueError("ec_transfer_config.ec_connector_extra_config needs a shared_storage_path (a directory)")
+        unknown = sorted(set(extra) - {"shared_storage_path"})
         if unknown:
-            raise ValueError(f"eplb_config has unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
-        return cls(**raw)
+            raise ValueError(f"ec_transfer_config.ec_connector_extra_config has unknown key {unknown[0]!r}")
+
+    @property
+    def storage_path(self) -> str:
+        return str(self.ec_connector_extra_config["shared_storage_path"])
+
+    @property
+    def is_producer(self) -> bool:
+        return self.ec_role in ("ec_producer", "ec_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.ec_role in ("ec_consumer", "ec_both")
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> ECTransferConfig:
+        """From `--ec-transfer-config`'s JSON object; `ValueError` naming an unknown key or a bad value."""
+        return cls(**_json_options(text, "ec_transfer_config", {f.name for f in fields(cls)}))
 
 
 @dataclass(frozen=True)
@@ -99,6 +148,8 @@ class EngineConfig:
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = 4096 * 4096
     allowed_media_domains: tuple[str, ...] = ()
+    ec_transfer_config: ECTransferConfig | None = None  # share encoder outputs between instances
+    ec_defer_timeout: float = 30.0  # seconds a request may wait for an encoder output to arrive; then it fails
     # Seconds between wake-ups of the event-loop lag probe (`AsyncEngine.stats()`, the observer's
     # `on_loop_lag`); None runs no probe. The server sets it from its own settings.
     loop_lag_interval: float | None = None
@@ -135,6 +186,8 @@ class EngineConfig:
         if self.eplb_config.num_redundant_experts and not self.enable_eplb:
             raise ValueError("eplb_config.num_redundant_experts needs enable_eplb (redundant experts are placed "
                              "by the load balancer)")
+        if not self.ec_defer_timeout > 0:
+            raise ValueError(f"ec_defer_timeout must be positive, got {self.ec_defer_timeout}")
         if self.limit_images_per_prompt < 0:
             raise ValueError(f"limit_images_per_prompt must be non-negative, got {self.limit_images_per_prompt}")
         if self.max_logprobs < 0:

@@ -151,7 +151,9 @@ class _EngineStatsCollector:
         gauges = [("vllm:num_requests_running", "Number of requests in model execution batches.",
                    stats.num_running),
                   ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
-                  ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)]
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+                  ("trio_llm_encoder_cache_usage_ratio", "Encoder-cache rows held over its capacity",
+                   stats.encoder_cache_usage)]
         for name, text, value in gauges:
             gauge = GaugeMetricFamily(name, text, labels=labels)
             gauge.add_metric([self.model], value)
@@ -162,6 +164,15 @@ class _EngineStatsCollector:
                      stats.prefix_cache_queries),
                     ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                      stats.prefix_cache_hits)]
+        counters += [("trio_llm_mm_encoder_runs", "Images encoded locally", stats.mm_encoder_runs),
+                     ("trio_llm_ec_connector_loads", "Encoder outputs loaded through the EC connector",
+                      stats.ec_connector_loads),
+                     ("trio_llm_ec_deferrals", "Scheduler steps a request was deferred while its encoder "
+                      "outputs loaded", stats.ec_deferrals),
+                     ("trio_llm_encoder_cache_hits", "Image reads served by the encoder cache",
+                      stats.encoder_cache_hits),
+                     ("trio_llm_encoder_cache_evictions", "Encoder outputs evicted from the encoder cache",
+                      stats.encoder_cache_evictions)]
         if stats.eplb is not None:
             counters += [("trio_llm_eplb_rebalances", "Expert rebalances completed", stats.eplb.rebalances),
                          ("trio_llm_eplb_experts_moved", "Expert slots whose weights a rebalance replaced",

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.api import EngineConfig
-from engine.config import EplbConfig
+from engine.config import ECTransferConfig, EplbConfig
 from web.cors import CorsSettings
 from web.settings import ServerSettings
 
@@ -60,6 +60,12 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help='images per prompt at most, as vLLM spells it: \'{"image": 4}\' (default 999)')
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
                    help="hosts http(s) image URLs may name (default: none; only data: URLs)")
+    p.add_argument("--ec-transfer-config", default=None,
+                   help='share encoder outputs between instances, a JSON object: {"ec_connector": "shared_storage", '
+                        '"ec_role": "ec_producer|ec_consumer|ec_both", "ec_connector_extra_config": '
+                        '{"shared_storage_path": "/path"}}')
+    p.add_argument("--ec-defer-timeout", type=float, default=30.0,
+                   help="seconds a request may wait for its encoder outputs from the EC connector; then it fails")
     p.add_argument("--executor", default=None, choices=["inproc", "mp"],
                    help="where the model runs (default: in-process, or worker processes with tensor parallelism)")
     p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
@@ -92,7 +98,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "enable_expert_parallel": args.enable_expert_parallel, "enable_eplb": args.enable_eplb,
             "eplb_config": EplbConfig.from_json(args.eplb_config or "{}"),
             "limit_images_per_prompt": images_per_prompt(args.limit_mm_per_prompt),
-            "allowed_media_domains": tuple(args.allowed_media_domains)}
+            "allowed_media_domains": tuple(args.allowed_media_domains),
+            "ec_transfer_config": ECTransferConfig.from_json(args.ec_transfer_config) if args.ec_transfer_config
+            else None,
+            "ec_defer_timeout": args.ec_defer_timeout}
 
 
 def images_per_prompt(value: Any) -> int:

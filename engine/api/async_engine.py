@@ -248,7 +248,12 @@ class AsyncEngine:
             prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
             loop_lag=self._loop_lag.last, loop_lag_max=self._loop_lag.max,
             workers_alive=self.core.executor.workers_alive(),
-            eplb=self.core.eplb.stats() if self.core.eplb is not None else None)
+            eplb=self.core.eplb.stats() if self.core.eplb is not None else None,
+            mm_encoder_runs=scheduler.num_encoder_runs, encoder_cache_hits=scheduler.encoder_cache.hits,
+            encoder_cache_evictions=scheduler.encoder_cache.evictions,
+            encoder_cache_usage=scheduler.encoder_cache.usage,
+            ec_connector_loads=getattr(scheduler.external, "loads", 0),
+            ec_deferrals=getattr(scheduler.external, "deferrals", 0))
 
     @property
     def is_running(self) -> bool:

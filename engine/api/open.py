@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.eplb_driver import EplbDriver
 from engine.core.stats import LoopLagReadings, NullObserver, StatsObserver
+from engine.ec.connector import ECConnectorGate, Loader, SharedStorageConnector
 from engine.errors import ModelLoadError
 from engine.executor import Executor, create_executor
 from engine.model_info import ModelInfo
@@ -50,7 +51,8 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
     return replace(model_info, num_kv_blocks=num_blocks, max_model_len=max_model_len, eos_token_ids=eos)
 
 
-def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
+def build_scheduler(config: EngineConfig, info: ModelInfo,
+                    connector: SharedStorageConnector | None = None) -> Scheduler:
     # As vLLM sizes them: the encoder may compute, and its cache hold, a step's worth of tokens in
     # image rows, and always at least one image.
     encoder_rows = max(config.token_budget, info.image_rows) if info.image_rows else 0
@@ -63,13 +65,18 @@ def build_scheduler(config: EngineConfig, info: ModelInfo) -> Scheduler:
     namespace = f"{config.model}\0{info.architecture}\0{info.dtype}".encode()
     hasher = PrefixHasher(config.prefix_caching_hash_algo, namespace)
     blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching, hasher)
-    return Scheduler(sched_config, blocks)
+    if connector is None or not connector.consumer:
+        return Scheduler(sched_config, blocks)
+    scheduler = Scheduler(sched_config, blocks, [ECConnectorGate(connector)], external=connector)
+    connector.has_local = scheduler.encoder_cache.has
+    return scheduler
 
 
 @asynccontextmanager
 async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
                       tokenizer: Tokenizer | None = None,
-                      observer: StatsObserver | None = None) -> AsyncGenerator[AsyncEngine]:
+                      observer: StatsObserver | None = None,
+                      ec_loader: Loader | None = None) -> AsyncGenerator[AsyncEngine]:
     """Load the model, start the engine-core task, and yield the engine.
 
     `executor` replaces the default one (tests pass a fake whose steps take
@@ -79,7 +86,8 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
     inside it, cancels the core task and the probe; requests still open end
     with `EngineDeadError`, and worker processes are stopped (shielded, time
     limited). Load errors raise `ModelLoadError` naming the problem, with
-    nothing left running.
+    nothing left running. `ec_loader` replaces how the EC connector reads a stored encoder output
+    (tests pass one that takes virtual time).
     """
     await anyio.to_thread.run_sync(check_expert_options, config)  # before any worker starts
     executor = executor or create_executor(config)
@@ -93,11 +101,18 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
         image_spec = await anyio.to_thread.run_sync(_image_spec, config, info, tokenizer)
         await executor.initialize_kv_cache(info.num_kv_blocks)
         eplb = EplbDriver(config.eplb_config, executor, info, observer) if config.enable_eplb else None
-        core = EngineCore(build_scheduler(config, info), executor, tokenizer, observer, eplb)
+        connector = None
+        if config.ec_transfer_config is not None and info.image_rows:
+            connector = SharedStorageConnector(config.ec_transfer_config, config.ec_defer_timeout, wake=lambda: None,
+                                               loader=ec_loader)
+        core = EngineCore(build_scheduler(config, info, connector), executor, tokenizer, observer, eplb)
         loop_lag = LoopLagReadings()
         async with anyio.create_task_group() as tg:
             if eplb is not None:
                 await tg.start(eplb.run)
+            if connector is not None:
+                connector.wake = core.wake
+                await tg.start(connector.run)
             await tg.start(core.run)
             tg.start_soon(_stop_core_on_executor_failure, executor, core)
             if config.loop_lag_interval is not None:

@@ -56,13 +56,18 @@ class AbortRequest:
 
 
 @dataclass
+class Wake:
+    """Something the scheduler waits on changed (an EC connector finished a load): schedule again."""
+
+
+@dataclass
 class ExecutorFailed:
     """The executor lost a worker while the core may be idle: the core stops with this error."""
 
     error: BaseException
 
 
-CoreMessage = AddRequest | AbortRequest | ExecutorFailed
+CoreMessage = AddRequest | AbortRequest | ExecutorFailed | Wake
 
 
 class EngineCore:
@@ -94,6 +99,11 @@ class EngineCore:
         """Stop the core with `error` (from the executor's watcher task), busy or idle."""
         if not self.dead:
             self.submit(ExecutorFailed(error))
+
+    def wake(self) -> None:
+        """Have the core schedule again (from a task whose news may unblock a waiting request)."""
+        if not self.dead:
+            self.submit(Wake())
 
     def abort(self, request_id: str) -> None:
         """Abort a request if the core still runs; a no-op after it stopped."""
@@ -151,7 +161,7 @@ class EngineCore:
             self._add(message)
         elif isinstance(message, ExecutorFailed):
             raise message.error
-        else:
+        elif isinstance(message, AbortRequest):
             self._abort(message.request_id)
 
     def _add(self, message: AddRequest) -> None:
@@ -210,8 +220,11 @@ class EngineCore:
         the core task's owner fails every open request with `EngineDeadError`.
         """
         sched_out = self.scheduler.schedule()
+        rejected = self.scheduler.take_rejected()
+        if rejected:
+            self._fail_requests(rejected)
         if sched_out.is_empty:
-            return False
+            return bool(rejected)
         self._report_scheduled(sched_out.new_requests, anyio.current_time())
         adopted = self.eplb.before_step(sched_out) if self.eplb is not None else None
         result = await self.executor.execute_model(sched_out)

@@ -39,6 +39,13 @@ class EngineStats:
     loop_lag_max: float | None  # seconds: its largest reading since start
     workers_alive: tuple[bool, ...]  # one per worker (rank order); in-process: one, alive while the engine runs
     eplb: EplbStats | None = None  # None unless the engine balances experts
+    # Images (vision-language models): encoder runs, encoder-cache reuse, and the EC connector.
+    mm_encoder_runs: int = 0  # images encoded locally, since start
+    encoder_cache_hits: int = 0  # image reads served by the encoder cache
+    encoder_cache_evictions: int = 0
+    encoder_cache_usage: float = 0.0  # rows held over the cache's capacity, 0..1
+    ec_connector_loads: int = 0  # encoder outputs loaded through the EC connector
+    ec_deferrals: int = 0  # scheduler steps a request was skipped while its images loaded
 
     @property
     def prefix_cache_hit_rate(self) -> float:

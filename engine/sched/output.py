@@ -49,6 +49,7 @@ class SchedulerOutput:
     # request id -> indices of its mm_features to run through the encoder this step (not cached)
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted from the encoder cache
+    ec_loads: dict[str, Any] = field(default_factory=dict)  # mm_hash -> encoder output loaded by the EC connector
 
     @property
     def total_num_tokens(self) -> int:

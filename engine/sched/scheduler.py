@@ -34,10 +34,21 @@ class Admission(enum.Enum):
     READY = enum.auto()
     NOT_YET = enum.auto()
     BLOCKED = enum.auto()
+    FAILED = enum.auto()  # it can never run: finish it, with the gate's `rejection_reason`
 
 
 class AdmissionGate(Protocol):
     def admit(self, request: Request) -> Admission: ...
+
+    def rejection_reason(self, request: Request) -> str: ...
+
+
+class ExternalEncoderOutputs(Protocol):
+    """Encoder outputs that arrive from elsewhere (an EC connector) instead of the encoder."""
+
+    def loaded(self, mm_hash: str) -> Any | None: ...
+
+    def update_state_after_alloc(self, mm_hash: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,11 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager,
-                 gates: Iterable[AdmissionGate] = ()) -> None:
+                 gates: Iterable[AdmissionGate] = (), external: ExternalEncoderOutputs | None = None) -> None:
         self.config = config
+        self.external = external
+        self._rejected: dict[str, str] = {}  # requests a gate failed -> why (the engine core reports them)
+        self.num_encoder_runs = 0  # images sent to the encoder (metrics)
         self.kv = block_manager
         self.gates = list(gates)
         self.waiting = make_queue(config.policy)
@@ -80,6 +94,7 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_rows)
         self._encoder_budget = 0  # rows left for the encoder in the step being scheduled
         self._encoder_inputs: dict[str, list[int]] = {}
+        self._ec_loads: dict[str, Any] = {}
         self.num_preemptions = 0  # total, for metrics
         # Prompt tokens looked up in the prefix cache when a request first ran, and those found there.
         self.prefix_cache_queries = 0
@@ -145,6 +160,7 @@ class Scheduler:
         self.step_skipped_waiting.clear()
         out.scheduled = list(scheduled.values())
         out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, {}
+        out.ec_loads, self._ec_loads = self._ec_loads, {}
         out.freed_encoder_hashes = self.encoder_cache.take_evicted()
         for item in out.scheduled:
             request = self.requests[item.request_id]
@@ -185,11 +201,15 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: dict[str, ScheduledRequest], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            verdict = self._ask_gates(request)
+            verdict, gate = self._ask_gates(request)
             if verdict is not Admission.READY:
                 self.waiting.pop()
                 if verdict is Admission.NOT_YET:
                     self.step_skipped_waiting.append(request)
+                elif verdict is Admission.FAILED and gate is not None:
+                    self._rejected[request.request_id] = gate.rejection_reason(request)
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    self._release(request)
                 else:
                     self.skipped_waiting.add(request)
                 continue
@@ -225,15 +245,18 @@ class Scheduler:
         encoder budget or the encoder cache (it waits for a later step)."""
         end, to_encode, rows = start + num_new, [], 0
         reading = {f.mm_hash for f in request.mm_features if f.overlaps(start, end)}  # not evictable now
+        space = 0  # cache rows the chunk's new entries need (encoded or loaded)
         for index, feature in enumerate(request.mm_features):
             if not feature.overlaps(start, end) or self.encoder_cache.has(feature.mm_hash):
                 continue
-            if feature.length > self._encoder_budget - rows or not self.encoder_cache.can_allocate(
-                    rows + feature.length, reading):
+            encode = self.external is None or self.external.loaded(feature.mm_hash) is None
+            if (encode and feature.length > self._encoder_budget - rows) or not self.encoder_cache.can_allocate(
+                    space + feature.length, reading):
                 end = max(start, feature.offset)
                 break
             to_encode.append(index)
-            rows += feature.length
+            space += feature.length
+            rows += feature.length if encode else 0
         return end - start, to_encode
 
     def _commit_encoder(self, request: Request, start: int, num_new: int, to_encode: list[int]) -> None:
@@ -245,10 +268,17 @@ class Scheduler:
             if cached and request.request_id not in self.encoder_cache.refs.get(feature.mm_hash, ()):
                 self.encoder_cache.reference(feature.mm_hash, request.request_id)
         for index, feature in overlapping:
-            if index in to_encode and not self.encoder_cache.has(feature.mm_hash):
-                self.encoder_cache.allocate(feature.mm_hash, feature.length, request.request_id)
-                self._encoder_budget -= feature.length
-                self._encoder_inputs.setdefault(request.request_id, []).append(index)
+            if index not in to_encode or self.encoder_cache.has(feature.mm_hash):
+                continue
+            self.encoder_cache.allocate(feature.mm_hash, feature.length, request.request_id)
+            rows = self.external.loaded(feature.mm_hash) if self.external is not None else None
+            if rows is not None:  # from the connector: straight into the worker's encoder cache
+                self._ec_loads[feature.mm_hash] = rows
+                self.external.update_state_after_alloc(feature.mm_hash)  # type: ignore[union-attr]
+                continue
+            self._encoder_budget -= feature.length
+            self.num_encoder_runs += 1
+            self._encoder_inputs.setdefault(request.request_id, []).append(index)
 
     def _cached_prefix(self, request: Request) -> list[KVBlock]:
         # Prompt logprobs and pooling need every prompt position computed.
@@ -268,15 +298,20 @@ class Scheduler:
             sample=end == request.num_tokens,
         )
 
-    def _ask_gates(self, request: Request) -> Admission:
+    def _ask_gates(self, request: Request) -> tuple[Admission, AdmissionGate | None]:
         for gate in self.gates:
             verdict = gate.admit(request)
             if verdict is not Admission.READY:
-                return verdict
-        return Admission.READY
+                return verdict, gate
+        return Admission.READY, None
+
+    def take_rejected(self) -> dict[str, str]:
+        """Requests a gate failed since the last call, and why: they are finished already."""
+        rejected, self._rejected = self._rejected, {}
+        return rejected
 
     def _readmit_blocked(self) -> None:
-        ready = [r for r in self.skipped_waiting if self._ask_gates(r) is not Admission.BLOCKED]
+        ready = [r for r in self.skipped_waiting if self._ask_gates(r)[0] is not Admission.BLOCKED]
         for request in reversed(ready):
             self.skipped_waiting.remove(request)
             self.waiting.prepend(request)

@@ -8,7 +8,9 @@ scheduler says when a request is new (`new_requests`) and when it is gone
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,7 +46,8 @@ class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
                  device: torch.device, seed: int, is_driver: bool = True,
                  pooler: PoolerConfig = PoolerConfig(), report_expert_load: bool = False,
-                 vision: LlavaVision | None = None) -> None:
+                 vision: LlavaVision | None = None,
+                 save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -63,6 +66,7 @@ class ModelRunner:
         # EncoderCacheManager mirrors this) and sends evictions in `freed_encoder_hashes`.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.num_encoded = 0  # images run through the vision encoder (metrics, tests)
+        self.save_encoder_output = save_encoder_output  # an EC producer's store (driver rank only)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -73,6 +77,8 @@ class ModelRunner:
         self._update_states(sched_out, out.failed)
         for mm_hash in sched_out.freed_encoder_hashes:
             self.encoder_cache.pop(mm_hash, None)
+        for mm_hash, rows in sched_out.ec_loads.items():
+            self.encoder_cache[mm_hash] = rows.to(self.device, self.model.dtype)
         self._run_encoder(sched_out.encoder_inputs)
         if sched_out.is_empty:
             return out
@@ -136,6 +142,8 @@ class ModelRunner:
         rows = self.vision.encode(pixels)
         for feature, feature_rows in zip(features, rows, strict=True):
             self.encoder_cache[feature.mm_hash] = feature_rows
+            if self.save_encoder_output is not None and self.is_driver:
+                self.save_encoder_output(feature.mm_hash, feature_rows)
         self.num_encoded += len(features)
 
     def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:

@@ -6,12 +6,15 @@ arguments and results are plain picklable data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
+from engine.ec.storage import save_rows
 from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
 from engine.model_info import ModelInfo, PoolerConfig
@@ -118,7 +121,8 @@ class Worker:
                   for _ in range(cfg.num_layers)]
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
                                   is_driver=self.rank == 0, pooler=self.pooler,
-                                  report_expert_load=self.config.enable_eplb, vision=self.vision)
+                                  report_expert_load=self.config.enable_eplb, vision=self.vision,
+                                  save_encoder_output=self._ec_saver())
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
@@ -136,6 +140,13 @@ class Worker:
         """Adopt a staged layer: its weights into the live slots, its maps for routing."""
         assert self.mover is not None, "an MoE model"
         self.mover.commit(plan)
+
+    def _ec_saver(self) -> Callable[[str, torch.Tensor], bool] | None:
+        """An EC producer stores every encoder output it computes in the shared directory."""
+        ec = self.config.ec_transfer_config
+        if ec is None or not ec.is_producer or self.vision is None:
+            return None
+        return partial(save_rows, ec.storage_path)
 
     def encoder_runs(self) -> int:
         """Images this rank ran through the vision encoder since the KV cache was set up."""
