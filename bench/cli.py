@@ -22,6 +22,28 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_fuzz(bench)
     _add_bench_prefix_hash(bench)
     _add_bench_eplb(bench)
+    _add_bench_ec(bench)
+
+
+def _add_bench_ec(bench: Subcommands) -> None:
+    ec = bench.add_parser("ec", help="text throughput beside image requests deferred for the EC connector, "
+                                     "against a blocking lookup")
+    ec.add_argument("--model", default=None, help="a LLaVA model directory (default: a tiny random one, made once)")
+    ec.add_argument("--num-text", type=int, default=32)
+    ec.add_argument("--num-images", type=int, default=8)
+    ec.add_argument("--output-len", type=int, default=64)
+    ec.add_argument("--load-delay", type=float, default=1.0, help="seconds each encoder output takes to arrive")
+    ec.add_argument("--gap", type=float, default=0.05, help="seconds between request arrivals")
+    ec.add_argument("--image-output-len", type=int, default=8, help="output tokens of each image request")
+    ec.set_defaults(run=_bench_ec)
+
+
+def _bench_ec(args: argparse.Namespace) -> int:
+    from bench import ec
+    from engine.models.tiny import default_model_dir
+    print(ec.run(args.model, default_model_dir().parent, args.num_text, args.num_images, args.output_len,
+                 args.load_delay, args.gap, args.image_output_len))
+    return 0
 
 
 def _add_bench_eplb(bench: Subcommands) -> None:

@@ -51,8 +51,8 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
     return replace(model_info, num_kv_blocks=num_blocks, max_model_len=max_model_len, eos_token_ids=eos)
 
 
-def build_scheduler(config: EngineConfig, info: ModelInfo,
-                    connector: SharedStorageConnector | None = None) -> Scheduler:
+def build_scheduler(config: EngineConfig, info: ModelInfo, connector: SharedStorageConnector | None = None,
+                    ec_blocking: bool = False) -> Scheduler:
     # As vLLM sizes them: the encoder may compute, and its cache hold, a step's worth of tokens in
     # image rows, and always at least one image.
     encoder_rows = max(config.token_budget, info.image_rows) if info.image_rows else 0
@@ -67,7 +67,7 @@ def build_scheduler(config: EngineConfig, info: ModelInfo,
     blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching, hasher)
     if connector is None or not connector.consumer:
         return Scheduler(sched_config, blocks)
-    scheduler = Scheduler(sched_config, blocks, [ECConnectorGate(connector)], external=connector)
+    scheduler = Scheduler(sched_config, blocks, [ECConnectorGate(connector, ec_blocking)], external=connector)
     connector.has_local = scheduler.encoder_cache.has
     return scheduler
 
@@ -76,7 +76,7 @@ def build_scheduler(config: EngineConfig, info: ModelInfo,
 async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
                       tokenizer: Tokenizer | None = None,
                       observer: StatsObserver | None = None,
-                      ec_loader: Loader | None = None) -> AsyncGenerator[AsyncEngine]:
+                      ec_loader: Loader | None = None, ec_blocking: bool = False) -> AsyncGenerator[AsyncEngine]:
     """Load the model, start the engine-core task, and yield the engine.
 
     `executor` replaces the default one (tests pass a fake whose steps take
@@ -87,7 +87,8 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
     with `EngineDeadError`, and worker processes are stopped (shielded, time
     limited). Load errors raise `ModelLoadError` naming the problem, with
     nothing left running. `ec_loader` replaces how the EC connector reads a stored encoder output
-    (tests pass one that takes virtual time).
+    (tests pass one that takes virtual time); `ec_blocking` makes a request that waits for its
+    images hold up the requests behind it (the baseline `trio-llm bench ec` measures).
     """
     await anyio.to_thread.run_sync(check_expert_options, config)  # before any worker starts
     executor = executor or create_executor(config)
@@ -105,7 +106,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
         if config.ec_transfer_config is not None and info.image_rows:
             connector = SharedStorageConnector(config.ec_transfer_config, config.ec_defer_timeout, wake=lambda: None,
                                                loader=ec_loader)
-        core = EngineCore(build_scheduler(config, info, connector), executor, tokenizer, observer, eplb)
+        core = EngineCore(build_scheduler(config, info, connector, ec_blocking), executor, tokenizer, observer, eplb)
         loop_lag = LoopLagReadings()
         async with anyio.create_task_group() as tg:
             if eplb is not None:

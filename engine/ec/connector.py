@@ -133,8 +133,11 @@ class SharedStorageConnector:
 class ECConnectorGate:
     """The scheduler's admission gate for requests whose images come through the connector."""
 
-    def __init__(self, connector: SharedStorageConnector) -> None:
+    def __init__(self, connector: SharedStorageConnector, blocking: bool = False) -> None:
         self.connector = connector
+        # blocking: a request waiting for its images holds up every request behind it (the baseline
+        # `trio-llm bench ec` compares the non-blocking deferral with)
+        self.blocking = blocking
 
     def admit(self, request: Request) -> Admission:
         if not request.mm_features:
@@ -144,7 +147,7 @@ class ECConnectorGate:
         if self.connector.ensure_cache_available(request, request.num_computed_tokens):
             return Admission.READY
         self.connector.deferrals += 1
-        return Admission.NOT_YET
+        return Admission.WAIT if self.blocking else Admission.NOT_YET
 
     def rejection_reason(self, request: Request) -> str:
         """Why the request failed; the failure is then forgotten, so a later request for the same

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engine.models.tiny_llava import write_llava_parts
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -28,7 +30,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "llava": "LlavaForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -174,8 +177,15 @@ def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), ove
         vocab_size = write_tokenizer(staging, spec.vocab)
         eos_id = Tokenizer.from_file(str(staging / "tokenizer.json")).token_to_id("<|im_end|>")
         assert eos_id is not None, "the tokenizer trainer always adds <|im_end|>"
-        (staging / "config.json").write_text(json.dumps(_config(spec, vocab_size, eos_id), indent=2))
-        save_file(_random_weights(spec, vocab_size), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if spec.arch == "llava":  # a tiny Llama as its text model, plus a vision tower
+            text = replace(spec, arch="llama")
+            gen = torch.Generator().manual_seed(spec.seed + 1)
+            weights = write_llava_parts(staging, _config(text, vocab_size, eos_id), _random_weights(text, vocab_size),
+                                        lambda *shape: torch.randn(*shape, generator=gen) * 0.05)
+        else:
+            (staging / "config.json").write_text(json.dumps(_config(spec, vocab_size, eos_id), indent=2))
+            weights = _random_weights(spec, vocab_size)
+        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(staging, 0o755)
         if model_dir.exists() and overwrite:
             shutil.rmtree(model_dir)

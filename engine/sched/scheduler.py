@@ -35,6 +35,9 @@ class Admission(enum.Enum):
     NOT_YET = enum.auto()
     BLOCKED = enum.auto()
     FAILED = enum.auto()  # it can never run: finish it, with the gate's `rejection_reason`
+    # Not yet, and nothing behind it either: admission stops for this step (head-of-line blocking,
+    # what a lookup that waits in place does; kept to measure the difference: `trio-llm bench ec`)
+    WAIT = enum.auto()
 
 
 class AdmissionGate(Protocol):
@@ -202,6 +205,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             verdict, gate = self._ask_gates(request)
+            if verdict is Admission.WAIT:
+                break
             if verdict is not Admission.READY:
                 self.waiting.pop()
                 if verdict is Admission.NOT_YET:
