@@ -9,9 +9,10 @@ the EC connector with a delay, three ways in one run, each on a fresh consumer e
 
 The store is filled first by a producer engine encoding the images for real; the consumer's
 loads read those files after `--load-delay` seconds. Text requests arrive one every `--gap`
-seconds in every variant (the same times), the image requests spread evenly among them. Figures: text throughput (text output tokens over
-the time until the last text request finished), text TTFT p50 / p90 (from each request's own
-arrival), and when the last image request finished.
+seconds in every variant (the same times), the image requests spread evenly among them.
+Figures: text throughput (text output tokens over the time until the last text request
+finished), text TTFT p50 / p90 (from each request's own arrival), and when the last image
+request finished.
 """
 
 from __future__ import annotations
