@@ -3,6 +3,8 @@ gives, the encoder cache, and hostile images answered 400 over HTTP while the se
 
 from __future__ import annotations
 
+from functools import partial
+
 import openai
 import pytest
 import torch
@@ -115,3 +117,85 @@ async def test_a_text_model_refuses_images(tiny_model_dir):
             with pytest.raises(openai.BadRequestError, match="does not take images"):
                 await client.chat.completions.create(model=server.state.model_name, max_tokens=4,
                                                      messages=image_message(data_url(png_bytes(random_image()))))
+
+
+async def test_library_prompts_take_pil_images_and_arrays(llava):
+    import numpy as np
+
+    image = random_image(seed=3)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    async with open_engine(EngineConfig(model=str(llava[0]), num_kv_blocks=64)) as engine:
+        prompt = "<image>\ndescribe"
+        outs = {}
+        for name, source in (("pil", image), ("array", np.asarray(image))):
+            outputs = [o async for o in engine.generate({"prompt": prompt, "multi_modal_data": {"image": source}},
+                                                        greedy)]
+            outs[name] = outputs[-1]
+    assert outs["pil"].outputs[0].token_ids == outs["array"].outputs[0].token_ids
+    assert outs["pil"].outputs[0].token_ids == reference(llava, outs["pil"].prompt_token_ids, [image], 6)
+
+
+async def test_http_image_urls_are_fetched_only_from_allowed_hosts(llava):
+    body = png_bytes(random_image(seed=4))
+
+    async def serve_png(stream):
+        await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
+                              + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, serve_png, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/cat.png"
+        greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        config = EngineConfig(model=str(llava[0]), num_kv_blocks=64, allowed_media_domains=("127.0.0.1",))
+        async with open_engine(config) as engine:
+            fetched = [o async for o in engine.chat(image_message(url), greedy)][-1]
+            inline = [o async for o in engine.chat(image_message(data_url(body)), greedy)][-1]
+        assert fetched.outputs[0].token_ids == inline.outputs[0].token_ids
+        nursery.cancel_scope.cancel()
+
+
+def test_make_model_writes_a_llava_transformers_reads_the_same(tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    from engine.models.loader import load_llava
+    from engine.models.tiny import TinyModelSpec, make_model
+    from engine.render.image import ImageProcessorConfig, preprocess
+
+    path = make_model(tmp_path / "llava", TinyModelSpec(arch="llava", layers=2, hidden=64, intermediate=128,
+                                                        vocab=512))
+    hf_model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    decoder, vision, cfg = load_llava(path, "float32")
+    pixels = preprocess(random_image(seed=5), ImageProcessorConfig.from_model_dir(path)).unsqueeze(0)
+    ids = [5, 6] + [cfg.image_token_index] * vision.rows_per_image + [7, 8]
+    with torch.no_grad():
+        expected = hf_model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+        hidden = decoder.embed(torch.tensor(ids))
+        hidden[2:2 + vision.rows_per_image] = vision.encode(pixels)[0]
+        from engine.models.attention import SequenceChunk, build_metadata
+        c = decoder.config
+        kv = [(torch.zeros(64, c.num_kv_heads, c.head_dim), torch.zeros(64, c.num_kv_heads, c.head_dim))
+              for _ in range(c.num_layers)]
+        meta = build_metadata([SequenceChunk(0, len(ids), list(range(4)))], 16, torch.device("cpu"))
+        logits = decoder.compute_logits(decoder(hidden, torch.arange(len(ids)), kv, meta))
+    assert torch.allclose(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prometheus_names_for_images_and_the_connector():
+    from engine.core.stats import EngineStats
+    from web.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.bind(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, None, None, (True,), mm_encoder_runs=3, encoder_cache_hits=2,
+                                     encoder_cache_evictions=1, encoder_cache_usage=0.5, ec_connector_loads=4,
+                                     ec_deferrals=7))
+    text = metrics.render().decode()
+    for line in ('trio_llm_mm_encoder_runs_total{model_name="m"} 3.0',
+                 'trio_llm_ec_connector_loads_total{model_name="m"} 4.0',
+                 'trio_llm_ec_deferrals_total{model_name="m"} 7.0',
+                 'trio_llm_encoder_cache_hits_total{model_name="m"} 2.0',
+                 'trio_llm_encoder_cache_evictions_total{model_name="m"} 1.0',
+                 'trio_llm_encoder_cache_usage_ratio{model_name="m"} 0.5'):
+        assert line in text, line
