@@ -52,6 +52,7 @@ class SharedStorageConnector:
         self._pending: set[str] = set()
         self._local: set[str] = set()  # not in the store, or unreadable there: encode here
         self._failed: dict[str, str] = {}
+        self._handing_over: dict[str, Any] = {}
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[str](math.inf)
         self.loads = 0  # encoder outputs taken from the store (metrics)
         self.deferrals = 0  # times a request was skipped for a step while its images loaded
@@ -90,9 +91,17 @@ class SharedStorageConnector:
         return self._loaded.get(mm_hash)
 
     def update_state_after_alloc(self, mm_hash: str) -> None:
-        """The scheduler put a loaded output in the worker's encoder cache: drop our copy."""
-        if self._loaded.pop(mm_hash, None) is not None:
+        """The scheduler reserved encoder-cache room for a loaded output: it goes to the worker
+        with this step (`build_connector_meta`)."""
+        rows = self._loaded.pop(mm_hash, None)
+        if rows is not None:
+            self._handing_over[mm_hash] = rows
             self.loads += 1
+
+    def build_connector_meta(self) -> dict[str, Any]:
+        """What the worker adopts into its encoder cache with this step: mm_hash -> rows."""
+        meta, self._handing_over = self._handing_over, {}
+        return meta
 
     def request_finished(self, request: Request) -> None:
         """Forget failures no other request can need (a failed image is retried by a new request)."""

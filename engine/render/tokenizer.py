@@ -37,7 +37,10 @@ class Tokenizer:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.pad_token = _token_text(cfg.get("pad_token"))
-        self.chat_template: str | None = cfg.get("chat_template")
+        # transformers 5 (and llava-hf checkpoints) keep the template beside the tokenizer config
+        template_file = model_dir / "chat_template.jinja"
+        self.chat_template: str | None = cfg.get("chat_template") or (
+            template_file.read_text() if template_file.is_file() else None)
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.bos_token_id = self.token_to_id(self.bos_token)
         self.eos_token_ids = self._eos_ids(gen)

@@ -53,6 +53,8 @@ class ExternalEncoderOutputs(Protocol):
 
     def update_state_after_alloc(self, mm_hash: str) -> None: ...
 
+    def build_connector_meta(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -97,7 +99,6 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_rows)
         self._encoder_budget = 0  # rows left for the encoder in the step being scheduled
         self._encoder_inputs: dict[str, list[int]] = {}
-        self._ec_loads: dict[str, Any] = {}
         self.num_preemptions = 0  # total, for metrics
         # Prompt tokens looked up in the prefix cache when a request first ran, and those found there.
         self.prefix_cache_queries = 0
@@ -163,7 +164,7 @@ class Scheduler:
         self.step_skipped_waiting.clear()
         out.scheduled = list(scheduled.values())
         out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, {}
-        out.ec_loads, self._ec_loads = self._ec_loads, {}
+        out.ec_loads = self.external.build_connector_meta() if self.external is not None else {}
         out.freed_encoder_hashes = self.encoder_cache.take_evicted()
         for item in out.scheduled:
             request = self.requests[item.request_id]
@@ -276,10 +277,8 @@ class Scheduler:
             if index not in to_encode or self.encoder_cache.has(feature.mm_hash):
                 continue
             self.encoder_cache.allocate(feature.mm_hash, feature.length, request.request_id)
-            rows = self.external.loaded(feature.mm_hash) if self.external is not None else None
-            if rows is not None:  # from the connector: straight into the worker's encoder cache
-                self._ec_loads[feature.mm_hash] = rows
-                self.external.update_state_after_alloc(feature.mm_hash)  # type: ignore[union-attr]
+            if self.external is not None and self.external.loaded(feature.mm_hash) is not None:
+                self.external.update_state_after_alloc(feature.mm_hash)  # the connector hands it over
                 continue
             self._encoder_budget -= feature.length
             self.num_encoder_runs += 1
