@@ -12,6 +12,7 @@ import trio
 from transformers import LlavaProcessor, PreTrainedTokenizerFast
 
 from engine import EngineConfig, SamplingParams, open_engine
+from engine.errors import InvalidRequestError
 from tests.multimodal_helpers import ROWS, data_url, image_message, make_tiny_llava, png_bytes, random_image
 from tests.server_fixtures import running_server
 
@@ -139,9 +140,13 @@ async def test_http_image_urls_are_fetched_only_from_allowed_hosts(llava):
     body = png_bytes(random_image(seed=4))
 
     async def serve_png(stream):
-        await stream.receive_some(65536)
-        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
-                              + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        request = await stream.receive_some(65536)
+        if b"/moved" in request.split(b"\r\n")[0]:  # a redirect towards a host nobody allowed
+            await stream.send_all(b"HTTP/1.1 302 Found\r\nLocation: http://169.254.169.254/x\r\n"
+                                  b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+        else:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: "
+                                  + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
         await stream.aclose()
 
     async with trio.open_nursery() as nursery:
@@ -153,6 +158,9 @@ async def test_http_image_urls_are_fetched_only_from_allowed_hosts(llava):
         async with open_engine(config) as engine:
             fetched = [o async for o in engine.chat(image_message(url), greedy)][-1]
             inline = [o async for o in engine.chat(image_message(data_url(body)), greedy)][-1]
+            moved = await engine.chat_prompt(image_message(f"http://127.0.0.1:{port}/moved"))
+            with pytest.raises(InvalidRequestError, match="redirects"):
+                await engine.renderer.render_one(moved)
         assert fetched.outputs[0].token_ids == inline.outputs[0].token_ids
         nursery.cancel_scope.cancel()
 

@@ -85,9 +85,19 @@ def _url_bytes(url: str, limits: ImageLimits) -> bytes:
     return _fetch(url, limits)
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect could lead to a host the allow-list does not name: refuse it."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        raise InvalidRequestError(f"the image URL redirects (to {newurl}); give the final URL", param="image_url")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 def _fetch(url: str, limits: ImageLimits) -> bytes:
     try:
-        with urllib.request.urlopen(url, timeout=limits.fetch_timeout) as response:  # noqa: S310 -- host allow-listed
+        with _OPENER.open(url, timeout=limits.fetch_timeout) as response:
             data: bytes = response.read(limits.max_image_bytes + 1)
     except OSError as exc:
         raise InvalidRequestError(f"the image URL could not be fetched: {exc}", param="image_url") from None
