@@ -22,6 +22,7 @@ from engine.concurrency.offload import run_sized
 from engine.ids import random_id
 from web import sse
 from web.errors import APIError, bad_request
+from web.fields import check_fields
 from web.protocol import ChatCompletionRequest, CompletionRequest, check_model, parse_body
 from web.responses import ChatStream, CompletionStream, chat_response, completion_response
 from web.state import ServerState
@@ -49,6 +50,7 @@ async def read_request(state: ServerState, model: type) -> Any:
     parse = partial(parse_body, model, split_embeds_bytes=state.settings.split_embeds_bytes)
     parsed = await run_sized(parse, body, size=len(body), inline_below=OFFLOAD_BODY_BYTES, limiter=state.limiter)
     check_model(parsed.model, state.accepted_model_names)
+    check_fields(parsed, state.settings.allow_unknown_fields)
     return parsed
 
 

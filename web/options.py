@@ -157,6 +157,8 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help="log a JSON line per finished request: id, tokens, queue time, TTFT, total time, finish "
                           "reason (never the prompt)")
     srv.add_argument("--disable-log-requests", action="store_true", help="vLLM's older flag: the default here")
+    srv.add_argument("--allow-unknown-fields", action="store_true",
+                     help="log and ignore request fields neither OpenAI nor vLLM defines (default: 400 naming them)")
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -164,7 +166,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
                           max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
-                          log_requests=args.enable_log_requests,
+                          log_requests=args.enable_log_requests, allow_unknown_fields=args.allow_unknown_fields,
                           cors=CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                             tuple(args.allowed_headers), args.allow_credentials))
 

@@ -1,7 +1,8 @@
 """OpenAI request bodies, validated by pydantic (pydantic-core parses the JSON bytes directly).
 
-Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients
-keep working. Conversion to `SamplingParams` turns every invalid value into a
+Fields a model does not declare are kept aside (`model_extra`) for `web.fields`
+to refuse or, with `--allow-unknown-fields`, to log: nothing is ignored
+silently. Conversion to `SamplingParams` turns every invalid value into a
 400 naming the field.
 """
 
@@ -17,7 +18,7 @@ from web.errors import APIError, bad_request
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Body):

@@ -26,6 +26,7 @@ class ServerSettings:
     root_path: str = ""  # the prefix a proxy serves the API under
     cors: CorsSettings = CorsSettings()  # vLLM's defaults: every origin, no credentials
     log_requests: bool = False  # --enable-log-requests: a JSON line per finished request
+    allow_unknown_fields: bool = False  # log and ignore request fields nobody defines, instead of a 400
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
