@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
+from engine.structured_outputs import StructuredOutputs
 
 _GREEDY_EPSILON = 1e-5
 
@@ -54,6 +55,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a JSON schema, a regex, a choice or a grammar (compiled by the engine).
+    structured_outputs: StructuredOutputs | None = None
     # Filled in by the engine: the model's EOS ids (generation_config + tokenizer).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

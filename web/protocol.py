@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.api import InvalidRequestError, RequestOutputKind, SamplingParams
+from engine.structured_outputs import StructuredOutputs
 from web.embeds_body import split_prompt_embeds
 from web.errors import APIError, bad_request
 
@@ -47,6 +48,33 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     # vLLM's field: requests with different salts never share prefix-cache blocks.
     cache_salt: str | None = Field(default=None, min_length=1)
+    # Structured outputs, in the three spellings clients use: OpenAI's response_format, vLLM's
+    # structured_outputs object, and vLLM's older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's structured outputs, from whichever spelling it used (one at most)."""
+        given = []
+        if self.response_format is not None:
+            spec = _from_response_format(self.response_format)
+            if spec is not None:
+                given.append(("response_format", spec))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", _from_structured_outputs(self.structured_outputs)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, _structured(name, **{kind: tuple(value) if kind == "choice" else value})))
+        if len(given) > 1:
+            raise bad_request(f"give one way to constrain the output, not {' and '.join(n for n, _ in given)}",
+                              given[1][0])
+        return given[0][1] if given else None
 
     def salted(self, prompt: str | list[int] | dict[str, Any]) -> str | list[int] | dict[str, Any]:
         """`prompt` as the engine takes it, carrying this request's `cache_salt` if it has one."""
@@ -72,6 +100,7 @@ class _Sampling(_Body):
             "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "output_kind": kind,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self.structured(),
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -83,6 +112,44 @@ class _Sampling(_Body):
             return SamplingParams(**values)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param) from exc
+
+
+def _structured(param: str, **values: Any) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**values)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param) from exc
+
+
+def _from_response_format(value: dict[str, Any]) -> StructuredOutputs | None:
+    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _structured("response_format", json_object=True)
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
+        return _structured("response_format", json=schema)
+    raise bad_request(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+                      "response_format")
+
+
+_STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
+
+
+def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
+    """vLLM's `structured_outputs` object."""
+    unknown = sorted(set(value) - _STRUCTURED_KEYS)
+    if unknown:
+        raise bad_request(f"structured_outputs.{unknown[0]} is not supported; supported: "
+                          f"{', '.join(sorted(_STRUCTURED_KEYS))}", "structured_outputs")
+    values = {k: v for k, v in value.items() if v is not None}
+    if isinstance(values.get("choice"), list):
+        values["choice"] = tuple(values["choice"])
+    return _structured("structured_outputs", **values)
 
 
 class CompletionRequest(_Sampling):

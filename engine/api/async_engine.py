@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -30,6 +31,7 @@ from engine.model_info import ModelInfo
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.render.chat import extract_images, render_chat
+from engine.render.grammar import GrammarCompiler
 from engine.render.multimodal import ImageLimits, ImageSpec
 from engine.render.prompt_embeds import EmbedsLimits
 from engine.render.renderer import EngineInput, Prompt, Renderer
@@ -71,6 +73,8 @@ class AsyncEngine:
                                    config.allowed_media_domains)
         self.renderer = Renderer(tokenizer, info.vocab_size, self.render_limiter, embeds_limits,
                                  image_spec=image_spec, image_limits=image_limits)
+        eos = info.eos_token_ids[0] if info.eos_token_ids else None
+        self.grammars = GrammarCompiler(tokenizer.backend, info.vocab_size, eos, self.render_limiter)
 
     # ---- the main entry points -------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -130,14 +134,24 @@ class AsyncEngine:
             raise EngineDeadError("the engine stopped before every prompt was pooled")
         return results  # type: ignore[return-value]
 
-    def _generate(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
-                  request_ids: list[str], priority: int) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    async def _generate(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
+                        request_ids: list[str], priority: int) -> AsyncGenerator[tuple[int, RequestOutput]]:
         if self.info.kind == "encoder":
             raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
                                       "generate; use embeddings, pooling, score or rerank", param="model")
-        params = sampling_params or SamplingParams()
+        params = await self._with_grammar(sampling_params or SamplingParams())
         build = partial(self._make_requests, params=params, priority=priority)
-        return self._run(prompts, request_ids, build, params.output_kind)
+        async with aclosing(self._run(prompts, request_ids, build, params.output_kind)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def _with_grammar(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its structured outputs compiled (in a worker thread, cached by grammar);
+        the request enters the scheduler only with a grammar that compiled."""
+        spec = params.structured_outputs
+        if spec is None or spec.compiled is not None:
+            return params
+        return replace(params, structured_outputs=await self.grammars.compile(spec))
 
     async def _run(self, prompts: Sequence[Prompt], request_ids: list[str],
                    make_requests: Callable[[str, EngineInput], list[Request]],

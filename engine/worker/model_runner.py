@@ -23,6 +23,7 @@ from engine.multimodal import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.sampler import SamplingRow, sample, top_logprobs
 
 
@@ -35,6 +36,7 @@ class RequestState:
     pooling: PoolingParams | None = None
     output_token_ids: list[int] = field(default_factory=list)
     mm_features: list[ImageFeature] = field(default_factory=list)  # with pixel values, kept for re-encoding
+    matcher: Any = None  # an llguidance matcher: the request's structured outputs
 
     @property
     def penalty_prompt_ids(self) -> list[int]:
@@ -47,7 +49,8 @@ class ModelRunner:
                  device: torch.device, seed: int, is_driver: bool = True,
                  pooler: PoolerConfig = PoolerConfig(), report_expert_load: bool = False,
                  vision: LlavaVision | None = None,
-                 save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None) -> None:
+                 save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None,
+                 grammar: GrammarMasks | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -67,6 +70,7 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.num_encoded = 0  # images run through the vision encoder (metrics, tests)
         self.save_encoder_output = save_encoder_output  # an EC producer's store (driver rank only)
+        self.grammar = grammar  # structured outputs (matchers live on the driver, which samples)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -127,8 +131,15 @@ class ModelRunner:
         embeds = None if new.prompt_embeds is None else new.prompt_embeds.to(self.device, self.model.dtype)
         if new.mm_features and self.vision is None:
             raise ValueError("this model does not take images")
+        matcher = None
+        spec = new.sampling_params.structured_outputs
+        if spec is not None and self.is_driver:
+            if self.grammar is None or spec.compiled is None:
+                raise ValueError("structured outputs need a compiled grammar")
+            eos = new.sampling_params.eos_token_ids
+            matcher = self.grammar.matcher(spec.compiled, eos[0] if eos else None)
         return RequestState(new.prompt_token_ids, new.sampling_params, generator, embeds, new.pooling_params,
-                            mm_features=list(new.mm_features))
+                            mm_features=list(new.mm_features), matcher=matcher)
 
     def _run_encoder(self, encoder_inputs: dict[str, list[int]]) -> None:
         """Encode this step's images (all in one batch) into the encoder cache."""
@@ -195,6 +206,8 @@ class ModelRunner:
         if not self.is_driver:
             return
         rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
+        if self.grammar is not None:
+            self.grammar.apply(logits, [s.matcher for s in states])
         try:
             results = [sample(logits, rows, self.generator)]
             sampled = [ids]
@@ -209,6 +222,8 @@ class ModelRunner:
         for result, result_ids in zip(results, sampled, strict=True):
             for rid, token, logprobs in zip(result_ids, result.token_ids, result.logprobs, strict=True):
                 self.requests[rid].output_token_ids.append(token)
+                if self.requests[rid].matcher is not None:
+                    GrammarMasks.accept(self.requests[rid].matcher, token)
                 out.sampled_token_ids[rid] = token
                 if logprobs is not None:
                     out.logprobs[rid] = logprobs

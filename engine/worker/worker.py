@@ -30,6 +30,7 @@ from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
 from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.expert_mover import ExpertMover
+from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.model_runner import ModelRunner
 
 
@@ -122,7 +123,8 @@ class Worker:
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
                                   is_driver=self.rank == 0, pooler=self.pooler,
                                   report_expert_load=self.config.enable_eplb, vision=self.vision,
-                                  save_encoder_output=self._ec_saver())
+                                  save_encoder_output=self._ec_saver(),
+                                  grammar=GrammarMasks(self.config.tokenizer_path, cfg.vocab_size))
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"

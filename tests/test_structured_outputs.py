@@ -1,0 +1,119 @@
+"""Structured outputs over HTTP with the openai client: every output valid against its schema,
+regex, choice or grammar; invalid constraints are 400s with the compiler's message."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+import trio
+
+from tests.conftest import engine_config
+from tests.server_fixtures import running_server
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3}}}
+
+
+@pytest.fixture
+async def client(tiny_model_dir):
+    async with running_server(engine_config(tiny_model_dir)) as server:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        async with client:
+            client.served = server.state.model_name
+            yield client
+
+
+def chat(text: str = "give me a record") -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_json_schema_answers_are_valid_and_close_well_within_200_tokens(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
+    for seed in range(4):
+        out = await client.chat.completions.create(model=client.served, messages=chat(), max_tokens=200,
+                                                   temperature=1.0, seed=seed, response_format=response_format)
+        choice = out.choices[0]
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert choice.finish_reason == "stop" and out.usage.completion_tokens < 200
+        assert "\n" not in choice.message.content  # compact: no whitespace runs
+
+
+async def test_n_samples_streaming_and_a_mixed_batch(client):
+    regex = r"[a-z]{2,5}-[0-9]{3}"
+
+    async def constrained(results):
+        out = await client.completions.create(model=client.served, prompt="code:", max_tokens=30, n=3, seed=7,
+                                              temperature=1.0, extra_body={"structured_outputs": {"regex": regex}})
+        results["regex"] = [c.text for c in out.choices]
+
+    async def free(results):
+        out = await client.completions.create(model=client.served, prompt="code:", max_tokens=12, temperature=1.0,
+                                              seed=7, extra_body={"ignore_eos": True})
+        results["free"] = out.choices[0].text
+
+    async def streamed(results):
+        stream = await client.chat.completions.create(
+            model=client.served, messages=chat(), max_tokens=200, stream=True, seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+        results["stream"] = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    results: dict = {}
+    async with trio.open_nursery() as nursery:
+        for job in (constrained, free, streamed):
+            nursery.start_soon(job, results)
+    assert len(results["regex"]) == 3 and all(re.fullmatch(regex, t) for t in results["regex"])
+    assert not re.fullmatch(regex, results["free"])  # the unconstrained neighbour was not masked
+    jsonschema.validate(json.loads(results["stream"]), SCHEMA)
+
+
+async def test_choice_grammar_json_object_and_the_guided_names(client):
+    out = await client.chat.completions.create(model=client.served, messages=chat(), max_tokens=10,
+                                               extra_body={"guided_choice": ["alpha", "beta"]})
+    assert out.choices[0].message.content in ("alpha", "beta")
+    grammar = 'root ::= "x" ("y" | "z")+ "!"'
+    out = await client.completions.create(model=client.served, prompt="g:", max_tokens=40, temperature=1.0, seed=1,
+                                          extra_body={"guided_grammar": grammar})
+    assert re.fullmatch(r"x[yz]+!", out.choices[0].text), out.choices[0].text
+    out = await client.chat.completions.create(model=client.served, messages=chat(), max_tokens=200, seed=2,
+                                               response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    else:
+        assert out.choices[0].message.content.startswith("{")
+
+
+async def test_a_grammar_that_cannot_finish_ends_with_length(client):
+    out = await client.completions.create(model=client.served, prompt="x", max_tokens=5,
+                                          extra_body={"structured_outputs": {"regex": "a{50}"}})
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text == "a" * len(out.choices[0].text)
+
+
+async def test_the_parse_helper_with_a_pydantic_model(client):
+    class Pet(pydantic.BaseModel):
+        kind: str = pydantic.Field(max_length=8)
+        legs: bool
+
+    out = await client.beta.chat.completions.parse(model=client.served, messages=chat(), max_tokens=200,
+                                                   response_format=Pet, seed=4)
+    assert isinstance(out.choices[0].message.parsed, Pet)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "unclosed group"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "invalid structured outputs"),
+    ({"guided_grammar": "root ::= \"a\" ("}, "invalid structured outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ({"structured_outputs": {"pattern": "a"}}, "structured_outputs.pattern"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "give one way"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+])
+async def test_invalid_constraints_are_400s_with_the_reason(client, extra, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(model=client.served, prompt="x", max_tokens=5, extra_body=extra)
+    assert message in str(caught.value)
