@@ -24,6 +24,10 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKENS_LIMIT = 1 << 31  # max_tokens/min_tokens beyond any context window (the engine checks the real one)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class RequestOutputKind(enum.Enum):
     """What each streamed `RequestOutput` carries."""
 
@@ -57,6 +61,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a JSON schema, a regex, a choice or a grammar (compiled by the engine).
     structured_outputs: StructuredOutputs | None = None
+    # Added to the logits of these token ids before sampling ((token id, bias) pairs; a dict is taken too)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # sample only among these
     # Filled in by the engine: the model's EOS ids (generation_config + tokenizer).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -66,6 +73,10 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(bias.items()) if isinstance(bias, dict) else tuple(bias or ()))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -111,6 +122,21 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param=param)
+        self._validate_token_lists()
+
+    def _validate_token_lists(self) -> None:
+        for token, bias in self.logit_bias:
+            if not _is_int(token) or token < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], got {bias!r}",
+                                          param="logit_bias")
+        if len(self.logit_bias) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"logit_bias may hold at most {MAX_STOP_TOKEN_IDS} entries", param="logit_bias")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not allowed or not all(_is_int(t) and t >= 0 for t in allowed)):
+            raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids",
+                                      param="allowed_token_ids")
 
     def _validate_types(self) -> None:
         """Numbers of the right type, finite: a NaN compares false to everything and would pass."""

@@ -46,7 +46,7 @@ async def test_every_refused_field_is_a_400_naming_it(server):
 
 
 async def test_empty_values_of_refused_fields_ask_for_nothing(server):
-    body = {**BASE["chat/completions"], "tools": [], "logit_bias": None, "parallel_tool_calls": False}
+    body = {**BASE["chat/completions"], "tools": [], "best_of": None, "parallel_tool_calls": False}
     response = await request(server.url, "POST", "/v1/chat/completions", body)
     assert response.status == 200, response.body
 
@@ -68,6 +68,6 @@ async def test_allow_unknown_fields_logs_them_instead(tiny_model_dir, caplog):
             response = await request(server.url, "POST", "/v1/completions", body)
         assert response.status == 200
         assert "frobnicate" in caplog.text and "vendor_x" in caplog.text
-        refused = {**BASE["completions"], "logit_bias": {"5": 1}}  # known and unimplemented: still a 400
+        refused = {**BASE["completions"], "best_of": 3}  # known and unimplemented: still a 400
         response = await request(server.url, "POST", "/v1/completions", refused)
         assert response.status == 400

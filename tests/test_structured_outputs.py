@@ -117,3 +117,21 @@ async def test_invalid_constraints_are_400s_with_the_reason(client, extra, messa
     with pytest.raises(openai.BadRequestError) as caught:
         await client.completions.create(model=client.served, prompt="x", max_tokens=5, extra_body=extra)
     assert message in str(caught.value)
+
+
+async def test_logit_bias_and_allowed_token_ids(client, tiny_model_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
+    pushed = await client.completions.create(model=client.served, prompt="hello", max_tokens=6, temperature=0,
+                                             logit_bias={"300": 100}, extra_body={"ignore_eos": True})
+    assert pushed.choices[0].text == tokenizer.decode([300] * 6)
+    only = await client.completions.create(model=client.served, prompt="hello", max_tokens=8, temperature=1.0, seed=3,
+                                           extra_body={"allowed_token_ids": [40, 41], "ignore_eos": True})
+    allowed_chars = set(tokenizer.decode([40]) + tokenizer.decode([41]))
+    assert only.choices[0].text and set(only.choices[0].text) <= allowed_chars
+    for extra, param in (({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                         ({"logit_bias": {"x": 1}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=client.served, prompt="x", max_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == param, caught.value.body

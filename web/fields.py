@@ -27,8 +27,6 @@ _SAMPLING_VLLM = {
     "best_of": "only n independent samples are generated (no best-of selection)",
     "use_beam_search": "beam search is not implemented",
     "length_penalty": "only used by beam search, which is not implemented",
-    "logit_bias": "not implemented yet",
-    "allowed_token_ids": "not implemented yet",
     "bad_words": "not implemented yet",
     "spaces_between_special_tokens": "detokenization always joins special tokens without spaces",
     "truncate_prompt_tokens": "not implemented for generation (embeddings take it)",

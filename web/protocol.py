@@ -56,6 +56,16 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    allowed_token_ids: list[int] | None = None
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
     def structured(self) -> StructuredOutputs | None:
         """The request's structured outputs, from whichever spelling it used (one at most)."""
@@ -101,6 +111,7 @@ class _Sampling(_Body):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": self.structured(),
+            "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

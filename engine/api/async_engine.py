@@ -333,9 +333,12 @@ class AsyncEngine:
         if engine_input.embeds is not None and params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported for prompt embeddings (the prompt has no "
                                       "tokens)", param="prompt_logprobs")
-        bad_stop = [t for t in params.stop_token_ids if t >= self.info.vocab_size]
-        if bad_stop:
-            raise InvalidRequestError(f"stop_token_ids {bad_stop} are out of vocabulary", param="stop_token_ids")
+        vocab = self.info.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{name} {bad[:8]} are out of vocabulary (size {vocab})", param=name)
 
     def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
                        priority: int) -> list[Request]:

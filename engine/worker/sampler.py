@@ -1,6 +1,6 @@
 """Turning logits into tokens, one row per request, with per-request parameters.
 
-Order of operations (vLLM's): penalties, then the min_tokens mask, then
+Order of operations (vLLM's): penalties, allowed token ids and logit bias, then the min_tokens mask, then
 greedy argmax or temperature + min-p + top-k + top-p and a draw. Logprobs are
 the raw model log-probabilities, before any of that.
 
@@ -40,6 +40,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = apply_penalties(logits, rows)
+    logits = apply_logit_bias(logits, rows)
     logits = mask_stop_tokens_below_min(logits, rows)
     chosen = _choose(logits, rows, default_generator)
     token_ids = chosen.tolist()
@@ -62,6 +63,25 @@ def top_logprobs(row_logprobs: torch.Tensor, token_id: int, num: int) -> TokenLo
         lps += top.values.tolist()
         ranks += list(range(1, num + 1))
     return ids, lps, ranks
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`allowed_token_ids` (everything else masked), then `logit_bias` added."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias or r.params.allowed_token_ids is not None]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        p = rows[i].params
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(logits[i], float("-inf"))
+            ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+            keep[ids] = logits[i, ids]
+            logits[i] = keep
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
