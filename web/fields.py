@@ -53,11 +53,8 @@ REFUSED: dict[str, dict[str, str]] = {
         },
     "chat/completions": {
         **_SAMPLING_VLLM,
-        "tools": "tool calling is not implemented yet",
-        "tool_choice": "tool calling is not implemented yet",
-        "parallel_tool_calls": "tool calling is not implemented yet",
-        "functions": "tool calling is not implemented yet (and `functions` is deprecated: use `tools`)",
-        "function_call": "tool calling is not implemented yet (and `function_call` is deprecated)",
+        "functions": "deprecated by OpenAI: use `tools`",
+        "function_call": "deprecated by OpenAI: use `tool_choice`",
         "modalities": "only text output is produced",
         "audio": "audio output is not produced",
         "prediction": "predicted outputs are not supported",

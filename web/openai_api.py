@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -26,6 +27,7 @@ from web.fields import check_fields
 from web.protocol import ChatCompletionRequest, CompletionRequest, check_model, parse_body
 from web.responses import ChatStream, CompletionStream, chat_response, completion_response
 from web.state import ServerState
+from web.tools import history_for_template, plan_tools
 
 # Bodies and responses above these sizes are parsed / built in a worker thread.
 OFFLOAD_BODY_BYTES = 64 << 10
@@ -149,26 +151,37 @@ async def create_chat_completion(state: ServerState) -> Response:
     """
     req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
     engine = generation_engine(state)
-    prompt_input = await engine.chat_prompt(req.checked_messages(), add_generation_prompt=req.add_generation_prompt)
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.settings.enable_auto_tool_choice,
+                       state.settings.tool_call_parser)
+    template_kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
+    if tools is not None:
+        template_kwargs["tools"] = tools.tools
+    prompt_input = await engine.chat_prompt(history_for_template(req.checked_messages()), **template_kwargs)
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind,
                                  defaults=engine.sampling_defaults)
+    if tools is not None and tools.structured is not None:
+        if params.structured_outputs is not None:
+            raise bad_request("tool_choice required or a named function constrains the output already; drop "
+                              "response_format / structured_outputs", "tool_choice")
+        params = replace(params, structured_outputs=tools.structured)
+    tool_plan = tools if tools is not None and tools.makes_calls else None
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([req.salted(prompt_input)], params,
                                     request_id=response_id)
     first = await first_item(outputs)
     top = logprobs if req.logprobs else None
     if req.stream:
-        stream = ChatStream(response_id, created, state.model_name, top)
+        stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1]),
                                  lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
         return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
                         headers=sse.HEADERS)
     (final,) = await final_outputs(first, outputs, 1)
     tokens = sum(len(c.token_ids) for c in final.outputs)
-    return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top),
-                               tokens)
+    return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top,
+                                                            tool_plan), tokens)
 
 
 async def _prepend(head: bytes, body: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:

@@ -157,6 +157,10 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help="log a JSON line per finished request: id, tokens, queue time, TTFT, total time, finish "
                           "reason (never the prompt)")
     srv.add_argument("--disable-log-requests", action="store_true", help="vLLM's older flag: the default here")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='tool_choice "auto": find tool calls in what the model writes (with --tool-call-parser)')
+    srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                     help="the format tool calls are written in: hermes (<tool_call>...</tool_call>), llama3_json")
     srv.add_argument("--allow-unknown-fields", action="store_true",
                      help="log and ignore request fields neither OpenAI nor vLLM defines (default: 400 naming them)")
 
@@ -167,6 +171,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           max_body_bytes=args.max_body_bytes, grace_period=args.grace_period,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
                           log_requests=args.enable_log_requests, allow_unknown_fields=args.allow_unknown_fields,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           cors=CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                             tuple(args.allowed_headers), args.allow_credentials))
 

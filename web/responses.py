@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import CompletionOutput, PositionLogprobs, RequestOutput
+from web.tools import ToolPlan, extract_calls
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -128,12 +129,24 @@ def _completion_choice(index: int, output: RequestOutput, completion: Completion
 
 
 # ---- chat ----------------------------------------------------------------------------------------
+def _message(text: str, finish_reason: str | None, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message for `text` (with its tool calls under `tools`), and the finish reason."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = extract_calls(tools, text)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls}
+    if calls and finish_reason == "stop" and tools.mode != "named":
+        finish_reason = "tool_calls"  # OpenAI's: a named function's call ends with "stop"
+    return message, finish_reason
+
+
 def chat_response(response_id: str, created: int, model: str, output: RequestOutput,
-                  top_logprobs: int | None) -> dict[str, Any]:
+                  top_logprobs: int | None, tools: ToolPlan | None = None) -> dict[str, Any]:
     choices = []
     for completion in output.outputs:
-        choice = {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
-                  "logprobs": None, "finish_reason": completion.finish_reason,
+        message, finish_reason = _message(completion.text, completion.finish_reason, tools)
+        choice = {"index": completion.index, "message": message,
+                  "logprobs": None, "finish_reason": finish_reason,
                   "stop_reason": completion.stop_reason}
         if top_logprobs is not None and completion.logprobs is not None:
             choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, top_logprobs)
@@ -151,6 +164,10 @@ class ChatStream:
     top_logprobs: int | None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # With tools, each choice's text is held until it finishes, then sent as content and/or whole
+    # tool calls (a client accumulating deltas gets the same message as without streaming).
+    tool_plan: ToolPlan | None = None
+    held: dict[int, str] = field(default_factory=dict)
 
     def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
@@ -165,9 +182,13 @@ class ChatStream:
         choices = []
         for completion in output.outputs:
             self.completion_tokens += len(completion.token_ids)
-            delta = {"content": completion.text} if completion.text or not completion.finish_reason else {}
+            delta: dict[str, Any] = {"content": completion.text} if completion.text or not completion.finish_reason \
+                else {}
+            finish_reason = completion.finish_reason
+            if self.tool_plan is not None:
+                delta, finish_reason = self._tool_delta(completion.index, completion.text, finish_reason)
             choice = {"index": completion.index, "delta": delta, "logprobs": None,
-                      "finish_reason": completion.finish_reason}
+                      "finish_reason": finish_reason}
             if self.top_logprobs is not None and completion.logprobs:
                 choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, self.top_logprobs)
             choices.append(choice)
@@ -175,3 +196,16 @@ class ChatStream:
 
     def usage_chunk(self) -> dict[str, Any]:
         return self._wrap([], usage=usage(self.prompt_tokens, self.completion_tokens))
+
+    def _tool_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        self.held[index] = self.held.get(index, "") + text
+        if finish_reason is None:
+            return {}, None
+        assert self.tool_plan is not None
+        message, finish_reason = _message(self.held.pop(index), finish_reason, self.tool_plan)
+        delta: dict[str, Any] = {}
+        if message.get("content"):
+            delta["content"] = message["content"]
+        if message["tool_calls"]:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        return delta, finish_reason

@@ -27,6 +27,8 @@ class ServerSettings:
     cors: CorsSettings = CorsSettings()  # vLLM's defaults: every origin, no credentials
     log_requests: bool = False  # --enable-log-requests: a JSON line per finished request
     allow_unknown_fields: bool = False  # log and ignore request fields nobody defines, instead of a 400
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of free text...
+    tool_call_parser: str | None = None  # ...in this format (web.tools.PARSERS)
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

@@ -1,0 +1,130 @@
+"""Tool calling with the openai client: required and named choices constrained to well-formed calls,
+auto parsed by the hermes and llama3_json parsers, streaming, and tool messages in the history."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import engine_config
+from tests.server_fixtures import running_server
+from web.settings import ServerSettings
+from web.tools import ToolPlan, parse_calls
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "maxLength": 10},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["UTC", "CET"]}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": TIME}}]
+SCHEMAS = {"weather": WEATHER, "clock": TIME}
+TEMPLATE = ("{% if tools %}TOOLS{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}\n{% endfor %}assistant:")
+
+
+@pytest.fixture
+async def client(tiny_model_dir):
+    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    async with running_server(engine_config(tiny_model_dir, chat_template=TEMPLATE), settings) as server:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        async with client:
+            client.served = server.state.model_name
+            yield client
+
+
+def ask(text="what is the weather?"):
+    return [{"role": "user", "content": text}]
+
+
+def check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+async def test_required_gives_well_formed_calls_from_a_random_model(client):
+    for seed in range(3):
+        out = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS, seed=seed,
+                                                   tool_choice="required", max_tokens=200, temperature=1.0)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        check_calls(choice.message.tool_calls)
+    single = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS, seed=5,
+                                                  tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+async def test_a_named_function_is_called(client):
+    out = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS, max_tokens=200,
+                                               tool_choice={"type": "function", "function": {"name": "clock"}})
+    calls = out.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["clock"] and out.choices[0].finish_reason == "stop"
+    check_calls(calls)
+
+
+async def test_streamed_calls_add_up_to_the_same_message(client):
+    stream = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS, seed=2,
+                                                  tool_choice="required", max_tokens=200, stream=True)
+    calls, finish = {}, None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+
+
+async def test_the_template_sees_the_tools_and_history_with_tool_messages_is_accepted(client):
+    without = await client.chat.completions.create(model=client.served, messages=ask(), max_tokens=2)
+    with_tools = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS,
+                                                      tool_choice="none", max_tokens=2)
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 2
+    assert with_tools.choices[0].message.tool_calls in (None, [])
+    history = [*ask(), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    out = await client.chat.completions.create(model=client.served, messages=history, tools=TOOLS, max_tokens=4)
+    assert out.choices[0].message.role == "assistant"  # auto, hermes: free text without calls is content
+
+
+@pytest.mark.parametrize("tool_choice, message", [
+    ({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+    ("sometimes", "tool_choice must be"),
+])
+async def test_bad_tool_choices_are_400s(client, tool_choice, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS,
+                                             tool_choice=tool_choice, max_tokens=4)
+
+
+async def test_auto_needs_the_flags(tiny_model_dir):
+    async with running_server(engine_config(tiny_model_dir)) as server:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        async with client:
+            with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+                await client.chat.completions.create(model=server.state.model_name, messages=ask(), tools=TOOLS,
+                                                     max_tokens=4)
+
+
+def test_hermes_and_llama3_json_parsers():
+    content, calls = parse_calls("hermes", 'Let me check.\n<tool_call>\n{"name": "clock", "arguments": '
+                                           '{"zone": "UTC"}}\n</tool_call>\n<tool_call>{"name": "weather", '
+                                           '"arguments": {"city": "Oslo", "days": 2}}</tool_call>')
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("clock", {"zone": "UTC"}), ("weather", {"city": "Oslo", "days": 2})]
+    assert parse_calls("hermes", "no calls here") == ("no calls here", [])
+    content, calls = parse_calls("llama3_json", '<|python_tag|>{"name": "clock", "parameters": {"zone": "CET"}}; '
+                                                '{"name": "weather", "parameters": {"city": "Rome", "days": 1}}')
+    assert content is None and [c["function"]["name"] for c in calls] == ["clock", "weather"]
+    assert parse_calls("llama3_json", "{not json") == ("{not json", [])
+    assert ToolPlan("none", []).makes_calls is False

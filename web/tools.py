@@ -1,0 +1,166 @@
+"""Tool calling in chat: what a request's `tools` and `tool_choice` ask for, and the tool calls in
+what the model wrote.
+
+- `none`: the template sees the tools; the answer is text.
+- `required`: the output is constrained to a JSON array of calls (`[{"name": ..., "parameters":
+  {...}}]`, each name one of the tools and its parameters valid against that tool's schema),
+  so even a random-weight model answers with well-formed calls. No parser flag is needed.
+- a named function: constrained to that function's parameters; one call.
+- `auto`: free text, parsed afterwards by the parser `--tool-call-parser` names (`hermes`:
+  `<tool_call>{...}</tool_call>` blocks; `llama3_json`: `{"name": ..., "parameters": ...}`
+  objects separated by `;`). Without `--enable-auto-tool-choice` it is refused, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from engine.ids import random_id
+from engine.structured_outputs import StructuredOutputs
+from web.errors import bad_request
+
+PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # none, auto, required, named
+    tools: list[dict[str, Any]]  # as the template receives them
+    structured: StructuredOutputs | None = None
+    named: str | None = None
+    parser: str | None = None
+
+    @property
+    def makes_calls(self) -> bool:
+        return self.mode != "none"
+
+
+def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                              "tools")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        functions[function["name"]] = parameters
+    return functions
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool, auto_enabled: bool,
+               parser: str | None) -> ToolPlan | None:
+    """What the request's tool fields ask for (None: no tools); 400s for what cannot be honoured."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    functions = _functions(tools)
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if choice == "auto":
+        if not auto_enabled or parser is None:
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                              'set', "tool_choice")
+        return ToolPlan("auto", tools, parser=parser)
+    if choice == "required":
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                  "properties": {"name": {"const": name}, "parameters": schema}}
+                 for name, schema in functions.items()]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not parallel:
+            array["maxItems"] = 1
+        return ToolPlan("required", tools, StructuredOutputs(json=array))
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                          '{"name": ...}}', "tool_choice")
+    if name not in functions:
+        raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    return ToolPlan("named", tools, StructuredOutputs(json=functions[name]), named=name)
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{random_id()}", "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of what the model wrote under `plan`."""
+    if plan.mode == "named":
+        return None, [_call(plan.named or "", text)] if _is_json(text) else []
+    if plan.mode == "required":
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []  # cut short (max_tokens): the partial text is all there is
+        return None, [_call(c["name"], c["parameters"]) for c in calls]
+    if plan.mode == "auto":
+        return parse_calls(plan.parser or "", text)
+    return text, []
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_calls(parser: str, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Tool calls written as the model's format has them; text that is not a call stays content."""
+    if parser == "hermes":
+        start = text.find("<tool_call>")
+        if start < 0:
+            return text, []
+        calls = []
+        for block in _HERMES.findall(text[start:]):
+            try:
+                call = json.loads(block)
+                calls.append(_call(call["name"], call.get("arguments", {})))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return text, []
+        return text[:start].strip() or None, calls
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    calls, decoder, position = [], json.JSONDecoder(), 0
+    try:
+        while position < len(body):
+            call, end = decoder.raw_decode(body, position)
+            calls.append(_call(call["name"], call.get("parameters", call.get("arguments", {}))))
+            position = end
+            while position < len(body) and body[position] in " \n;":
+                position += 1
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return text, []
+    return None, calls
+
+
+def history_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls as templates expect them: `arguments` as an object, not JSON text."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for call in calls:
+                function = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+                if isinstance(function.get("arguments"), str):
+                    with contextlib.suppress(json.JSONDecodeError):
+                        function["arguments"] = json.loads(function["arguments"])
+                fixed.append({**call, "function": function} if isinstance(call, dict) else call)
+            message = {**message, "tool_calls": fixed}
+        out.append(message)
+    return out
