@@ -66,7 +66,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "add_special_tokens": "the chat prompt is tokenized as the template renders it",
         "documents": "documents for the chat template are not implemented",
         "chat_template": "per-request chat templates are not accepted",
-        "chat_template_kwargs": "chat template arguments are not implemented yet",
         "mm_processor_kwargs": "the image processor's settings come from the model",
     },
     "embeddings": {"normalize": "embeddings are normalised as the model's pooling config says",

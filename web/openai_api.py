@@ -153,7 +153,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     engine = generation_engine(state)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.settings.enable_auto_tool_choice,
                        state.settings.tool_call_parser)
-    template_kwargs: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt}
+    template_kwargs: dict[str, Any] = {**req.template_kwargs(), "add_generation_prompt": req.add_generation_prompt}
     if tools is not None:
         template_kwargs["tools"] = tools.tools
     prompt_input = await engine.chat_prompt(history_for_template(req.checked_messages()), **template_kwargs)
@@ -173,7 +173,8 @@ async def create_chat_completion(state: ServerState) -> Response:
     first = await first_item(outputs)
     top = logprobs if req.logprobs else None
     if req.stream:
-        stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan)
+        stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan,
+                            reasoning_parser=state.settings.reasoning_parser)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1]),
                                  lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
         return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
@@ -181,7 +182,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     (final,) = await final_outputs(first, outputs, 1)
     tokens = sum(len(c.token_ids) for c in final.outputs)
     return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top,
-                                                            tool_plan), tokens)
+                                                            tool_plan, state.settings.reasoning_parser), tokens)
 
 
 async def _prepend(head: bytes, body: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:

@@ -161,6 +161,8 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help='tool_choice "auto": find tool calls in what the model writes (with --tool-call-parser)')
     srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                      help="the format tool calls are written in: hermes (<tool_call>...</tool_call>), llama3_json")
+    srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                     help="put the model's <think>...</think> part in reasoning_content")
     srv.add_argument("--allow-unknown-fields", action="store_true",
                      help="log and ignore request fields neither OpenAI nor vLLM defines (default: 400 naming them)")
 
@@ -172,6 +174,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path,
                           log_requests=args.enable_log_requests, allow_unknown_fields=args.allow_unknown_fields,
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
                           cors=CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                             tuple(args.allowed_headers), args.allow_credentials))
 

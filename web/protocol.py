@@ -193,6 +193,16 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`chat_template_kwargs`, minus the names the server itself passes to the template."""
+        extra = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(extra) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {taken[0]!r} (the server passes it)",
+                              "chat_template_kwargs")
+        return extra
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import CompletionOutput, PositionLogprobs, RequestOutput
+from web.reasoning import ReasoningStream, split_reasoning
 from web.tools import ToolPlan, extract_calls
 
 
@@ -129,22 +130,29 @@ def _completion_choice(index: int, output: RequestOutput, completion: Completion
 
 
 # ---- chat ----------------------------------------------------------------------------------------
-def _message(text: str, finish_reason: str | None, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message for `text` (with its tool calls under `tools`), and the finish reason."""
+def _message(text: str, finish_reason: str | None, tools: ToolPlan | None,
+             reasoning_parser: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message for `text` (its reasoning split off with a reasoning parser, its tool
+    calls found under `tools`), and the finish reason."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning_parser is not None:
+        message["reasoning_content"], text = split_reasoning(reasoning_parser, text)
+        message["content"] = text
     if tools is None:
-        return {"role": "assistant", "content": text}, finish_reason
+        return message, finish_reason
     content, calls = extract_calls(tools, text)
-    message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls}
+    message.update(content=content, tool_calls=calls)
     if calls and finish_reason == "stop" and tools.mode != "named":
         finish_reason = "tool_calls"  # OpenAI's: a named function's call ends with "stop"
     return message, finish_reason
 
 
 def chat_response(response_id: str, created: int, model: str, output: RequestOutput,
-                  top_logprobs: int | None, tools: ToolPlan | None = None) -> dict[str, Any]:
+                  top_logprobs: int | None, tools: ToolPlan | None = None,
+                  reasoning_parser: str | None = None) -> dict[str, Any]:
     choices = []
     for completion in output.outputs:
-        message, finish_reason = _message(completion.text, completion.finish_reason, tools)
+        message, finish_reason = _message(completion.text, completion.finish_reason, tools, reasoning_parser)
         choice = {"index": completion.index, "message": message,
                   "logprobs": None, "finish_reason": finish_reason,
                   "stop_reason": completion.stop_reason}
@@ -168,6 +176,8 @@ class ChatStream:
     # tool calls (a client accumulating deltas gets the same message as without streaming).
     tool_plan: ToolPlan | None = None
     held: dict[int, str] = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    reasoning: dict[int, ReasoningStream] = field(default_factory=dict)
 
     def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
@@ -187,6 +197,8 @@ class ChatStream:
             finish_reason = completion.finish_reason
             if self.tool_plan is not None:
                 delta, finish_reason = self._tool_delta(completion.index, completion.text, finish_reason)
+            elif self.reasoning_parser is not None:
+                delta = self._reasoning_delta(completion.index, completion.text, finish_reason is not None)
             choice = {"index": completion.index, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
             if self.top_logprobs is not None and completion.logprobs:
@@ -197,13 +209,26 @@ class ChatStream:
     def usage_chunk(self) -> dict[str, Any]:
         return self._wrap([], usage=usage(self.prompt_tokens, self.completion_tokens))
 
+    def _reasoning_delta(self, index: int, text: str, final: bool) -> dict[str, Any]:
+        assert self.reasoning_parser is not None
+        splitter = self.reasoning.setdefault(index, ReasoningStream(self.reasoning_parser))
+        reasoning, content = splitter.feed(text, final)
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        return delta
+
     def _tool_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         self.held[index] = self.held.get(index, "") + text
         if finish_reason is None:
             return {}, None
         assert self.tool_plan is not None
-        message, finish_reason = _message(self.held.pop(index), finish_reason, self.tool_plan)
+        message, finish_reason = _message(self.held.pop(index), finish_reason, self.tool_plan, self.reasoning_parser)
         delta: dict[str, Any] = {}
+        if message.get("reasoning_content"):
+            delta["reasoning_content"] = message["reasoning_content"]
         if message.get("content"):
             delta["content"] = message["content"]
         if message["tool_calls"]:

@@ -1,0 +1,71 @@
+"""Reasoning parsers split <think>...</think> into reasoning_content, streamed or not, and
+chat_template_kwargs reach the template."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import engine_config
+from tests.server_fixtures import running_server
+from web.reasoning import ReasoningStream, split_reasoning
+from web.settings import ServerSettings
+
+TEMPLATE = ("{% if enable_thinking %}THINK THINK THINK\n{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+FORCED = {"structured_outputs": {"regex": "<think>\nab cd</think>\n\nxy z"}}
+
+
+@pytest.fixture
+async def client(tiny_model_dir):
+    settings = ServerSettings(reasoning_parser="qwen3")
+    async with running_server(engine_config(tiny_model_dir, chat_template=TEMPLATE), settings) as server:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        async with client:
+            client.served = server.state.model_name
+            yield client
+
+
+MESSAGES = [{"role": "user", "content": "think first"}]
+
+
+async def test_reasoning_content_split_whole_and_streamed(client):
+    out = await client.chat.completions.create(model=client.served, messages=MESSAGES, max_tokens=60,
+                                               extra_body=FORCED)
+    message = out.choices[0].message
+    assert message.reasoning_content == "ab cd" and message.content == "xy z"
+    stream = await client.chat.completions.create(model=client.served, messages=MESSAGES, max_tokens=60,
+                                                  stream=True, extra_body=FORCED)
+    reasoning = content = ""
+    async for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == ("ab cd", "xy z")
+
+
+async def test_chat_template_kwargs_reach_the_template(client):
+    plain = await client.chat.completions.create(model=client.served, messages=MESSAGES, max_tokens=1)
+    thinking = await client.chat.completions.create(model=client.served, messages=MESSAGES, max_tokens=1,
+                                                    extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert thinking.usage.prompt_tokens > plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
+        await client.chat.completions.create(model=client.served, messages=MESSAGES, max_tokens=1,
+                                             extra_body={"chat_template_kwargs": {"messages": []}})
+
+
+@pytest.mark.parametrize("parser, text, expected", [
+    ("qwen3", "<think>\nplan</think>\n\nanswer", ("plan", "answer")),
+    ("qwen3", "no thinking at all", (None, "no thinking at all")),
+    ("deepseek_r1", "still thinking when cut off", ("still thinking when cut off", "")),
+    ("deepseek_r1", "why</think>because", ("why", "because")),
+])
+def test_split_whole_and_in_any_chunking(parser, text, expected):
+    assert split_reasoning(parser, text) == expected
+    for size in (1, 2, 3, 7):
+        splitter, reasoning, content = ReasoningStream(parser), "", ""
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            r, c = splitter.feed(piece, final=i == len(pieces) - 1)
+            reasoning, content = reasoning + r, content + c
+        assert (reasoning or None, content) == expected, size
