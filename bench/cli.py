@@ -23,6 +23,23 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_prefix_hash(bench)
     _add_bench_eplb(bench)
     _add_bench_ec(bench)
+    _add_bench_structured(bench)
+
+
+def _add_bench_structured(bench: Subcommands) -> None:
+    st = bench.add_parser("structured", help="JSON-schema-constrained output tok/s against unconstrained, and the "
+                                             "event loop while grammars compile")
+    st.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    st.add_argument("--concurrency", default="1,16")
+    st.add_argument("--output-len", type=int, default=128)
+    st.add_argument("--rounds", type=int, default=3)
+    st.set_defaults(run=_bench_structured)
+
+
+def _bench_structured(args: argparse.Namespace) -> int:
+    from bench import structured
+    print(structured.run(args.model, [int(c) for c in args.concurrency.split(",")], args.output_len, args.rounds))
+    return 0
 
 
 def _add_bench_ec(bench: Subcommands) -> None:
