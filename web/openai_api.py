@@ -131,11 +131,12 @@ async def create_completion(state: ServerState) -> Response:
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = req.sampling_params(req.max_tokens, req.logprobs, kind, prompt_logprobs, engine.sampling_defaults)
     response_id, created = f"cmpl-{random_id()}", int(time.time())
-    outputs = engine.generate_batch([req.salted(p) for p in prompts], params, request_id=response_id)
+    outputs = engine.generate_batch([req.salted(p) for p in prompts], params, request_id=response_id,
+                                    priority=req.priority)
     first = await first_item(outputs)
     if req.stream:
         stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None)
-        body = sse.stream_events(first, outputs, lambda item: stream.chunk(*item),
+        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[0], item[1], req.continuous_usage),
                                  lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
         return Response(body, content_type="text/event-stream", headers=sse.HEADERS)
     finals = await final_outputs(first, outputs, len(prompts))
@@ -168,14 +169,14 @@ async def create_chat_completion(state: ServerState) -> Response:
         params = replace(params, structured_outputs=tools.structured)
     tool_plan = tools if tools is not None and tools.makes_calls else None
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
-    outputs = engine.generate_batch([req.salted(prompt_input)], params,
+    outputs = engine.generate_batch([req.salted(prompt_input)], params, priority=req.priority,
                                     request_id=response_id)
     first = await first_item(outputs)
     top = logprobs if req.logprobs else None
     if req.stream:
         stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan,
                             reasoning_parser=state.settings.reasoning_parser)
-        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1]),
+        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1], req.continuous_usage),
                                  lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
         return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
                         headers=sse.HEADERS)

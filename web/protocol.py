@@ -24,6 +24,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage (so far) in every chunk
 
 
 class _Sampling(_Body):
@@ -48,6 +49,7 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     # vLLM's field: requests with different salts never share prefix-cache blocks.
     cache_salt: str | None = Field(default=None, min_length=1)
+    priority: int = 0  # with --scheduling-policy priority: lower runs first (vLLM's meaning)
     # Structured outputs, in the three spellings clients use: OpenAI's response_format, vLLM's
     # structured_outputs object, and vLLM's older guided_* fields.
     response_format: dict[str, Any] | None = None
@@ -98,6 +100,11 @@ class _Sampling(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, kind: RequestOutputKind,
                         prompt_logprobs: int | None = None,

@@ -76,7 +76,9 @@ class CompletionStream:
     _echoed: set[int] = field(default_factory=set)
     _text_offsets: dict[int, int] = field(default_factory=dict)
 
-    def chunk(self, prompt_index: int, output: RequestOutput) -> dict[str, Any]:
+    def chunk(self, prompt_index: int, output: RequestOutput, continuous_usage: bool = False) -> dict[str, Any]:
+        """One chunk; with `continuous_usage` (stream_options.continuous_usage_stats) it carries the
+        usage so far."""
         self.prompt_tokens[prompt_index] = output.num_prompt_tokens
         choices = []
         for completion in output.outputs:
@@ -93,8 +95,11 @@ class CompletionStream:
                 choice["logprobs"] = completion_logprobs(completion.token_ids, list(completion.logprobs), offset)
                 self._text_offsets[index] = offset + len(completion.text)
             choices.append(choice)
-        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+        body = {"id": self.response_id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": choices}
+        if continuous_usage:
+            body["usage"] = usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+        return body
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.response_id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -187,7 +192,8 @@ class ChatStream:
         return self._wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None} for i in range(n)])
 
-    def chunk(self, output: RequestOutput) -> dict[str, Any]:
+    def chunk(self, output: RequestOutput, continuous_usage: bool = False) -> dict[str, Any]:
+        """One chunk; with `continuous_usage` it carries the usage so far."""
         self.prompt_tokens = output.num_prompt_tokens
         choices = []
         for completion in output.outputs:
@@ -204,6 +210,8 @@ class ChatStream:
             if self.top_logprobs is not None and completion.logprobs:
                 choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, self.top_logprobs)
             choices.append(choice)
+        if continuous_usage:
+            return self._wrap(choices, usage=usage(self.prompt_tokens, self.completion_tokens))
         return self._wrap(choices)
 
     def usage_chunk(self) -> dict[str, Any]:
