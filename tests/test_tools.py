@@ -128,3 +128,24 @@ def test_hermes_and_llama3_json_parsers():
     assert content is None and [c["function"]["name"] for c in calls] == ["clock", "weather"]
     assert parse_calls("llama3_json", "{not json") == ("{not json", [])
     assert ToolPlan("none", []).makes_calls is False
+
+
+async def test_continue_final_message_and_invocations(client):
+    from bench.http import request
+
+    messages = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one two"}]
+    out = await client.chat.completions.create(model=client.served, messages=messages, max_tokens=3,
+                                               extra_body={"continue_final_message": True,
+                                                           "add_generation_prompt": False})
+    plain = await client.chat.completions.create(model=client.served, messages=messages, max_tokens=3)
+    assert out.usage.prompt_tokens < plain.usage.prompt_tokens  # ends inside the assistant turn
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        await client.chat.completions.create(model=client.served, messages=messages, max_tokens=3,
+                                             extra_body={"continue_final_message": True})
+    url = str(client.base_url).removesuffix("/v1/")
+    for body, kind in (({"messages": messages, "max_tokens": 2}, "chat.completion"),
+                       ({"prompt": "hi", "max_tokens": 2}, "text_completion")):
+        response = await request(url, "POST", "/invocations", body)
+        assert response.status == 200 and json.loads(response.body)["object"] == kind
+    response = await request(url, "POST", "/invocations", {"neither": 1})
+    assert response.status == 400

@@ -61,7 +61,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "web_search_options": "web search is not available",
         "verbosity": "verbosity is not configurable",
         "echo": "echo is not implemented for chat yet",
-        "continue_final_message": "not implemented yet",
         "add_special_tokens": "the chat prompt is tokenized as the template renders it",
         "documents": "documents for the chat template are not implemented",
         "chat_template": "per-request chat templates are not accepted",

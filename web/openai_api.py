@@ -7,6 +7,7 @@ collect the final outputs and build the body (off the loop when large).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -15,7 +16,7 @@ from functools import partial
 from typing import Any
 
 from pydantic_core import to_json
-from quart import Response, current_app, request
+from quart import Response, current_app, g, request
 from quart_trio import QuartTrio
 
 from engine.api import AsyncEngine, EngineDeadError, RequestOutput, RequestOutputKind
@@ -24,7 +25,7 @@ from engine.ids import random_id
 from web import sse
 from web.errors import APIError, bad_request
 from web.fields import check_fields
-from web.protocol import ChatCompletionRequest, CompletionRequest, check_model, parse_body
+from web.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, check_model, parse_body
 from web.responses import ChatStream, CompletionStream, chat_response, completion_response
 from web.state import ServerState
 from web.tools import history_for_template, plan_tools
@@ -42,6 +43,23 @@ def register(app: QuartTrio, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         return await create_chat_completion(state)
+
+    @app.post("/invocations")
+    async def invocations() -> Response:
+        """SageMaker's entry point, as vLLM serves it: the body's shape picks the endpoint
+        (`messages`: chat, `prompt`: completions, `input`: embeddings)."""
+        body = await read_body()
+        g.trio_llm_body = body
+        keys = await run_sized(_top_level_keys, body, size=len(body), inline_below=OFFLOAD_BODY_BYTES,
+                               limiter=state.limiter)
+        if "messages" in keys:
+            return await create_chat_completion(state)
+        if "prompt" in keys or "prompt_embeds" in keys:
+            return await create_completion(state)
+        if "input" in keys:
+            from web.pooling_api import create_embeddings  # here: web.pooling_api imports this module
+            return await create_embeddings(state, await read_request(state, EmbeddingRequest))
+        raise bad_request("/invocations takes a chat (messages), completions (prompt) or embeddings (input) body")
 
 
 async def read_request(state: ServerState, model: type) -> Any:
@@ -66,6 +84,9 @@ async def read_body() -> bytearray:
 
     Cancellation (the client went away) stops reading.
     """
+    if "trio_llm_body" in g:  # read already (/invocations looked at it to choose the endpoint)
+        read: bytearray = g.trio_llm_body
+        return read
     limit = current_app.config["MAX_CONTENT_LENGTH"]
     body = bytearray()
     async for chunk in request.body:
@@ -73,6 +94,17 @@ async def read_body() -> bytearray:
         if limit is not None and len(body) > limit:
             raise APIError(413, f"the request body exceeds the limit of {limit} bytes")
     return body
+
+
+def _top_level_keys(body: bytes | bytearray) -> set[str]:
+    """The top-level keys of a JSON object body (a 400 for anything else)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("the request body is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise bad_request("the request body must be a JSON object")
+    return set(value)
 
 
 async def json_response(state: ServerState, build: Callable[[], dict[str, Any]], num_tokens: int) -> Response:
@@ -157,7 +189,8 @@ async def create_chat_completion(state: ServerState) -> Response:
     template_kwargs: dict[str, Any] = {**req.template_kwargs(), "add_generation_prompt": req.add_generation_prompt}
     if tools is not None:
         template_kwargs["tools"] = tools.tools
-    prompt_input = await engine.chat_prompt(history_for_template(req.checked_messages()), **template_kwargs)
+    prompt_input = await engine.chat_prompt(history_for_template(req.checked_messages()),
+                                            continue_final_message=req.continue_final_message, **template_kwargs)
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind,

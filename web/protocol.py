@@ -201,6 +201,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    continue_final_message: bool = False  # the prompt ends inside the final (assistant) message
 
     def template_kwargs(self) -> dict[str, Any]:
         """`chat_template_kwargs`, minus the names the server itself passes to the template."""

@@ -204,9 +204,12 @@ class AsyncEngine:
             async for output in outputs:
                 yield output
 
-    async def chat_prompt(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> dict[str, Any]:
+    async def chat_prompt(self, messages: list[dict[str, Any]], *, continue_final_message: bool = False,
+                          **template_kwargs: Any) -> dict[str, Any]:
         """The prompt `chat` runs for `messages`: the template's text, its token ids and the images
         of the messages' `image_url` / `image` parts (`multi_modal_data`), ready for `generate`.
+        With `continue_final_message` the prompt ends right after the final message's text (an
+        assistant turn to continue), as vLLM renders it.
 
         Template rendering and tokenization of long prompts run in worker threads; cancellation
         drops their results once the threads return."""
@@ -215,7 +218,14 @@ class AsyncEngine:
                                           spec.image_token if spec else "<image>")
         if images and spec is None:
             raise InvalidRequestError("this model does not take images", param="messages")
+        if continue_final_message:
+            if template_kwargs.get("add_generation_prompt"):
+                raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                          param="continue_final_message")
+            template_kwargs["add_generation_prompt"] = False
         prompt = await self.apply_chat_template(messages, **template_kwargs)
+        if continue_final_message:
+            prompt = _cut_after_final_message(prompt, messages)
         token_ids = await self._tokenize(prompt, add_special_tokens=False)
         prompt_input: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": token_ids}
         if images:
@@ -356,3 +366,12 @@ class AsyncEngine:
                         max_tokens=max_tokens, cache_key=cache_key, prompt_embeds=engine_input.embeds,
                         mm_features=engine_input.mm_features)
                 for child_id, child_params in children]
+
+
+def _cut_after_final_message(prompt: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered prompt up to the end of the final message's text (what follows closes the turn)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final or final not in prompt:
+        raise InvalidRequestError("continue_final_message needs a final message with text content",
+                                  param="continue_final_message")
+    return prompt[:prompt.rfind(final) + len(final)]
