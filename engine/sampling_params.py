@@ -64,6 +64,10 @@ class SamplingParams:
     # Added to the logits of these token ids before sampling ((token id, bias) pairs; a dict is taken too)
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # sample only among these
+    bad_words: tuple[str, ...] = ()  # words never generated (as token sequences: `bad_words_token_ids`)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+    # Filled in by the engine from `bad_words`: each word's token ids, with and without a leading space.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
     # Filled in by the engine: the model's EOS ids (generation_config + tokenizer).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -77,6 +81,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(bias.items()) if isinstance(bias, dict) else tuple(bias or ()))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -133,6 +138,13 @@ class SamplingParams:
                                           param="logit_bias")
         if len(self.logit_bias) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"logit_bias may hold at most {MAX_STOP_TOKEN_IDS} entries", param="logit_bias")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words) or len(self.bad_words) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"bad_words must be at most {MAX_STOP_STRINGS} non-empty strings",
+                                      param="bad_words")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not _is_int(keep) or keep < 1):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {keep!r}",
+                                      param="truncate_prompt_tokens")
         allowed = self.allowed_token_ids
         if allowed is not None and (not allowed or not all(_is_int(t) and t >= 0 for t in allowed)):
             raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids",

@@ -148,3 +148,27 @@ async def test_continuous_usage_stats_and_priority(client):
                                                                   "continuous_usage_stats": True})
     usages = [chunk.usage for chunk in [c async for c in stream] if chunk.choices and chunk.usage]
     assert usages and usages[-1].completion_tokens >= 1
+
+
+async def test_bad_words_truncation_echo_and_request_templates(client, tiny_model_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
+    free = await client.completions.create(model=client.served, prompt="hello", max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    banned_word = free.choices[0].text.split()[0] if free.choices[0].text.split() else free.choices[0].text[:2]
+    banned = await client.completions.create(model=client.served, prompt="hello", max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True, "bad_words": [banned_word]})
+    assert banned_word not in banned.choices[0].text.split()
+    long_prompt = "one two three four five six seven eight nine ten " * 3
+    cut = await client.completions.create(model=client.served, prompt=long_prompt, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert cut.usage.prompt_tokens == 5 < len(tokenizer.encode(long_prompt).ids)
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "Once upon"}]
+    echoed = await client.chat.completions.create(model=client.served, messages=messages, max_tokens=3,
+                                                  extra_body={"echo": True, "continue_final_message": True,
+                                                              "add_generation_prompt": False})
+    assert echoed.choices[0].message.content.startswith("Once upon")
+    with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):
+        await client.chat.completions.create(model=client.served, messages=chat(), max_tokens=2,
+                                             extra_body={"chat_template": "{{ messages[0]['content'] }}"})

@@ -187,6 +187,11 @@ async def create_chat_completion(state: ServerState) -> Response:
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.settings.enable_auto_tool_choice,
                        state.settings.tool_call_parser)
     template_kwargs: dict[str, Any] = {**req.template_kwargs(), "add_generation_prompt": req.add_generation_prompt}
+    if req.chat_template is not None:
+        if not state.settings.trust_request_chat_template:
+            raise bad_request("chat_template in a request needs the server's --trust-request-chat-template",
+                              "chat_template")
+        template_kwargs["chat_template"] = req.chat_template
     if tools is not None:
         template_kwargs["tools"] = tools.tools
     prompt_input = await engine.chat_prompt(history_for_template(req.checked_messages()),
@@ -208,7 +213,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     top = logprobs if req.logprobs else None
     if req.stream:
         stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan,
-                            reasoning_parser=state.settings.reasoning_parser)
+                            reasoning_parser=state.settings.reasoning_parser, echo=req.echoed_text())
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1], req.continuous_usage),
                                  lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
         return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
@@ -216,7 +221,8 @@ async def create_chat_completion(state: ServerState) -> Response:
     (final,) = await final_outputs(first, outputs, 1)
     tokens = sum(len(c.token_ids) for c in final.outputs)
     return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top,
-                                                            tool_plan, state.settings.reasoning_parser), tokens)
+                                                            tool_plan, state.settings.reasoning_parser,
+                                                            req.echoed_text()), tokens)
 
 
 async def _prepend(head: bytes, body: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:

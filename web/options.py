@@ -161,6 +161,9 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help='tool_choice "auto": find tool calls in what the model writes (with --tool-call-parser)')
     srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                      help="the format tool calls are written in: hermes (<tool_call>...</tool_call>), llama3_json")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept a chat_template in chat requests (a template runs in a sandbox, but it is the "
+                          "client's code)")
     srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                      help="put the model's <think>...</think> part in reasoning_content")
     srv.add_argument("--allow-unknown-fields", action="store_true",
@@ -175,6 +178,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           log_requests=args.enable_log_requests, allow_unknown_fields=args.allow_unknown_fields,
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
+                          trust_request_chat_template=args.trust_request_chat_template,
                           cors=CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                             tuple(args.allowed_headers), args.allow_credentials))
 

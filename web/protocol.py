@@ -60,6 +60,8 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         pairs = []
@@ -119,6 +121,7 @@ class _Sampling(_Body):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": self.structured(),
             "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": tuple(self.bad_words or ()), "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -202,6 +205,14 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     continue_final_message: bool = False  # the prompt ends inside the final (assistant) message
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    echo: bool = False  # the reply starts with the final message's text when it is the assistant's
+
+    def echoed_text(self) -> str:
+        """With `echo`: the final message's text when the assistant wrote it (the reply continues it)."""
+        final = self.messages[-1] if self.messages else {}
+        content = final.get("content") if isinstance(final, dict) else None
+        return content if self.echo and final.get("role") == "assistant" and isinstance(content, str) else ""
 
     def template_kwargs(self) -> dict[str, Any]:
         """`chat_template_kwargs`, minus the names the server itself passes to the template."""

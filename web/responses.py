@@ -154,10 +154,12 @@ def _message(text: str, finish_reason: str | None, tools: ToolPlan | None,
 
 def chat_response(response_id: str, created: int, model: str, output: RequestOutput,
                   top_logprobs: int | None, tools: ToolPlan | None = None,
-                  reasoning_parser: str | None = None) -> dict[str, Any]:
+                  reasoning_parser: str | None = None, echo: str = "") -> dict[str, Any]:
     choices = []
     for completion in output.outputs:
         message, finish_reason = _message(completion.text, completion.finish_reason, tools, reasoning_parser)
+        if echo and isinstance(message.get("content"), str):
+            message["content"] = echo + message["content"]
         choice = {"index": completion.index, "message": message,
                   "logprobs": None, "finish_reason": finish_reason,
                   "stop_reason": completion.stop_reason}
@@ -183,6 +185,8 @@ class ChatStream:
     held: dict[int, str] = field(default_factory=dict)
     reasoning_parser: str | None = None
     reasoning: dict[int, ReasoningStream] = field(default_factory=dict)
+    echo: str = ""  # sent before each choice's first content (chat `echo`)
+    echoed: set[int] = field(default_factory=set)
 
     def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
@@ -205,6 +209,9 @@ class ChatStream:
                 delta, finish_reason = self._tool_delta(completion.index, completion.text, finish_reason)
             elif self.reasoning_parser is not None:
                 delta = self._reasoning_delta(completion.index, completion.text, finish_reason is not None)
+            if self.echo and completion.index not in self.echoed and "content" in delta:
+                self.echoed.add(completion.index)
+                delta["content"] = self.echo + delta["content"]
             choice = {"index": completion.index, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
             if self.top_logprobs is not None and completion.logprobs:

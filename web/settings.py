@@ -29,6 +29,7 @@ class ServerSettings:
     allow_unknown_fields: bool = False  # log and ignore request fields nobody defines, instead of a 400
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of free text...
     tool_call_parser: str | None = None  # ...in this format (web.tools.PARSERS)
+    trust_request_chat_template: bool = False  # let requests bring their own chat_template
     reasoning_parser: str | None = None  # split <think>...</think> into reasoning_content (web.reasoning.PARSERS)
 
     def __post_init__(self) -> None:

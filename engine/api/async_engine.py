@@ -232,14 +232,16 @@ class AsyncEngine:
             prompt_input["multi_modal_data"] = {"image": images}
         return prompt_input
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        """Rendering runs in a worker thread under the renderer's limiter; cancellation drops its
-        result once the thread returns.
+    async def apply_chat_template(self, messages: list[dict[str, Any]], *, chat_template: str | None = None,
+                                  **kwargs: Any) -> str:
+        """Render with the model's chat template (or `chat_template`, given). Rendering runs in a
+        worker thread under the renderer's limiter; cancellation drops its result once the thread
+        returns.
         """
         tok = self.tokenizer
+        template = chat_template or tok.chat_template
         return await anyio.to_thread.run_sync(
-            lambda: render_chat(tok.chat_template, messages, bos_token=tok.bos_token,
-                                eos_token=tok.eos_token, **kwargs),
+            lambda: render_chat(template, messages, bos_token=tok.bos_token, eos_token=tok.eos_token, **kwargs),
             limiter=self.render_limiter)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -289,6 +291,16 @@ class AsyncEngine:
 
     def _check_token_ids(self, token_ids: Sequence[int], allow_empty: bool = False) -> list[int]:
         return self.renderer.check_token_ids(token_ids, allow_empty)
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""
+        sequences = set()
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, False)
+                if ids:
+                    sequences.add(tuple(ids))
+        return tuple(sorted(sequences))
 
     def _check_pooling(self, params: PoolingParams) -> None:
         info = self.info
@@ -352,8 +364,11 @@ class AsyncEngine:
 
     def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
                        priority: int) -> list[Request]:
+        engine_input = _truncated(engine_input, params.truncate_prompt_tokens)
         token_ids = engine_input.token_ids
         self._check_against_model(params, engine_input)
+        if params.bad_words and not params.bad_words_token_ids:
+            params = replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         params = params.with_eos(self.info.eos_token_ids)
         max_tokens = self.info.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
         now = anyio.current_time()
@@ -366,6 +381,16 @@ class AsyncEngine:
                         max_tokens=max_tokens, cache_key=cache_key, prompt_embeds=engine_input.embeds,
                         mm_features=engine_input.mm_features)
                 for child_id, child_params in children]
+
+
+def _truncated(engine_input: EngineInput, keep: int | None) -> EngineInput:
+    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (vLLM's left truncation)."""
+    if keep is None or len(engine_input.token_ids) <= keep:
+        return engine_input
+    if engine_input.embeds is not None or engine_input.mm_features:
+        raise InvalidRequestError("truncate_prompt_tokens is not supported with prompt embeddings or images",
+                                  param="truncate_prompt_tokens")
+    return replace(engine_input, token_ids=engine_input.token_ids[-keep:])
 
 
 def _cut_after_final_message(prompt: str, messages: list[dict[str, Any]]) -> str:

@@ -66,13 +66,20 @@ def top_logprobs(row_logprobs: torch.Tensor, token_id: int, num: int) -> TokenLo
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """`allowed_token_ids` (everything else masked), then `logit_bias` added."""
-    biased = [i for i, r in enumerate(rows) if r.params.logit_bias or r.params.allowed_token_ids is not None]
+    """Bad words' final tokens masked where the rest of the word came just before, `allowed_token_ids`
+    (everything else masked), then `logit_bias` added."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias or r.params.allowed_token_ids is not None
+              or r.params.bad_words_token_ids]
     if not biased:
         return logits
     logits = logits.clone()
     for i in biased:
         p = rows[i].params
+        generated = rows[i].output_token_ids
+        for words in p.bad_words_token_ids:  # the word's last token, where the rest of it was just generated
+            prefix = list(words[:-1])
+            if not prefix or generated[len(generated) - len(prefix):] == prefix:
+                logits[i, words[-1]] = float("-inf")
         if p.allowed_token_ids is not None:
             keep = torch.full_like(logits[i], float("-inf"))
             ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
