@@ -34,6 +34,7 @@ class ModelInfo:
     architecture: str = ""
     pooler: PoolerConfig = PoolerConfig()
     num_labels: int = 0  # classification heads (cross-encoders)
+    labels: tuple[str, ...] = ()  # their names (config.json's id2label), by index
     # Mixture-of-experts models (all 0 for dense ones): layers with experts, experts per layer as
     # the router sees them (logical) and as slots hold them (physical: logical + redundant), and
     # the ranks the slots are split over (1 without expert parallelism).

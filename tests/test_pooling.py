@@ -261,3 +261,27 @@ def test_the_blocking_facade_embeds(minilm_dir, reference):
     outputs = llm.embed(SENTENCES[:2])
     got = torch.stack([o.data for o in outputs])
     assert F.cosine_similarity(got, reference[:2], dim=-1).min().item() >= 0.99999
+
+
+async def test_classify_answers_as_vllm_with_the_heads_labels(tmp_path, minilm_dir):
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+    torch.manual_seed(1)
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, num_labels=3, id2label={0: "neg", 1: "neu", 2: "pos"},
+                        label2id={"neg": 0, "neu": 1, "pos": 2})
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    tokenizer.save_pretrained(tmp_path)
+    with torch.inference_mode():
+        expected = torch.softmax(model(**tokenizer(SENTENCES[:2], padding=True, return_tensors="pt")).logits, -1)
+    async with running_server(engine_config(str(tmp_path), num_kv_blocks=None)) as server:
+        response = await request(server.url, "POST", "/classify", {"input": SENTENCES[:2]})
+        assert response.status == 200, response.body
+        data = response.json()["data"]
+        assert [d["probs"] for d in data] == [pytest.approx(row, abs=1e-5) for row in expected.tolist()]
+        assert [d["label"] for d in data] == [config.id2label[int(i)] for i in expected.argmax(-1)]
+        assert data[0]["num_classes"] == 3 and response.json()["usage"]["prompt_tokens"] > 0
+    async with running_server(engine_config(str(minilm_dir), num_kv_blocks=None)) as plain:
+        refused = await request(plain.url, "POST", "/classify", {"input": "no head"})
+        assert refused.status == 400 and "classification head" in refused.json()["error"]["message"]

@@ -63,15 +63,17 @@ REFUSED: dict[str, dict[str, str]] = {
         "mm_processor_kwargs": "the image processor's settings come from the model",
     },
     "embeddings": {"normalize": "embeddings are normalised as the model's pooling config says",
-                   "priority": "request priorities are not taken from the API yet"},
+                   "priority": "request priorities are not taken from the API for pooling"},
     "pooling": {"normalize": "embeddings are normalised as the model's pooling config says"},
-    "score": {}, "rerank": {}, "tokenize": {"tools": "tools in the tokenized chat are not implemented yet"},
+    "classify": {}, "score": {}, "rerank": {},
+    "tokenize": {"tools": "tools in the tokenized chat are not implemented yet"},
     "detokenize": {},
 }
 
 MODELS: dict[str, type[BaseModel]] = {
     "completions": protocol.CompletionRequest, "chat/completions": protocol.ChatCompletionRequest,
-    "embeddings": protocol.EmbeddingRequest, "pooling": protocol.PoolingRequest, "score": protocol.ScoreRequest,
+    "embeddings": protocol.EmbeddingRequest, "pooling": protocol.PoolingRequest,
+    "classify": protocol.ClassificationRequest, "score": protocol.ScoreRequest,
     "rerank": protocol.RerankRequest, "tokenize": protocol.TokenizeRequest, "detokenize": protocol.DetokenizeRequest,
 }
 ENDPOINT_OF = {model: name for name, model in MODELS.items()}

@@ -14,6 +14,7 @@ fifth of the server's throughput.
 from __future__ import annotations
 
 import base64
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ from engine.concurrency.offload import run_sized
 from engine.ids import random_id
 from web.errors import bad_request
 from web.openai_api import read_request
-from web.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from web.protocol import ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from web.state import ServerState
 
 
@@ -40,6 +41,11 @@ def register(app: QuartTrio, state: ServerState) -> None:
     @app.post("/pooling")
     async def pooling() -> Response:
         return await create_embeddings(state, await read_request(state, PoolingRequest), object_name="pooling")
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify() -> Response:
+        return await create_classification(state, await read_request(state, ClassificationRequest))
 
     @app.post("/score")
     @app.post("/v1/score")
@@ -119,6 +125,30 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest, object_na
     body = await offload(state, embeddings_body, outputs, req.encoding_format, state.model_name, object_name,
                          size=_output_size(outputs))
     return Response(body, content_type="application/json")
+
+
+async def create_classification(state: ServerState, req: ClassificationRequest) -> Response:
+    """Handles `POST /classify`: the classification head's probabilities per input (softmax over
+    the labels; a sigmoid for a single-label head), with the most likely label, as vLLM answers.
+    The client going away cancels the handler, which aborts its engine requests."""
+    engine = state.engine_for_request()
+    inputs = req.inputs()
+    truncate = checked_truncation(engine, req.truncate_prompt_tokens)
+    prompts = await offload(state, tokenize_inputs, engine.tokenizer, inputs, truncate, size=_input_size(inputs))
+    outputs = await engine.encode(prompts, PoolingParams(task="classify"))
+    labels = engine.info.labels
+    data = []
+    for index, output in enumerate(outputs):
+        logits = output.data.float()
+        probs = torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
+        best = int(probs.argmax())
+        data.append({"index": index, "label": labels[best] if best < len(labels) else str(best),
+                     "probs": probs.tolist(), "num_classes": probs.numel()})
+    prompt_tokens = _tokens(outputs)
+    body = {"id": f"classify-{random_id()}", "object": "list", "created": int(time.time()),
+            "model": state.model_name, "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}}
+    return Response(json.dumps(body), content_type="application/json")
 
 
 def encode_vector(data: torch.Tensor, encoding_format: str) -> Any:

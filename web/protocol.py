@@ -341,6 +341,16 @@ class EmbeddingRequest(_Body):
         return items
 
 
+class ClassificationRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        return EmbeddingRequest.model_construct(input=self.input).inputs()
+
+
 class PoolingRequest(EmbeddingRequest):
     task: Literal["embed", "token_embed"] = "embed"
 

@@ -41,6 +41,7 @@ class EncoderConfig:
     num_labels: int  # classification heads only
     torch_dtype: str
     projection_dim: int | None = None  # ColBERT: None until read from the checkpoint's `linear.weight`
+    labels: tuple[str, ...] = ()  # a classification head's label names (id2label), by index
 
     @property
     def late_interaction(self) -> bool:
@@ -56,7 +57,8 @@ class EncoderConfig:
                    raw["num_attention_heads"], raw["max_position_embeddings"], raw.get("type_vocab_size", 2),
                    raw.get("layer_norm_eps", 1e-12), raw.get("hidden_act", "gelu"),
                    raw.get("num_labels", len(labels) or 1), raw.get("torch_dtype") or raw.get("dtype") or "float32",
-                   raw.get("colbert_dim") or raw.get("dim") or raw.get("projection_dim"))
+                   raw.get("colbert_dim") or raw.get("dim") or raw.get("projection_dim"),
+                   tuple(str(labels[k]) for k in sorted(labels, key=int)))
 
 
 def is_encoder_config(raw: dict[str, Any]) -> bool:

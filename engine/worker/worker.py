@@ -103,9 +103,9 @@ class Worker:
         # Encoders keep no KV cache; blocks are only the scheduler's accounting of a step's tokens.
         nominal_block = self.config.block_size * cfg.hidden_size * 4
         num_labels = cfg.num_labels if self.model.classifier is not None else 0
-        return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, (),
+        return replace(ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, (),
                          str(self.model.dtype).removeprefix("torch."), nominal_block, "encoder", cfg.architecture,
-                         self.pooler, num_labels)
+                         self.pooler, num_labels), labels=cfg.labels if num_labels else ())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.model is not None, "load_model() first"
