@@ -70,15 +70,17 @@ async def test_a_named_function_is_called(client):
 async def test_streamed_calls_add_up_to_the_same_message(client):
     stream = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS, seed=2,
                                                   tool_choice="required", max_tokens=200, stream=True)
-    calls, finish = {}, None
+    calls, finish, pieces = {}, None, 0
     async for chunk in stream:
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or []:
                 entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
                 entry["name"] += delta.function.name or ""
                 entry["arguments"] += delta.function.arguments or ""
+                pieces += bool(delta.function.arguments)
             finish = choice.finish_reason or finish
     assert finish == "tool_calls" and calls
+    assert pieces > 2 * len(calls)  # the arguments arrived in pieces, not whole
     for entry in calls.values():
         jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
 

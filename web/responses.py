@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.api import CompletionOutput, PositionLogprobs, RequestOutput
 from web.reasoning import ReasoningStream, split_reasoning
-from web.tools import ToolPlan, extract_calls
+from web.tools import ToolCallStream, ToolPlan, extract_calls
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -187,6 +187,7 @@ class ChatStream:
     reasoning: dict[int, ReasoningStream] = field(default_factory=dict)
     echo: str = ""  # sent before each choice's first content (chat `echo`)
     echoed: set[int] = field(default_factory=set)
+    call_streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
@@ -205,7 +206,9 @@ class ChatStream:
             delta: dict[str, Any] = {"content": completion.text} if completion.text or not completion.finish_reason \
                 else {}
             finish_reason = completion.finish_reason
-            if self.tool_plan is not None:
+            if self.tool_plan is not None and self.tool_plan.mode in ("named", "required"):
+                delta, finish_reason = self._call_delta(completion.index, completion.text, finish_reason)
+            elif self.tool_plan is not None:
                 delta, finish_reason = self._tool_delta(completion.index, completion.text, finish_reason)
             elif self.reasoning_parser is not None:
                 delta = self._reasoning_delta(completion.index, completion.text, finish_reason is not None)
@@ -234,6 +237,15 @@ class ChatStream:
         if content:
             delta["content"] = content
         return delta
+
+    def _call_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """Constrained tool calls: streamed as they form."""
+        assert self.tool_plan is not None
+        calls = self.call_streams.setdefault(index, ToolCallStream(self.tool_plan))
+        deltas = calls.feed(text, final=finish_reason is not None)
+        if finish_reason == "stop" and calls.sent and self.tool_plan.mode == "required":
+            finish_reason = "tool_calls"
+        return ({"tool_calls": deltas} if deltas else {}), finish_reason
 
     def _tool_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         self.held[index] = self.held.get(index, "") + text

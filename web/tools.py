@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import partial_json_parser
+
 from engine.ids import random_id
 from engine.structured_outputs import StructuredOutputs
 from web.errors import bad_request
@@ -87,8 +89,12 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool, auto_e
     return ToolPlan("named", tools, StructuredOutputs(json=functions[name]), named=name)
 
 
+def _arguments(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def _call(name: str, arguments: Any) -> dict[str, Any]:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    text = arguments if isinstance(arguments, str) else _arguments(arguments)
     return {"id": f"chatcmpl-tool-{random_id()}", "type": "function", "function": {"name": name, "arguments": text}}
 
 
@@ -146,6 +152,46 @@ def parse_calls(parser: str, text: str) -> tuple[str | None, list[dict[str, Any]
     except (json.JSONDecodeError, KeyError, TypeError):
         return text, []
     return None, calls
+
+
+class ToolCallStream:
+    """A constrained answer's tool calls (`required` or a named function) streamed as they form,
+    as vLLM streams them: a call's id, type and name once its name is complete, then its
+    `arguments` in pieces. The partial JSON is read with partial-json-parser; of its arguments'
+    serialisation only the part no later text can change is sent (without the closing quotes and
+    brackets the parser supplied), the rest when the answer finishes."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.sent: list[str] = []  # arguments sent so far, per call
+
+    def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The `tool_calls` deltas for `text` (the answer's next piece)."""
+        self.text += text
+        deltas: list[dict[str, Any]] = []
+        for index, (name, arguments) in enumerate(self._calls(final)):
+            if index == len(self.sent):
+                self.sent.append("")
+                deltas.append({"index": index, "id": f"chatcmpl-tool-{random_id()}", "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            serial = _arguments(arguments)
+            ready = serial if final else serial.rstrip('"]}')
+            if ready.startswith(self.sent[index]) and len(ready) > len(self.sent[index]):
+                deltas.append({"index": index, "function": {"arguments": ready[len(self.sent[index]):]}})
+                self.sent[index] = ready
+        return deltas
+
+    def _calls(self, final: bool) -> list[tuple[str, Any]]:
+        try:
+            value = partial_json_parser.loads(self.text, partial_json_parser.Allow.ALL) if self.text else None
+        except Exception:  # not JSON (yet): nothing to say
+            return []
+        if self.plan.mode == "named":
+            return [(self.plan.named or "", value)] if isinstance(value, dict) else []
+        calls = value if isinstance(value, list) else []
+        return [(c["name"], c["parameters"]) for c in calls
+                if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
 
 
 def history_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
