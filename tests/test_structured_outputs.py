@@ -172,3 +172,23 @@ async def test_bad_words_truncation_echo_and_request_templates(client, tiny_mode
     with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):
         await client.chat.completions.create(model=client.served, messages=chat(), max_tokens=2,
                                              extra_body={"chat_template": "{{ messages[0]['content'] }}"})
+
+
+async def test_prompt_logprobs_in_completions_and_chat(client):
+    from bench.http import request
+
+    url = str(client.base_url).removesuffix("/v1/")
+    response = await request(url, "POST", "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 1,
+                                                               "prompt_logprobs": 2})
+    positions = response.json()["choices"][0]["prompt_logprobs"]
+    assert len(positions) == 4 and positions[0] is None
+    for token, position in zip([6, 7, 8], positions[1:], strict=True):
+        assert str(token) in position and len(position) <= 3  # the prompt token and the top 2
+        assert all(entry["logprob"] <= 0 and entry["rank"] >= 1 for entry in position.values())
+    chat_response = await request(url, "POST", "/v1/chat/completions",
+                                  {"messages": chat(), "max_tokens": 1, "prompt_logprobs": 0})
+    body = chat_response.json()
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    too_many = await request(url, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1,
+                                                               "prompt_logprobs": 1000})
+    assert too_many.status == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"

@@ -36,7 +36,6 @@ _SAMPLING_VLLM = {
     "return_token_ids": "not implemented yet",
     "kv_transfer_params": "KV transfer between instances is not implemented",
     "vllm_xargs": "no extra arguments are taken",
-    "prompt_logprobs": "not implemented for this endpoint yet",
     "metadata": "stored completions are not kept",
     "store": "stored completions are not kept",
     "service_tier": "there is one service tier",

@@ -174,7 +174,8 @@ async def create_completion(state: ServerState) -> Response:
     finals = await final_outputs(first, outputs, len(prompts))
     tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return await json_response(state, lambda: completion_response(
-        response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None, finals), tokens)
+        response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None, finals,
+        req.prompt_logprobs is not None), tokens)
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -222,7 +223,8 @@ async def create_chat_completion(state: ServerState) -> Response:
     tokens = sum(len(c.token_ids) for c in final.outputs)
     return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top,
                                                             tool_plan, state.settings.reasoning_parser,
-                                                            req.echoed_text()), tokens)
+                                                            req.echoed_text(), req.prompt_logprobs is not None),
+                               tokens)
 
 
 async def _prepend(head: bytes, body: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:

@@ -50,6 +50,7 @@ class _Sampling(_Body):
     # vLLM's field: requests with different salts never share prefix-cache blocks.
     cache_salt: str | None = Field(default=None, min_length=1)
     priority: int = 0  # with --scheduling-policy priority: lower runs first (vLLM's meaning)
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # top-N logprobs of every prompt token
     # Structured outputs, in the three spellings clients use: OpenAI's response_format, vLLM's
     # structured_outputs object, and vLLM's older guided_* fields.
     response_format: dict[str, Any] | None = None
@@ -116,7 +117,9 @@ class _Sampling(_Body):
         values: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "stop": self.stop or (), "stop_token_ids": self.stop_token_ids or (),
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,
-            "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "output_kind": kind,
+            "logprobs": logprobs, "output_kind": kind,
+            "prompt_logprobs": max((v for v in (prompt_logprobs, self.prompt_logprobs) if v is not None),
+                                   default=None),
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": self.structured(),

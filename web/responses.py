@@ -106,15 +106,28 @@ class CompletionStream:
                 "choices": [], "usage": usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))}
 
 
+def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> list[Any] | None:
+    """vLLM's `prompt_logprobs`: per prompt position (None for the first), token id -> logprob, rank
+    and text."""
+    if positions is None:
+        return None
+    return [None if p is None else {str(token): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for token, lp in p.items()}
+            for p in positions]
+
+
 def completion_response(response_id: str, created: int, model: str, n: int, echo: bool, logprobs: bool,
-                        outputs: list[RequestOutput]) -> dict[str, Any]:
+                        outputs: list[RequestOutput], prompt_logprobs: bool = False) -> dict[str, Any]:
     choices = []
     prompt_tokens = completion_tokens = 0
     for prompt_index, output in enumerate(outputs):
         prompt_tokens += output.num_prompt_tokens
         for completion in output.outputs:
             completion_tokens += len(completion.token_ids)
-            choices.append(_completion_choice(prompt_index * n + completion.index, output, completion, echo, logprobs))
+            choice = _completion_choice(prompt_index * n + completion.index, output, completion, echo, logprobs)
+            if prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+            choices.append(choice)
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
@@ -154,7 +167,7 @@ def _message(text: str, finish_reason: str | None, tools: ToolPlan | None,
 
 def chat_response(response_id: str, created: int, model: str, output: RequestOutput,
                   top_logprobs: int | None, tools: ToolPlan | None = None,
-                  reasoning_parser: str | None = None, echo: str = "") -> dict[str, Any]:
+                  reasoning_parser: str | None = None, echo: str = "", prompt_logprobs: bool = False) -> dict[str, Any]:
     choices = []
     for completion in output.outputs:
         message, finish_reason = _message(completion.text, completion.finish_reason, tools, reasoning_parser)
@@ -167,8 +180,11 @@ def chat_response(response_id: str, created: int, model: str, output: RequestOut
             choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, top_logprobs)
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+    body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(output.num_prompt_tokens, completion_tokens)}
+    if prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+    return body
 
 
 @dataclass
