@@ -151,3 +151,27 @@ async def test_continue_final_message_and_invocations(client):
         assert response.status == 200 and json.loads(response.body)["object"] == kind
     response = await request(url, "POST", "/invocations", {"neither": 1})
     assert response.status == 400
+
+
+async def test_auto_calls_parsed_whole_and_streamed(client):
+    import re
+
+    written = 'Sure.<tool_call>{"name": "clock", "arguments": {"zone": "UTC"}}</tool_call>'
+    forced = {"structured_outputs": {"regex": re.escape(written)}}
+    out = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS, max_tokens=60,
+                                               extra_body=forced)
+    message = out.choices[0].message
+    assert message.content == "Sure." and out.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("clock", {"zone": "UTC"})]
+    stream = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS, max_tokens=60,
+                                                  stream=True, extra_body=forced)
+    content, name, arguments, finish = "", "", "", None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                name += delta.function.name or ""
+                arguments += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert (content, name, json.loads(arguments), finish) == ("Sure.", "clock", {"zone": "UTC"}, "tool_calls")

@@ -222,9 +222,9 @@ class ChatStream:
             delta: dict[str, Any] = {"content": completion.text} if completion.text or not completion.finish_reason \
                 else {}
             finish_reason = completion.finish_reason
-            if self.tool_plan is not None and self.tool_plan.mode in ("named", "required"):
+            if self.tool_plan is not None and self.reasoning_parser is None:
                 delta, finish_reason = self._call_delta(completion.index, completion.text, finish_reason)
-            elif self.tool_plan is not None:
+            elif self.tool_plan is not None:  # reasoning first, then calls: held until the choice ends
                 delta, finish_reason = self._tool_delta(completion.index, completion.text, finish_reason)
             elif self.reasoning_parser is not None:
                 delta = self._reasoning_delta(completion.index, completion.text, finish_reason is not None)
@@ -255,13 +255,16 @@ class ChatStream:
         return delta
 
     def _call_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """Constrained tool calls: streamed as they form."""
+        """Tool calls streamed as they form (and, with auto, the content before them)."""
         assert self.tool_plan is not None
         calls = self.call_streams.setdefault(index, ToolCallStream(self.tool_plan))
-        deltas = calls.feed(text, final=finish_reason is not None)
-        if finish_reason == "stop" and calls.sent and self.tool_plan.mode == "required":
+        content, deltas = calls.feed(text, final=finish_reason is not None)
+        if finish_reason == "stop" and calls.sent and self.tool_plan.mode != "named":
             finish_reason = "tool_calls"
-        return ({"tool_calls": deltas} if deltas else {}), finish_reason
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if deltas:
+            delta["tool_calls"] = deltas
+        return delta, finish_reason
 
     def _tool_delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         self.held[index] = self.held.get(index, "") + text

@@ -155,22 +155,26 @@ def parse_calls(parser: str, text: str) -> tuple[str | None, list[dict[str, Any]
 
 
 class ToolCallStream:
-    """A constrained answer's tool calls (`required` or a named function) streamed as they form,
-    as vLLM streams them: a call's id, type and name once its name is complete, then its
-    `arguments` in pieces. The partial JSON is read with partial-json-parser; of its arguments'
-    serialisation only the part no later text can change is sent (without the closing quotes and
-    brackets the parser supplied), the rest when the answer finishes."""
+    """An answer's tool calls streamed as they form, as vLLM streams them: a call's id, type and
+    name once its name is complete, then its `arguments` in pieces; with `auto`, the text before
+    the first call streams as content (a possible start of the call tag held back).
+
+    The open JSON is read with partial-json-parser; of a call's arguments only the part no later
+    text can change is sent (not the closing quotes and brackets the parser supplied), the rest
+    when the answer finishes."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
+        self.content_sent = 0  # characters of content sent
         self.sent: list[str] = []  # arguments sent so far, per call
 
-    def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
-        """The `tool_calls` deltas for `text` (the answer's next piece)."""
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, `tool_calls` deltas) for the answer's next piece."""
         self.text += text
+        content = self._content(final)
         deltas: list[dict[str, Any]] = []
-        for index, (name, arguments) in enumerate(self._calls(final)):
+        for index, (name, arguments) in enumerate(self._calls()):
             if index == len(self.sent):
                 self.sent.append("")
                 deltas.append({"index": index, "id": f"chatcmpl-tool-{random_id()}", "type": "function",
@@ -180,18 +184,70 @@ class ToolCallStream:
             if ready.startswith(self.sent[index]) and len(ready) > len(self.sent[index]):
                 deltas.append({"index": index, "function": {"arguments": ready[len(self.sent[index]):]}})
                 self.sent[index] = ready
-        return deltas
+        return content, deltas
 
-    def _calls(self, final: bool) -> list[tuple[str, Any]]:
-        try:
-            value = partial_json_parser.loads(self.text, partial_json_parser.Allow.ALL) if self.text else None
-        except Exception:  # not JSON (yet): nothing to say
-            return []
+    def _content(self, final: bool) -> str:
+        """Free text before the first call (auto only)."""
+        if self.plan.mode != "auto":
+            return ""
+        if self.plan.parser == "hermes":
+            end = self.text.find(_HERMES_TAG)
+            if end < 0:
+                end = len(self.text) if final else len(self.text) - _partial_tag(self.text, _HERMES_TAG)
+        else:  # llama3_json: an answer that opens with a call is all calls
+            head = self.text.lstrip()
+            if not head or _LLAMA_TAG.startswith(head) or head.startswith(("{", _LLAMA_TAG)):
+                end = 0 if not final or head.startswith(("{", _LLAMA_TAG)) else len(self.text)
+            else:
+                end = len(self.text)
+        piece = self.text[self.content_sent:max(end, self.content_sent)]
+        self.content_sent += len(piece)
+        return piece
+
+    def _calls(self) -> list[tuple[str, Any]]:
         if self.plan.mode == "named":
+            value = _partial(self.text)
             return [(self.plan.named or "", value)] if isinstance(value, dict) else []
-        calls = value if isinstance(value, list) else []
-        return [(c["name"], c["parameters"]) for c in calls
-                if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
+        if self.plan.mode == "required":
+            items = _partial(self.text)
+            return [(c["name"], c["parameters"]) for c in (items if isinstance(items, list) else [])
+                    if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
+        if self.plan.parser == "hermes":
+            blocks = [b.split("</tool_call>")[0] for b in self.text.split(_HERMES_TAG)[1:]]
+            return _named_calls([_partial(b.strip()) for b in blocks], "arguments")
+        head = self.text.strip().removeprefix(_LLAMA_TAG).strip()
+        if not head.startswith("{"):
+            return []
+        return _named_calls([_partial(part.strip()) for part in head.split(";")], "parameters")
+
+
+_HERMES_TAG, _LLAMA_TAG = "<tool_call>", "<|python_tag|>"
+
+
+def _partial(text: str) -> Any:
+    try:
+        return partial_json_parser.loads(text, partial_json_parser.Allow.ALL) if text else None
+    except Exception:  # not JSON (yet): nothing to say
+        return None
+
+
+def _named_calls(values: list[Any], arguments_key: str) -> list[tuple[str, Any]]:
+    calls = []
+    for value in values:
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            break
+        if arguments_key not in value and "arguments" not in value and "parameters" not in value:
+            break  # the name may still be growing
+        calls.append((value["name"], value.get(arguments_key, value.get("arguments", value.get("parameters")))))
+    return calls
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (held back: it may be the tag)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
 
 
 def history_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
