@@ -25,6 +25,9 @@ class StructuredOutputs:
     json_object: bool = False
     whitespace_flexible: bool = False  # JSON with free whitespace between tokens (off: compact JSON only)
     compiled: str | None = None  # filled by the engine: the llguidance grammar
+    # With a reasoning model: the token ids that end its reasoning (`</think>`). The grammar applies
+    # from the token after them, or from the start if the prompt holds them already (thinking off).
+    reasoning_end: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -35,6 +38,10 @@ class StructuredOutputs:
             raise InvalidRequestError("structured outputs choice must be a non-empty list of strings",
                                       param="structured_outputs")
 
+    def starts_active(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the grammar applies from the first generated token."""
+        return not self.reasoning_end or _contains(prompt_token_ids, self.reasoning_end)
+
     @property
     def key(self) -> str:
         """What identifies the grammar (the compile cache's key)."""
@@ -42,3 +49,8 @@ class StructuredOutputs:
         value = getattr(self, kind)
         text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
         return f"{kind}:{self.whitespace_flexible}:{text}"
+
+
+def _contains(tokens: list[int], run: tuple[int, ...]) -> bool:
+    width = len(run)
+    return any(tuple(tokens[i:i + width]) == run for i in range(len(tokens) - width + 1))

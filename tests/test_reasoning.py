@@ -3,6 +3,8 @@ chat_template_kwargs reach the template."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -27,14 +29,17 @@ async def client(tiny_model_dir):
 
 
 MESSAGES = [{"role": "user", "content": "think first"}]
+# A closed </think> in the prompt makes a grammar apply from the first token: the regex then writes
+# the reasoning and the answer these tests parse.
+FORCED_MESSAGES = [{"role": "user", "content": "go x</think>"}]
 
 
 async def test_reasoning_content_split_whole_and_streamed(client):
-    out = await client.chat.completions.create(model=client.served, messages=MESSAGES, max_tokens=60,
+    out = await client.chat.completions.create(model=client.served, messages=FORCED_MESSAGES, max_tokens=60,
                                                extra_body=FORCED)
     message = out.choices[0].message
     assert message.reasoning_content == "ab cd" and message.content == "xy z"
-    stream = await client.chat.completions.create(model=client.served, messages=MESSAGES, max_tokens=60,
+    stream = await client.chat.completions.create(model=client.served, messages=FORCED_MESSAGES, max_tokens=60,
                                                   stream=True, extra_body=FORCED)
     reasoning = content = ""
     async for chunk in stream:
@@ -69,3 +74,17 @@ def test_split_whole_and_in_any_chunking(parser, text, expected):
             r, c = splitter.feed(piece, final=i == len(pieces) - 1)
             reasoning, content = reasoning + r, content + c
         assert (reasoning or None, content) == expected, size
+
+
+async def test_structured_outputs_apply_after_the_reasoning(client):
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    closed = [{"role": "user", "content": "x</think>"}]  # thinking already over (as with enable_thinking off)
+    out = await client.chat.completions.create(model=client.served, messages=closed, max_tokens=30, seed=1,
+                                               response_format=response_format)
+    assert json.loads(out.choices[0].message.content) in ({"a": True}, {"a": False})
+    still_thinking = await client.chat.completions.create(model=client.served, messages=MESSAGES, max_tokens=12,
+                                                          seed=1, temperature=1.0, response_format=response_format)
+    text = still_thinking.choices[0].message.content
+    assert not text.startswith('{"a"')  # no </think> yet: the model reasons freely, unconstrained

@@ -207,6 +207,10 @@ async def create_chat_completion(state: ServerState) -> Response:
                               "response_format / structured_outputs", "tool_choice")
         params = replace(params, structured_outputs=tools.structured)
     tool_plan = tools if tools is not None and tools.makes_calls else None
+    if params.structured_outputs is not None and state.settings.reasoning_parser is not None:
+        # The constraint applies to the answer, after the model's reasoning.
+        end = tuple(await engine.tokenize("</think>", add_special_tokens=False))
+        params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning_end=end))
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([req.salted(prompt_input)], params, priority=req.priority,
                                     request_id=response_id)

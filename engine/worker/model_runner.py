@@ -37,6 +37,17 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     mm_features: list[ImageFeature] = field(default_factory=list)  # with pixel values, kept for re-encoding
     matcher: Any = None  # an llguidance matcher: the request's structured outputs
+    grammar_active: bool = True  # False while a reasoning model is still reasoning
+
+    def advance_grammar(self, token: int) -> None:
+        """After a sampled token: the matcher consumes it, or (still reasoning) the grammar starts
+        once the output ends with the reasoning's end."""
+        spec = self.params.structured_outputs
+        if self.grammar_active:
+            GrammarMasks.accept(self.matcher, token)
+        elif spec is not None and spec.reasoning_end and \
+                tuple(self.output_token_ids[-len(spec.reasoning_end):]) == spec.reasoning_end:
+            self.grammar_active = True
 
     @property
     def penalty_prompt_ids(self) -> list[int]:
@@ -139,7 +150,8 @@ class ModelRunner:
             eos = new.sampling_params.eos_token_ids
             matcher = self.grammar.matcher(spec.compiled, eos[0] if eos else None)
         return RequestState(new.prompt_token_ids, new.sampling_params, generator, embeds, new.pooling_params,
-                            mm_features=list(new.mm_features), matcher=matcher)
+                            mm_features=list(new.mm_features), matcher=matcher,
+                            grammar_active=spec is None or spec.starts_active(new.prompt_token_ids))
 
     def _run_encoder(self, encoder_inputs: dict[str, list[int]]) -> None:
         """Encode this step's images (all in one batch) into the encoder cache."""
@@ -207,7 +219,7 @@ class ModelRunner:
             return
         rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
         if self.grammar is not None:
-            self.grammar.apply(logits, [s.matcher for s in states])
+            self.grammar.apply(logits, [s.matcher if s.grammar_active else None for s in states])
         try:
             results = [sample(logits, rows, self.generator)]
             sampled = [ids]
@@ -223,7 +235,7 @@ class ModelRunner:
             for rid, token, logprobs in zip(result_ids, result.token_ids, result.logprobs, strict=True):
                 self.requests[rid].output_token_ids.append(token)
                 if self.requests[rid].matcher is not None:
-                    GrammarMasks.accept(self.requests[rid].matcher, token)
+                    self.requests[rid].advance_grammar(token)
                 out.sampled_token_ids[rid] = token
                 if logprobs is not None:
                     out.logprobs[rid] = logprobs
