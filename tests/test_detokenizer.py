@@ -47,3 +47,17 @@ def test_earliest_of_several_stop_strings_wins(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["part", "first"]))
     assert detok.add_tokens(tokenizer.encode("a first part")) == "first"
     assert detok.text == "a "
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_model_dir):
+    from engine.render.detokenizer import IncrementalDetokenizer
+    from engine.render.tokenizer import Tokenizer
+    from engine.sampling_params import SamplingParams
+
+    tokenizer = Tokenizer(tiny_model_dir)
+    ids = tokenizer.encode("ab ab ab ab", False)
+    early = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["ab"]))
+    assert early.add_tokens(ids[:1]) == "ab"
+    late = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["ab"], min_tokens=len(ids) - 1, max_tokens=50))
+    assert late.add_tokens(ids[:-1]) is None  # within min_tokens: no stop
+    assert late.add_tokens(ids[-1:]) == "ab" and late.text.endswith(" ")

@@ -22,6 +22,8 @@ class IncrementalDetokenizer:
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(s) for s in self._stop), default=0)
+        self._min_tokens = params.min_tokens  # as vLLM: no stop string ends a text this short
+        self._num_tokens = 0
         self.text = ""
         self._released = 0
 
@@ -29,10 +31,13 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string that ended the text, if one did."""
         for token_id in token_ids:
             piece = self._step(token_id)
+            self._num_tokens += 1
             if not piece:
                 continue
             searched_from = max(0, len(self.text) - self._longest_stop + 1)
             self.text += piece
+            if self._num_tokens <= self._min_tokens:
+                continue  # stop strings count only after min_tokens tokens (vLLM's rule)
             stop = self._find_stop(searched_from)
             if stop is not None:
                 return stop
