@@ -71,3 +71,84 @@ async def test_allow_unknown_fields_logs_them_instead(tiny_model_dir, caplog):
         refused = {**BASE["completions"], "best_of": 3}  # known and unimplemented: still a 400
         response = await request(server.url, "POST", "/v1/completions", refused)
         assert response.status == 400
+
+
+# ---- implemented fields: each has an observable effect, checked here or in the named test ---------
+CHECKED_ELSEWHERE = {
+    "model": "test_http_server (unknown models are 404s)",
+    "prompt": "every completions test", "prompt_embeds": "test_http_prompt_embeds",
+    "stream": "test_http_server", "stream_options": "test_structured_outputs::test_continuous_usage_stats_and_priority",
+    "cache_salt": "test_prefix_hash", "user": "OpenAI's end-user id: recorded by no one, changes no output",
+    "priority": "test_scheduler (priority policy)", "stop_token_ids": "test_engine",
+    "ignore_eos": "test_engine", "min_tokens": "test_detokenizer::test_stop_strings_wait_for_min_tokens",
+    "skip_special_tokens": "test_detokenizer", "prompt_logprobs": "test_structured_outputs",
+    "response_format": "test_structured_outputs", "structured_outputs": "test_structured_outputs",
+    "guided_json": "test_structured_outputs", "guided_regex": "test_structured_outputs",
+    "guided_choice": "test_structured_outputs", "guided_grammar": "test_structured_outputs",
+    "logit_bias": "test_structured_outputs", "allowed_token_ids": "test_structured_outputs",
+    "bad_words": "test_structured_outputs", "truncate_prompt_tokens": "test_structured_outputs",
+}
+GREEDY = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _text(response) -> str:
+    return response.json()["choices"][0]["text"]
+
+
+async def _post(server, **fields):
+    response = await request(server.url, "POST", "/v1/completions", {**GREEDY, **fields})
+    assert response.status == 200, (fields, response.body)
+    return response
+
+
+EFFECTS = {
+    "n": ({"n": 2}, lambda r, base: len(r.json()["choices"]) == 2),
+    "max_tokens": ({"max_tokens": 3}, lambda r, base: r.json()["usage"]["completion_tokens"] == 3),
+    "logprobs": ({"logprobs": 2}, lambda r, base: len(r.json()["choices"][0]["logprobs"]["top_logprobs"]) == 8),
+    "echo": ({"echo": True}, lambda r, base: _text(r) == "hello there" + _text(base)),
+    "temperature": ({"temperature": 1.5, "seed": 1}, lambda r, base: _text(r) != _text(base)),
+    "seed": ({"temperature": 1.5, "seed": 1}, lambda r, base: True),  # checked against a second draw below
+    "top_k": ({"temperature": 1.5, "seed": 1, "top_k": 1}, lambda r, base: _text(r) == _text(base)),
+    "top_p": ({"temperature": 1.5, "seed": 1, "top_p": 1e-6}, lambda r, base: _text(r) == _text(base)),
+    "min_p": ({"temperature": 1.5, "seed": 1, "min_p": 1.0}, lambda r, base: _text(r) == _text(base)),
+    "presence_penalty": ({"presence_penalty": 2.0}, lambda r, base: _text(r) != _text(base)),
+    "frequency_penalty": ({"frequency_penalty": 2.0}, lambda r, base: _text(r) != _text(base)),
+    "repetition_penalty": ({"repetition_penalty": 2.0}, lambda r, base: _text(r) != _text(base)),
+}
+
+
+async def test_every_implemented_completions_field_has_an_observable_effect(server):
+    from web.protocol import CompletionRequest
+
+    fields = set(CompletionRequest.model_fields)
+    covered = set(EFFECTS) | set(CHECKED_ELSEWHERE) | {"stop", "include_stop_str_in_output"}
+    assert fields <= covered, f"fields without a check: {sorted(fields - covered)}"
+    base = await _post(server)
+    for name, (extra, effect) in EFFECTS.items():
+        response = await _post(server, **extra)
+        assert effect(response, base), (name, _text(response), _text(base))
+    again = await _post(server, temperature=1.5, seed=1)
+    assert _text(again) == _text(await _post(server, temperature=1.5, seed=1))  # seed: the same draw
+    word = _text(base)[2:5]
+    stopped = await _post(server, stop=[word])
+    assert stopped.json()["choices"][0]["finish_reason"] == "stop" and word not in _text(stopped)
+    kept = await _post(server, stop=[word], include_stop_str_in_output=True)
+    assert _text(kept).endswith(word)
+
+
+CHAT_CHECKED_ELSEWHERE = {
+    "messages": "every chat test", "max_completion_tokens": "test_http_server",
+    "top_logprobs": "test_http_server", "add_generation_prompt": "test_tools (continue_final_message)",
+    "tools": "test_tools", "tool_choice": "test_tools", "parallel_tool_calls": "test_tools",
+    "chat_template_kwargs": "test_reasoning", "continue_final_message": "test_tools",
+    "chat_template": "test_structured_outputs::test_bad_words_truncation_echo_and_request_templates",
+}
+
+
+def test_every_implemented_chat_field_is_checked_somewhere():
+    from web.protocol import ChatCompletionRequest
+
+    covered = set(EFFECTS) | set(CHECKED_ELSEWHERE) | set(CHAT_CHECKED_ELSEWHERE) | {"stop",
+                                                                                     "include_stop_str_in_output"}
+    missing = set(ChatCompletionRequest.model_fields) - covered
+    assert not missing, f"chat fields without a check: {sorted(missing)}"
