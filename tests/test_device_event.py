@@ -10,16 +10,16 @@ import trio.testing
 from engine.concurrency.device_event import CPU_BACKEND, DeviceEvent, FakeDeviceBackend
 
 
+async def wait_then_set(event: DeviceEvent, done: trio.Event) -> None:
+    assert await event.wait()
+    done.set()
+
+
 async def test_wait_blocks_until_record():
     event = DeviceEvent()
     done = trio.Event()
-
-    async def consumer():
-        assert await event.wait()
-        done.set()
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(consumer)
+        nursery.start_soon(wait_then_set, event, done)
         await trio.testing.wait_all_tasks_blocked()
         assert not done.is_set()  # nothing recorded: the waiter must not pass (vLLM's no-op wait)
         assert not event.query()
@@ -31,13 +31,8 @@ async def test_recorded_but_not_done_on_the_device_keeps_waiting():
     backend = FakeDeviceBackend()
     event = DeviceEvent(backend)
     done = trio.Event()
-
-    async def consumer():
-        assert await event.wait()
-        done.set()
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(consumer)
+        nursery.start_soon(wait_then_set, event, done)
         event.record(stream="side")
         await trio.testing.wait_all_tasks_blocked()
         assert not done.is_set() and not event.query()  # recorded, the device still busy

@@ -13,9 +13,9 @@ from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForCon
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
 from engine.errors import InvalidRequestError
-from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.loader import load_llava
 from engine.render.image import ImageProcessorConfig, decode_image, mm_hash, preprocess
+from tests.model_helpers import decoder_logits
 
 
 def random_image(height: int, width: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
@@ -95,9 +95,5 @@ def test_vision_and_decoder_logits_equal_transformers(hf_llava):
         rows = vision.encode(pixels)
         hidden = decoder.embed(torch.tensor(ids))
         hidden[3:28], hidden[30:55] = rows[0], rows[1]
-        c = decoder.config
-        kv = [(torch.zeros(64, c.num_kv_heads, c.head_dim), torch.zeros(64, c.num_kv_heads, c.head_dim))
-              for _ in range(c.num_layers)]
-        meta = build_metadata([SequenceChunk(0, len(ids), list(range(4)))], 16, torch.device("cpu"))
-        logits = decoder.compute_logits(decoder(hidden, torch.arange(len(ids)), kv, meta))
+    logits = decoder_logits(decoder, hidden)
     assert torch.allclose(logits, expected, atol=1e-5, rtol=1e-5)

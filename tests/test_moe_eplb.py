@@ -25,6 +25,7 @@ from engine.models.loader import load_decoder
 from engine.models.moe import ExpertLayout
 from engine.models.tiny import TinyModelSpec, make_model, write_tokenizer
 from tests.helpers import final_output, greedy
+from tests.model_helpers import decoder_logits
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -189,9 +190,5 @@ def test_make_model_writes_moe_checkpoints_transformers_reads_the_same(tmp_path,
     token_ids = list(range(5, 25))
     with torch.no_grad():
         expected = hf_model(torch.tensor([token_ids])).logits[0]
-        cfg = ours.config
-        kv = [(torch.zeros(64, cfg.num_kv_heads, cfg.head_dim), torch.zeros(64, cfg.num_kv_heads, cfg.head_dim))
-              for _ in range(cfg.num_layers)]
-        meta = build_metadata([SequenceChunk(0, 20, list(range(4)))], 16, torch.device("cpu"))
-        got = ours.compute_logits(ours(ours.embed(torch.tensor(token_ids)), torch.arange(20), kv, meta))
+        got = decoder_logits(ours, ours.embed(torch.tensor(token_ids)))
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)

@@ -13,6 +13,7 @@ from transformers import LlavaProcessor, PreTrainedTokenizerFast
 
 from engine import EngineConfig, SamplingParams, open_engine
 from engine.errors import InvalidRequestError
+from tests.model_helpers import decoder_logits
 from tests.multimodal_helpers import ROWS, data_url, image_message, make_tiny_llava, png_bytes, random_image
 from tests.server_fixtures import running_server
 
@@ -182,12 +183,7 @@ def test_make_model_writes_a_llava_transformers_reads_the_same(tmp_path):
         expected = hf_model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
         hidden = decoder.embed(torch.tensor(ids))
         hidden[2:2 + vision.rows_per_image] = vision.encode(pixels)[0]
-        from engine.models.attention import SequenceChunk, build_metadata
-        c = decoder.config
-        kv = [(torch.zeros(64, c.num_kv_heads, c.head_dim), torch.zeros(64, c.num_kv_heads, c.head_dim))
-              for _ in range(c.num_layers)]
-        meta = build_metadata([SequenceChunk(0, len(ids), list(range(4)))], 16, torch.device("cpu"))
-        logits = decoder.compute_logits(decoder(hidden, torch.arange(len(ids)), kv, meta))
+    logits = decoder_logits(decoder, hidden)
     assert torch.allclose(logits, expected, atol=1e-5, rtol=1e-5)
 
 
