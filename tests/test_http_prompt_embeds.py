@@ -81,7 +81,7 @@ async def test_hostile_payloads_get_a_400_naming_the_reason_and_nothing_runs(ser
         assert response.status == 400, (name, response.body[:300])
         error = response.json()["error"]
         assert phrase in error["message"], (name, error)
-        assert error["param"] == "prompt_embeds" and error["type"] == "invalid_request_error"
+        assert error["param"] == "prompt_embeds" and error["type"] == "BadRequestError" and error["code"] == 400
     assert not marker.exists()
     assert server.engine.core.num_steps == 0 and server.engine.core.num_requests == 0
     healthy = await request(server.url, "POST", "/v1/completions",

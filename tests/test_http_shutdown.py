@@ -81,5 +81,5 @@ async def test_streams_still_open_when_the_grace_period_ends_get_an_error_event_
     events = re.findall(rb"data: (.*?)\n\n", data)
     assert events[-1] == b"[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["code"] == "server_shutting_down" and "shutting down" in error["message"]
+    assert error["reason"] == "server_shutting_down" and "shutting down" in error["message"]
     assert status == [0]

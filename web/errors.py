@@ -1,4 +1,8 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the right status."""
+"""Errors as vLLM writes them: {"error": {"message", "type", "param", "code"}}, `type` the error
+class's name (`BadRequestError`, `NotFoundError`, ...) and `code` the HTTP status, for every 4xx and
+5xx. OpenAI's own clients read only the status and the message, so both kinds of client work; the
+reason this server had for a 503 or a 401 (`engine_dead`, `invalid_api_key`, ...) stays readable
+as `reason`. docs/decisions.md has the choice."""
 
 from __future__ import annotations
 
@@ -7,9 +11,9 @@ from typing import Any
 from pydantic_core import to_json
 from quart import Response
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error",
-          500: "server_error"}
+_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+          413: "RequestEntityTooLargeError", 429: "TooManyRequestsError", 500: "InternalServerError",
+          503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -23,8 +27,11 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        error: dict[str, Any] = {"message": self.message, "type": _TYPES.get(self.status, "InternalServerError"),
+                                 "param": self.param, "code": self.status}
+        if self.code is not None:
+            error["reason"] = self.code
+        return {"error": error}
 
     def response(self) -> Response:
         return Response(to_json(self.body()), status=self.status, headers=self.headers,
