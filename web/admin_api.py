@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from pydantic_core import to_json
 from quart import Response
@@ -56,11 +57,14 @@ def register(app: QuartTrio, state: ServerState) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
         if req.messages is not None:
-            text = await engine.apply_chat_template(req.messages)
+            text = await engine.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
             tokens = await engine.tokenize(text, add_special_tokens=False)
         else:
             tokens = await engine.tokenize(req.prompt, req.add_special_tokens) if req.prompt else []
-        return _json({"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens})
+        body: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens}
+        if req.return_token_strs:
+            body["token_strs"] = [engine.tokenizer.id_to_token(t) for t in tokens]
+        return _json(body)
 
     @app.post("/detokenize")
     async def detokenize() -> Response:

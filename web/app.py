@@ -21,6 +21,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestError, RequestFailedError, open_engine
+from engine.ids import random_id
 from web import admin_api, cors, openai_api, pooling_api
 from web.errors import APIError
 from web.settings import ServerSettings
@@ -73,6 +74,13 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     async def authenticate() -> None:
         if request.method != "OPTIONS" and request.path not in state.settings.open_paths():
             _check_api_key(state.settings.api_key)
+
+    if state.settings.enable_request_id_headers:
+        @app.after_request
+        async def request_id_header(response: Response) -> Response:
+            """--enable-request-id-headers: the client's X-Request-Id echoed, or a new one."""
+            response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or random_id()
+            return response
 
     cors.register(app, state.settings.cors)
     _register_error_handlers(app)

@@ -155,6 +155,7 @@ async def create_completion(state: ServerState) -> Response:
     engine requests.
     """
     req: CompletionRequest = await read_request(state, CompletionRequest)
+    force_usage = state.settings.enable_force_include_usage
     engine = generation_engine(state)
     prompts = req.prompts()
     if not prompts:
@@ -169,7 +170,8 @@ async def create_completion(state: ServerState) -> Response:
     if req.stream:
         stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[0], item[1], req.continuous_usage),
-                                 lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
+                                 lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
+                                 state.streams)
         return Response(body, content_type="text/event-stream", headers=sse.HEADERS)
     finals = await final_outputs(first, outputs, len(prompts))
     tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -184,6 +186,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     its engine requests.
     """
     req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
+    force_usage = state.settings.enable_force_include_usage
     engine = generation_engine(state)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.settings.enable_auto_tool_choice,
                        state.settings.tool_call_parser)
@@ -220,7 +223,8 @@ async def create_chat_completion(state: ServerState) -> Response:
         stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan,
                             reasoning_parser=state.settings.reasoning_parser, echo=req.echoed_text())
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1], req.continuous_usage),
-                                 lambda: [stream.usage_chunk()] if req.include_usage else [], state.streams)
+                                 lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
+                                 state.streams)
         return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
                         headers=sse.HEADERS)
     (final,) = await final_outputs(first, outputs, 1)

@@ -164,6 +164,10 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept a chat_template in chat requests (a template runs in a sandbox, but it is the "
                           "client's code)")
+    srv.add_argument("--enable-request-id-headers", action="store_true",
+                     help="an X-Request-Id header on every response (the client's, or a new one)")
+    srv.add_argument("--enable-force-include-usage", action="store_true",
+                     help="usage in every response, streamed ones too (as if stream_options.include_usage)")
     srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                      help="put the model's <think>...</think> part in reasoning_content")
     srv.add_argument("--allow-unknown-fields", action="store_true",
@@ -179,6 +183,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
+                          enable_request_id_headers=args.enable_request_id_headers,
+                          enable_force_include_usage=args.enable_force_include_usage,
                           cors=CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                             tuple(args.allowed_headers), args.allow_credentials))
 

@@ -256,6 +256,8 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # the tokens' strings beside their ids
+    add_generation_prompt: bool = True  # with messages
 
 
 class DetokenizeRequest(_Body):

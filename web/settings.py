@@ -30,6 +30,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of free text...
     tool_call_parser: str | None = None  # ...in this format (web.tools.PARSERS)
     trust_request_chat_template: bool = False  # let requests bring their own chat_template
+    enable_request_id_headers: bool = False  # X-Request-Id on every response
+    enable_force_include_usage: bool = False  # usage in every response, streamed ones too
     reasoning_parser: str | None = None  # split <think>...</think> into reasoning_content (web.reasoning.PARSERS)
 
     def __post_init__(self) -> None:

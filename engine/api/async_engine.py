@@ -323,8 +323,9 @@ class AsyncEngine:
         length = len(engine_input.token_ids)
         limit = min(self.info.max_model_len, self.config.token_budget)
         if length > limit:
-            raise InvalidRequestError(f"the input (length {length}) is longer than the maximum of {limit} tokens "
-                                      "for this model; shorten it or set truncate_prompt_tokens", param="input")
+            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your request "
+                                      f"has {length} input tokens. Please reduce the length of the input prompt "
+                                      "(or set truncate_prompt_tokens).", param="input")
         return [Request(request_id, engine_input.token_ids, POOLING_SAMPLING_PARAMS,
                         arrival_time=anyio.current_time(), priority=priority, max_tokens=1,
                         prompt_embeds=engine_input.embeds, pooling_params=params,
