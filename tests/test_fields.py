@@ -11,6 +11,7 @@ import pytest
 
 from bench.http import request
 from tests.conftest import engine_config
+from tests.helpers import sse_events
 from tests.server_fixtures import running_server
 from web.fields import REFUSED, api_reference
 from web.settings import ServerSettings
@@ -87,6 +88,8 @@ CHECKED_ELSEWHERE = {
     "guided_choice": "test_structured_outputs", "guided_grammar": "test_structured_outputs",
     "logit_bias": "test_structured_outputs", "allowed_token_ids": "test_structured_outputs",
     "bad_words": "test_structured_outputs", "truncate_prompt_tokens": "test_structured_outputs",
+    "return_token_ids": "test_fields::test_token_ids_in_answers",
+    "return_tokens_as_token_ids": "test_fields::test_token_ids_in_answers",
 }
 GREEDY = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -174,3 +177,22 @@ async def test_request_id_headers_forced_usage_token_strs_and_context_wording(ti
     async with running_server(engine_config(minilm_dir, num_kv_blocks=None)) as embedder:
         too_long = await request(embedder.url, "POST", "/v1/embeddings", {"input": "word " * 600})
         assert too_long.status == 400 and "maximum context length is" in too_long.json()["error"]["message"]
+
+
+async def test_token_ids_in_answers(server):
+    ids_body = {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True, "logprobs": 1, "return_token_ids": True,
+                "temperature": 0,
+                "return_tokens_as_token_ids": True}
+    choice = (await request(server.url, "POST", "/v1/completions", ids_body)).json()["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["token_ids"]) == 3
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    streamed = await request(server.url, "POST", "/v1/completions", {**ids_body, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(streamed.body) if e != "[DONE]"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == choice["token_ids"]
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+                 "return_token_ids": True, "return_tokens_as_token_ids": True}
+    answer = (await request(server.url, "POST", "/v1/chat/completions", chat_body)).json()
+    assert answer["prompt_token_ids"] and len(answer["choices"][0]["token_ids"]) == 2
+    tokens = [entry["token"] for entry in answer["choices"][0]["logprobs"]["content"]]
+    assert tokens == [f"token_id:{t}" for t in answer["choices"][0]["token_ids"]]

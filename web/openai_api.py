@@ -168,7 +168,8 @@ async def create_completion(state: ServerState) -> Response:
                                     priority=req.priority)
     first = await first_item(outputs)
     if req.stream:
-        stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None)
+        stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None,
+                                  token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[0], item[1], req.continuous_usage),
                                  lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
                                  state.streams)
@@ -177,7 +178,7 @@ async def create_completion(state: ServerState) -> Response:
     tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return await json_response(state, lambda: completion_response(
         response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None, finals,
-        req.prompt_logprobs is not None), tokens)
+        req.prompt_logprobs is not None, req.return_token_ids, req.return_tokens_as_token_ids), tokens)
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -221,7 +222,8 @@ async def create_chat_completion(state: ServerState) -> Response:
     top = logprobs if req.logprobs else None
     if req.stream:
         stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan,
-                            reasoning_parser=state.settings.reasoning_parser, echo=req.echoed_text())
+                            reasoning_parser=state.settings.reasoning_parser, echo=req.echoed_text(),
+                            token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1], req.continuous_usage),
                                  lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
                                  state.streams)
@@ -231,7 +233,8 @@ async def create_chat_completion(state: ServerState) -> Response:
     tokens = sum(len(c.token_ids) for c in final.outputs)
     return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top,
                                                             tool_plan, state.settings.reasoning_parser,
-                                                            req.echoed_text(), req.prompt_logprobs is not None),
+                                                            req.echoed_text(), req.prompt_logprobs is not None,
+                                                            req.return_token_ids, req.return_tokens_as_token_ids),
                                tokens)
 
 

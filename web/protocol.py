@@ -51,6 +51,8 @@ class _Sampling(_Body):
     cache_salt: str | None = Field(default=None, min_length=1)
     priority: int = 0  # with --scheduling-policy priority: lower runs first (vLLM's meaning)
     prompt_logprobs: int | None = Field(default=None, ge=0)  # top-N logprobs of every prompt token
+    return_token_ids: bool = False  # prompt_token_ids and token_ids in the answer
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     # Structured outputs, in the three spellings clients use: OpenAI's response_format, vLLM's
     # structured_outputs object, and vLLM's older guided_* fields.
     response_format: dict[str, Any] | None = None

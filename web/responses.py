@@ -20,8 +20,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 # ---- logprobs ------------------------------------------------------------------------------------
+def _token(token_id: int, text: str | None, as_ids: bool) -> str:
+    """How a logprob entry names its token: its text, or `token_id:<id>` (return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_ids else text or ""
+
+
 def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None],
-                        text_offset: int) -> dict[str, Any]:
+                        text_offset: int, as_ids: bool = False) -> dict[str, Any]:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens: list[str | None] = []
     token_logprobs: list[float | None] = []
@@ -37,21 +42,23 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
             continue
         chosen = position[token_id]
         text = chosen.decoded_token or ""
-        tokens.append(text)
+        tokens.append(_token(token_id, text, as_ids))
         token_logprobs.append(chosen.logprob)
-        tops.append({lp.decoded_token or "": lp.logprob for lp in position.values()})  # chosen + top-N
+        tops.append({_token(t, lp.decoded_token, as_ids): lp.logprob for t, lp in position.items()})  # chosen + top-N
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int) -> dict[str, Any]:
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int,
+                  as_ids: bool = False) -> dict[str, Any]:
     content = []
     for token_id, position in zip(token_ids, positions, strict=True):
         chosen = position[token_id]
         ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_n]
-        content.append({**_chat_token(chosen.decoded_token, chosen.logprob),
-                        "top_logprobs": [_chat_token(lp.decoded_token, lp.logprob) for _, lp in ranked]})
+        content.append({**_chat_token(_token(token_id, chosen.decoded_token, as_ids), chosen.logprob),
+                        "top_logprobs": [_chat_token(_token(t, lp.decoded_token, as_ids), lp.logprob)
+                                         for t, lp in ranked]})
     return {"content": content}
 
 
@@ -75,6 +82,9 @@ class CompletionStream:
     completion_tokens: dict[int, int] = field(default_factory=dict)
     _echoed: set[int] = field(default_factory=set)
     _text_offsets: dict[int, int] = field(default_factory=dict)
+    token_ids: bool = False  # return_token_ids
+    as_ids: bool = False  # return_tokens_as_token_ids
+    _ids_sent: set[int] = field(default_factory=set)
 
     def chunk(self, prompt_index: int, output: RequestOutput, continuous_usage: bool = False) -> dict[str, Any]:
         """One chunk; with `continuous_usage` (stream_options.continuous_usage_stats) it carries the
@@ -90,9 +100,15 @@ class CompletionStream:
             self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(completion.token_ids)
             choice = {"index": index, "text": text, "logprobs": None,
                       "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+            if self.token_ids:
+                if index not in self._ids_sent:
+                    self._ids_sent.add(index)
+                    choice["prompt_token_ids"] = output.prompt_token_ids
+                choice["token_ids"] = completion.token_ids
             if self.logprobs and completion.logprobs is not None:
                 offset = self._text_offsets.get(index, 0)
-                choice["logprobs"] = completion_logprobs(completion.token_ids, list(completion.logprobs), offset)
+                choice["logprobs"] = completion_logprobs(completion.token_ids, list(completion.logprobs), offset,
+                                                         self.as_ids)
                 self._text_offsets[index] = offset + len(completion.text)
             choices.append(choice)
         body = {"id": self.response_id, "object": "text_completion", "created": self.created,
@@ -117,14 +133,19 @@ def prompt_logprobs_body(positions: list[PositionLogprobs | None] | None) -> lis
 
 
 def completion_response(response_id: str, created: int, model: str, n: int, echo: bool, logprobs: bool,
-                        outputs: list[RequestOutput], prompt_logprobs: bool = False) -> dict[str, Any]:
+                        outputs: list[RequestOutput], prompt_logprobs: bool = False, token_ids: bool = False,
+                        as_ids: bool = False) -> dict[str, Any]:
     choices = []
     prompt_tokens = completion_tokens = 0
     for prompt_index, output in enumerate(outputs):
         prompt_tokens += output.num_prompt_tokens
         for completion in output.outputs:
             completion_tokens += len(completion.token_ids)
-            choice = _completion_choice(prompt_index * n + completion.index, output, completion, echo, logprobs)
+            choice = _completion_choice(prompt_index * n + completion.index, output, completion, echo, logprobs,
+                                        as_ids)
+            if token_ids:
+                choice["prompt_token_ids"] = output.prompt_token_ids
+                choice["token_ids"] = completion.token_ids
             if prompt_logprobs:
                 choice["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
             choices.append(choice)
@@ -133,7 +154,7 @@ def completion_response(response_id: str, created: int, model: str, n: int, echo
 
 
 def _completion_choice(index: int, output: RequestOutput, completion: CompletionOutput, echo: bool,
-                       logprobs: bool) -> dict[str, Any]:
+                       logprobs: bool, as_ids: bool = False) -> dict[str, Any]:
     prefix = (output.prompt or "") if echo else ""
     choice = {"index": index, "text": prefix + completion.text, "logprobs": None,
               "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
@@ -143,7 +164,7 @@ def _completion_choice(index: int, output: RequestOutput, completion: Completion
         if echo and output.prompt_logprobs is not None:
             tokens = output.prompt_token_ids + tokens
             positions = list(output.prompt_logprobs) + positions
-        choice["logprobs"] = completion_logprobs(tokens, positions, 0)
+        choice["logprobs"] = completion_logprobs(tokens, positions, 0, as_ids)
     return choice
 
 
@@ -167,7 +188,8 @@ def _message(text: str, finish_reason: str | None, tools: ToolPlan | None,
 
 def chat_response(response_id: str, created: int, model: str, output: RequestOutput,
                   top_logprobs: int | None, tools: ToolPlan | None = None,
-                  reasoning_parser: str | None = None, echo: str = "", prompt_logprobs: bool = False) -> dict[str, Any]:
+                  reasoning_parser: str | None = None, echo: str = "", prompt_logprobs: bool = False,
+                  token_ids: bool = False, as_ids: bool = False) -> dict[str, Any]:
     choices = []
     for completion in output.outputs:
         message, finish_reason = _message(completion.text, completion.finish_reason, tools, reasoning_parser)
@@ -177,13 +199,17 @@ def chat_response(response_id: str, created: int, model: str, output: RequestOut
                   "logprobs": None, "finish_reason": finish_reason,
                   "stop_reason": completion.stop_reason}
         if top_logprobs is not None and completion.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, top_logprobs)
+            choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, top_logprobs, as_ids)
+        if token_ids:
+            choice["token_ids"] = completion.token_ids
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in output.outputs)
     body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(output.num_prompt_tokens, completion_tokens)}
     if prompt_logprobs:
         body["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+    if token_ids:
+        body["prompt_token_ids"] = output.prompt_token_ids
     return body
 
 
@@ -204,6 +230,9 @@ class ChatStream:
     echo: str = ""  # sent before each choice's first content (chat `echo`)
     echoed: set[int] = field(default_factory=set)
     call_streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    token_ids: bool = False  # return_token_ids
+    as_ids: bool = False  # return_tokens_as_token_ids
+    prompt_ids_sent: bool = False
 
     def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
@@ -234,11 +263,18 @@ class ChatStream:
             choice = {"index": completion.index, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
             if self.top_logprobs is not None and completion.logprobs:
-                choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, self.top_logprobs)
+                choice["logprobs"] = chat_logprobs(completion.token_ids, completion.logprobs, self.top_logprobs,
+                                                   self.as_ids)
+            if self.token_ids:
+                choice["token_ids"] = completion.token_ids
             choices.append(choice)
+        extra: dict[str, Any] = {}
+        if self.token_ids and not self.prompt_ids_sent:
+            self.prompt_ids_sent = True
+            extra["prompt_token_ids"] = output.prompt_token_ids
         if continuous_usage:
-            return self._wrap(choices, usage=usage(self.prompt_tokens, self.completion_tokens))
-        return self._wrap(choices)
+            extra["usage"] = usage(self.prompt_tokens, self.completion_tokens)
+        return self._wrap(choices, **extra)
 
     def usage_chunk(self) -> dict[str, Any]:
         return self._wrap([], usage=usage(self.prompt_tokens, self.completion_tokens))
