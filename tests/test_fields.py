@@ -196,3 +196,26 @@ async def test_token_ids_in_answers(server):
     assert answer["prompt_token_ids"] and len(answer["choices"][0]["token_ids"]) == 2
     tokens = [entry["token"] for entry in answer["choices"][0]["logprobs"]["content"]]
     assert tokens == [f"token_id:{t}" for t in answer["choices"][0]["token_ids"]]
+
+
+async def test_unix_socket_tokenizer_info_and_truncation_to_the_limit(tiny_model_dir, minilm_dir, tmp_path):
+    import httpx
+
+    socket_path = str(tmp_path / "trio-llm.sock")
+    settings = ServerSettings(uds=socket_path, enable_tokenizer_info_endpoint=True)
+    async with running_server(engine_config(tiny_model_dir), settings):
+        transport = httpx.AsyncHTTPTransport(uds=socket_path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            completion = await client.post("/v1/completions", json=BASE["completions"])
+            assert completion.status_code == 200 and completion.json()["choices"]
+            info = (await client.get("/tokenizer_info")).json()
+            assert info["eos_token"] == "<|im_end|>" and info["tokenizer_class"] and "chat_template" in info
+    async with running_server(engine_config(tiny_model_dir)) as server:
+        off = await request(server.url, "GET", "/tokenizer_info")
+        assert off.status == 404 and "--enable-tokenizer-info-endpoint" in off.json()["error"]["message"]
+    async with running_server(engine_config(minilm_dir, num_kv_blocks=None)) as embedder:
+        long_input = "word " * 600
+        cut = await request(embedder.url, "POST", "/v1/embeddings", {"input": long_input, "truncate_prompt_tokens": -1})
+        assert cut.status == 200 and cut.json()["usage"]["prompt_tokens"] == 512
+        zero = await request(embedder.url, "POST", "/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0})
+        assert zero.status == 400

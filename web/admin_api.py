@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
+import anyio
 from pydantic_core import to_json
 from quart import Response
 from quart_trio import QuartTrio
 
-from web.errors import bad_request
+from web.errors import APIError, bad_request
 from web.openai_api import read_request
 from web.protocol import DetokenizeRequest, TokenizeRequest
 from web.state import ServerState
@@ -71,6 +74,20 @@ def register(app: QuartTrio, state: ServerState) -> None:
         req: DetokenizeRequest = await read_request(state, DetokenizeRequest)
         engine = state.engine_for_request()
         return _json({"prompt": engine.detokenize(req.tokens)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        """--enable-tokenizer-info-endpoint: the tokenizer's configuration (tokenizer_config.json)
+        and its special tokens, as vLLM serves them."""
+        if not state.settings.enable_tokenizer_info_endpoint:
+            raise APIError(404, "/tokenizer_info is off; start the server with --enable-tokenizer-info-endpoint")
+        engine = state.engine_for_request()
+        path = Path(engine.config.tokenizer_path) / "tokenizer_config.json"
+        config = json.loads(await anyio.Path(path).read_text()) if path.is_file() else {}
+        tok = engine.tokenizer
+        return _json({**config, "tokenizer_class": config.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                      "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token,
+                      "model_max_length": engine.info.max_model_len, "vocab_size": tok.vocab_size})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -91,7 +91,8 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"trio-llm serve: {reason}", file=sys.stderr)
         return 2
     try:
-        check_port_free(args.host, args.port)  # before loading a model that may take minutes
+        if args.uds is None:
+            check_port_free(args.host, args.port)  # before loading a model that may take minutes
         engine_config = options.engine_config(model_dir(args.model), args)
         run = partial(serve, engine_config, options.server_settings(args), args.host, args.port,
                       log_level=args.log_level)

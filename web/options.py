@@ -164,6 +164,9 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept a chat_template in chat requests (a template runs in a sandbox, but it is the "
                           "client's code)")
+    srv.add_argument("--uds", default=None, help="serve on this Unix domain socket instead of --host/--port")
+    srv.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                     help="serve GET /tokenizer_info: the tokenizer's configuration and special tokens")
     srv.add_argument("--enable-request-id-headers", action="store_true",
                      help="an X-Request-Id header on every response (the client's, or a new one)")
     srv.add_argument("--enable-force-include-usage", action="store_true",
@@ -183,7 +186,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
-                          enable_request_id_headers=args.enable_request_id_headers,
+                          enable_request_id_headers=args.enable_request_id_headers, uds=args.uds,
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_force_include_usage=args.enable_force_include_usage,
                           cors=CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                             tuple(args.allowed_headers), args.allow_credentials))

@@ -80,8 +80,14 @@ def _output_size(outputs: list[PoolingRequestOutput]) -> int:
 
 
 def checked_truncation(engine: AsyncEngine, truncate: int | None) -> int | None:
-    """`truncate_prompt_tokens` as given, if it fits the model (vLLM's check and wording)."""
+    """`truncate_prompt_tokens` as given (-1: the model's limit), if it fits the model (vLLM's check
+    and wording)."""
     max_len = engine.info.max_model_len
+    if truncate == -1:
+        return max_len
+    if truncate is not None and truncate < 1:
+        raise bad_request("truncate_prompt_tokens must be -1 (the model's limit) or at least 1",
+                          "truncate_prompt_tokens")
     if truncate is not None and truncate > max_len:
         raise bad_request(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_len}). "
                           "Please, select a smaller truncation size.", "truncate_prompt_tokens")

@@ -334,7 +334,7 @@ class EmbeddingRequest(_Body):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
@@ -351,7 +351,7 @@ class EmbeddingRequest(_Body):
 class ClassificationRequest(_Body):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
@@ -369,7 +369,7 @@ class ScoreRequest(_Body):
     text_1: str | list[str] | None = None
     text_2: str | list[str] | None = None
     score_type: Literal["embedding", "cross-encoder", "late-interaction"] | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     def pairs(self) -> tuple[list[str], list[str]]:
         """(queries, documents) of equal length: one query against many documents, or pairwise."""
@@ -399,4 +399,4 @@ class RerankRequest(_Body):
     top_n: int | None = Field(default=None, ge=0)
     return_documents: bool = True
     score_type: Literal["embedding", "cross-encoder", "late-interaction"] | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)

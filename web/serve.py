@@ -49,7 +49,7 @@ def tune_collector_for_serving() -> None:
 
 def hypercorn_config(host: str, port: int, settings: ServerSettings, log_level: str = "info") -> HypercornConfig:
     config = HypercornConfig()
-    config.bind = [f"{host}:{port}"]
+    config.bind = [f"unix:{settings.uds}"] if settings.uds else [f"{host}:{port}"]
     config.graceful_timeout = settings.grace_period
     # hypercorn's own "Running on" line would repeat ours ("Serving on"): its log shows from warnings.
     config.loglevel = "DEBUG" if log_level.upper() == "DEBUG" else "WARNING"

@@ -31,6 +31,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # ...in this format (web.tools.PARSERS)
     trust_request_chat_template: bool = False  # let requests bring their own chat_template
     enable_request_id_headers: bool = False  # X-Request-Id on every response
+    uds: str | None = None  # serve on this Unix domain socket instead of host:port
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (the tokenizer's configuration)
     enable_force_include_usage: bool = False  # usage in every response, streamed ones too
     reasoning_parser: str | None = None  # split <think>...</think> into reasoning_content (web.reasoning.PARSERS)
 
