@@ -278,3 +278,20 @@ async def test_classify_answers_as_vllm_with_the_heads_labels(tmp_path, minilm_d
     async with running_server(engine_config(str(minilm_dir), num_kv_blocks=None)) as plain:
         refused = await request(plain.url, "POST", "/classify", {"input": "no head"})
         assert refused.status == 400 and "classification head" in refused.json()["error"]["message"]
+
+
+async def test_embeddings_take_chat_messages_and_normalize(tiny_model_dir):
+    async with running_server(engine_config(tiny_model_dir)) as server:
+        messages = [{"role": "user", "content": "embed this conversation"}]
+        chat = await request(server.url, "POST", "/v1/embeddings", {"messages": messages})
+        assert chat.status == 200, chat.body
+        tokenized = await request(server.url, "POST", "/tokenize", {"messages": messages,
+                                                                    "add_generation_prompt": False})
+        assert chat.json()["usage"]["prompt_tokens"] == tokenized.json()["count"]
+        raw = await request(server.url, "POST", "/v1/embeddings", {"input": "abc", "normalize": False})
+        unit = await request(server.url, "POST", "/v1/embeddings", {"input": "abc", "normalize": True})
+        norm = sum(v * v for v in unit.json()["data"][0]["embedding"]) ** 0.5
+        raw_norm = sum(v * v for v in raw.json()["data"][0]["embedding"]) ** 0.5
+        assert abs(norm - 1) < 1e-4 and abs(raw_norm - 1) > 1e-3
+        both = await request(server.url, "POST", "/v1/embeddings", {"input": "x", "messages": messages})
+        assert both.status == 400

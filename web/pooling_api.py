@@ -125,9 +125,13 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest, object_na
     engine = state.engine_for_request()
     inputs = req.inputs()
     truncate = checked_truncation(engine, req.truncate_prompt_tokens)
+    if req.messages is not None:  # the conversation as the chat template renders it
+        rendered = await engine.chat_prompt(req.messages, add_generation_prompt=False)
+        inputs = [rendered["prompt_token_ids"]]
     prompts = await offload(state, tokenize_inputs, engine.tokenizer, inputs, truncate, size=_input_size(inputs))
     task = getattr(req, "task", "embed")
-    outputs = await engine.encode(prompts, PoolingParams(task=task, dimensions=req.dimensions))
+    outputs = await engine.encode(prompts, PoolingParams(task=task, dimensions=req.dimensions,
+                                                         normalize=req.normalize))
     body = await offload(state, embeddings_body, outputs, req.encoding_format, state.model_name, object_name,
                          size=_output_size(outputs))
     return Response(body, content_type="application/json")

@@ -331,14 +331,20 @@ def check_model(requested: str | None, served: set[str]) -> None:
 # ---- pooling -------------------------------------------------------------------------------------
 class EmbeddingRequest(_Body):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[dict[str, Any]] | None = None  # vLLM's chat-style input: the rendered conversation is embedded
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    normalize: bool | None = None  # L2-normalise (default: as the model's pooling config says)
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
         """Every input: a text or a list of token ids. Empty lists and empty strings are 400s."""
+        if (self.input is None) == (self.messages is None):
+            raise bad_request("give exactly one of input or messages", "input")
+        if self.input is None:
+            return []  # the caller renders the messages
         items = _as_prompt_list(self.input)
         if not items:
             raise bad_request("input must not be empty", "input")
@@ -355,7 +361,7 @@ class ClassificationRequest(_Body):
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
-        return EmbeddingRequest.model_construct(input=self.input).inputs()
+        return EmbeddingRequest.model_construct(input=self.input, messages=None).inputs()
 
 
 class PoolingRequest(EmbeddingRequest):
