@@ -230,7 +230,9 @@ VLLM_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:
                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
                 "vllm:request_queue_time_seconds", "vllm:num_preemptions", "vllm:prefix_cache_queries",
-                "vllm:prefix_cache_hits", "vllm:request_success"]
+                "vllm:prefix_cache_hits", "vllm:request_success", "vllm:request_prompt_tokens",
+                "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds",
+                "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"]
 
 
 async def test_metrics_carry_vllms_names_with_a_model_name_label(server):
@@ -252,6 +254,10 @@ async def test_metrics_carry_vllms_names_with_a_model_name_label(server):
     assert value("vllm:request_success", "_total", finished_reason="length") == 2
     assert value("vllm:time_to_first_token_seconds", "_count") == 2
     assert value("vllm:request_queue_time_seconds", "_count") == 2
+    assert value("vllm:request_generation_tokens", "_sum") == 6
+    assert value("vllm:request_prompt_tokens", "_count") == 2
+    for phase in ("prefill", "decode", "inference"):
+        assert value(f"vllm:request_{phase}_time_seconds", "_count") == 2
     assert value("vllm:prefix_cache_hits", "_total") > 0
     assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
     assert "trio_llm_requests_running" in families  # the old names stay beside them

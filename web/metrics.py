@@ -20,6 +20,7 @@ from engine.api import EngineStats, RequestRecord
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _LAG_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -81,7 +82,9 @@ class ServerMetrics:
         self.vllm.itl.labels(self._model).observe(inter_token_latency)
 
     def on_request_done(self, record: RequestRecord) -> None:
-        """--enable-log-requests: one JSON line per finished request (never the prompt's text)."""
+        """vLLM's per-request histograms; with --enable-log-requests, one JSON line per finished
+        request (never the prompt's text)."""
+        self.vllm.observe(self._model, record)
         if self.log_requests:
             request_log.info("%s", json.dumps({"request_id": record.request_id,
                                                "finish_reason": record.finish_reason,
@@ -135,6 +138,33 @@ class _VllmMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens_per_request = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, buckets=_TOKEN_BUCKETS,
+            registry=r)
+        self.generation_tokens_per_request = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", labels,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", labels,
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", labels,
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", labels,
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe(self, model: str, record: RequestRecord) -> None:
+        """A finished request's sizes and phases (prefill: scheduled to first token; decode: first
+        token to the end; inference: scheduled to the end)."""
+        self.prompt_tokens_per_request.labels(model).observe(record.prompt_tokens)
+        self.generation_tokens_per_request.labels(model).observe(record.generation_tokens)
+        if record.queue_time is None:
+            return
+        self.inference_time.labels(model).observe(max(0.0, record.e2e - record.queue_time))
+        if record.ttft is not None:
+            self.prefill_time.labels(model).observe(max(0.0, record.ttft - record.queue_time))
+            self.decode_time.labels(model).observe(max(0.0, record.e2e - record.ttft))
 
 
 class _EngineStatsCollector:
