@@ -89,6 +89,7 @@ CHECKED_ELSEWHERE = {
     "logit_bias": "test_structured_outputs", "allowed_token_ids": "test_structured_outputs",
     "bad_words": "test_structured_outputs", "truncate_prompt_tokens": "test_structured_outputs",
     "return_token_ids": "test_fields::test_token_ids_in_answers",
+    "prompt_token_ids": "test_fields::test_token_ids_in_answers",
     "return_tokens_as_token_ids": "test_fields::test_token_ids_in_answers",
 }
 GREEDY = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -190,6 +191,11 @@ async def test_token_ids_in_answers(server):
     chunks = [json.loads(e) for e in sse_events(streamed.body) if e != "[DONE]"]
     assert chunks[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
     assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == choice["token_ids"]
+    token_in = {**ids_body, "prompt": "", "prompt_token_ids": [5, 6, 7]}
+    del token_in["prompt"]
+    for body in (token_in, {**token_in, "prompt": ""}):  # token in, token out: prompt absent or ""
+        same = (await request(server.url, "POST", "/v1/completions", body)).json()["choices"][0]
+        assert same["token_ids"] == choice["token_ids"]
     chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
                  "return_token_ids": True, "return_tokens_as_token_ids": True}
     answer = (await request(server.url, "POST", "/v1/chat/completions", chat_body)).json()

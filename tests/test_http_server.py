@@ -115,7 +115,7 @@ async def test_sse_framing_on_the_wire(server):
     ({"prompt": ""}, 400, "the prompt is empty", "prompt"),
     ({"prompt": [1, 2, 10**9]}, 400, "out of vocabulary", "prompt"),
     ({"prompt": "word " * 600}, 400, "maximum context length is 512 tokens. However, your request has", "prompt"),
-    ({"max_tokens": 3}, 400, "either prompt or prompt_embeds is required", "prompt"),
+    ({"max_tokens": 3}, 400, "either prompt, prompt_token_ids or prompt_embeds is required", "prompt"),
     ({"prompt": ["one", [5, 6]]}, 400, "prompt must be a string, a list of strings, a list of token ids", "prompt"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist.", "model"),
 ])

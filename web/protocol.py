@@ -183,14 +183,15 @@ class CompletionRequest(_Sampling):
     # base64 of torch.save files (--enable-prompt-embeds). `parse_body` replaces large ones with
     # memoryviews on the body after validation (assignment is not validated).
     prompt_embeds: str | list[str] | None = None
+    prompt_token_ids: list[int] | list[list[int]] | None = None  # token in (with prompt "" or absent)
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
 
     def prompts(self) -> list[str | list[int] | dict[str, str]]:
         """Every prompt of the request: embeddings payloads first, then `prompt`'s (as vLLM orders them)."""
-        if self.prompt is None and self.prompt_embeds is None:
-            raise bad_request("either prompt or prompt_embeds is required", "prompt")
+        if self.prompt is None and self.prompt_embeds is None and self.prompt_token_ids is None:
+            raise bad_request("either prompt, prompt_token_ids or prompt_embeds is required", "prompt")
         embeds = [self.prompt_embeds] if isinstance(self.prompt_embeds, str) else list(self.prompt_embeds or ())
         if embeds and self.echo:
             raise bad_request("echo is not supported with prompt_embeds (the prompt has no text)", "echo")
@@ -198,6 +199,13 @@ class CompletionRequest(_Sampling):
 
     def _token_or_text_prompts(self) -> list[str | list[int]]:
         p = self.prompt
+        if self.prompt_token_ids is not None:  # token in, token out: `prompt` absent or ""
+            if p not in (None, ""):
+                raise bad_request("give prompt or prompt_token_ids, not both", "prompt_token_ids")
+            ids = self.prompt_token_ids
+            if not ids:
+                raise bad_request("prompt_token_ids must not be empty", "prompt_token_ids")
+            return _as_prompt_list(ids)
         if p is None or (p == "" and self.prompt_embeds is not None):
             return []  # the openai client cannot omit `prompt`; vLLM's documented form sends ""
         return _as_prompt_list(p)
