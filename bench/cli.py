@@ -57,8 +57,7 @@ def _add_bench_ec(bench: Subcommands) -> None:
 
 def _bench_ec(args: argparse.Namespace) -> int:
     from bench import ec
-    from engine.models.tiny import default_model_dir
-    print(ec.run(args.model, default_model_dir().parent, args.num_text, args.num_images, args.output_len,
+    print(ec.run(args.model, args.num_text, args.num_images, args.output_len,
                  args.load_delay, args.gap, args.image_output_len))
     return 0
 
@@ -76,8 +75,7 @@ def _add_bench_eplb(bench: Subcommands) -> None:
 
 def _bench_eplb(args: argparse.Namespace) -> int:
     from bench import eplb
-    from engine.models.tiny import default_model_dir
-    print(eplb.run(args.model, default_model_dir().parent, args.concurrency, args.input_len, args.output_len,
+    print(eplb.run(args.model, args.concurrency, args.input_len, args.output_len,
                    args.step_interval, args.redundant_experts))
     return 0
 

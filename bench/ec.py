@@ -33,6 +33,7 @@ import numpy as np
 import trio
 from PIL import Image
 
+from bench.models import cached_model
 from engine.api import EngineConfig, SamplingParams, TinyModelSpec, make_model, open_engine
 from engine.config import ECTransferConfig
 from engine.ec.storage import load_rows
@@ -154,11 +155,9 @@ async def run_all(model: str, num_text: int, num_images: int, output_len: int, d
                                   image_output_len)]
 
 
-def run(model: str | None, cache: Path, num_text: int, num_images: int, output_len: int, delay: float,
+def run(model: str | None, num_text: int, num_images: int, output_len: int, delay: float,
         gap: float, image_output_len: int) -> str:
-    model_path = model or str(cache / "bench-llava")
-    if model is None and not (cache / "bench-llava" / "model.safetensors").is_file():
-        make_model(model_path, SPEC)
+    model_path = cached_model(model, "bench-llava", lambda path: make_model(path, SPEC))
     results = trio.run(run_all, model_path, num_text, num_images, output_len, delay, gap, image_output_len)
     lines = [f"model {model_path}; {num_text} text requests arriving one every {gap:g} s, {num_images} image "
              f"requests spread among them, {output_len} output tokens per text request and {image_output_len} per "

@@ -27,6 +27,7 @@ from typing import Any
 import trio
 from safetensors.torch import load_file, save_file
 
+from bench.models import cached_model
 from engine.api import EngineConfig, SamplingParams, make_model, open_engine
 from engine.config import EplbConfig
 from engine.core.stats import NullObserver
@@ -121,11 +122,9 @@ def make_skewed_model(path: Path) -> None:
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def run(model: str | None, cache: Path, concurrency: int, input_len: int, output_len: int, step_interval: int,
+def run(model: str | None, concurrency: int, input_len: int, output_len: int, step_interval: int,
         redundant: int) -> str:
-    model_path = model or str(cache / "bench-mixtral-skewed")
-    if model is None and not (cache / "bench-mixtral-skewed" / "model.safetensors").is_file():
-        make_skewed_model(Path(model_path))
+    model_path = cached_model(model, "bench-mixtral-skewed", make_skewed_model)
     results = trio.run(run_all, model_path, concurrency, input_len, output_len, step_interval, redundant)
     lines = [f"model {model_path}; 2 worker processes, expert parallel; {concurrency} requests x {input_len} "
              f"prompt + {output_len} output tokens, skewed; rebalance every {step_interval} steps, "

@@ -337,6 +337,16 @@ def check_model(requested: str | None, served: set[str]) -> None:
 
 
 # ---- pooling -------------------------------------------------------------------------------------
+def _checked_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """Every input: a text or a list of token ids. Empty lists and empty strings are 400s."""
+    items = _as_prompt_list(value)
+    if not items:
+        raise bad_request("input must not be empty", "input")
+    for i, item in enumerate(items):
+        if not item:
+            raise bad_request(f"input[{i}] is empty", "input")
+    return items
+
 class EmbeddingRequest(_Body):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
@@ -353,13 +363,7 @@ class EmbeddingRequest(_Body):
             raise bad_request("give exactly one of input or messages", "input")
         if self.input is None:
             return []  # the caller renders the messages
-        items = _as_prompt_list(self.input)
-        if not items:
-            raise bad_request("input must not be empty", "input")
-        for i, item in enumerate(items):
-            if not item:
-                raise bad_request(f"input[{i}] is empty", "input")
-        return items
+        return _checked_inputs(self.input)
 
 
 class ClassificationRequest(_Body):
@@ -369,7 +373,7 @@ class ClassificationRequest(_Body):
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
-        return EmbeddingRequest.model_construct(input=self.input, messages=None).inputs()
+        return _checked_inputs(self.input)
 
 
 class PoolingRequest(EmbeddingRequest):

@@ -63,14 +63,15 @@ class ReasoningStream:
             content = after.lstrip("\n")
             self.skip_newlines = not content
             return before, content
-        keep = _partial_suffix(before, CLOSE) if not final else 0
+        keep = held_back(before, CLOSE) if not final else 0
         if keep:
             self.pending, before = before[-keep:], before[:-keep]
         return before, ""
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
+def held_back(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`: streamed text holds that much back,
+    since it may turn out to be the tag (here `</think>`, a tool-call tag in `web.tools`)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
             return size

@@ -24,6 +24,7 @@ import partial_json_parser
 from engine.ids import random_id
 from engine.structured_outputs import StructuredOutputs
 from web.errors import bad_request
+from web.reasoning import held_back
 
 PARSERS = ("hermes", "llama3_json")
 
@@ -193,7 +194,7 @@ class ToolCallStream:
         if self.plan.parser == "hermes":
             end = self.text.find(_HERMES_TAG)
             if end < 0:
-                end = len(self.text) if final else len(self.text) - _partial_tag(self.text, _HERMES_TAG)
+                end = len(self.text) if final else len(self.text) - held_back(self.text, _HERMES_TAG)
         else:  # llama3_json: an answer that opens with a call is all calls
             head = self.text.lstrip()
             if not head or _LLAMA_TAG.startswith(head) or head.startswith(("{", _LLAMA_TAG)):
@@ -240,14 +241,6 @@ def _named_calls(values: list[Any], arguments_key: str) -> list[tuple[str, Any]]
             break  # the name may still be growing
         calls.append((value["name"], value.get(arguments_key, value.get("arguments", value.get("parameters")))))
     return calls
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (held back: it may be the tag)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def history_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
