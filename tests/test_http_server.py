@@ -232,7 +232,8 @@ VLLM_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:
                 "vllm:request_queue_time_seconds", "vllm:num_preemptions", "vllm:prefix_cache_queries",
                 "vllm:prefix_cache_hits", "vllm:request_success", "vllm:request_prompt_tokens",
                 "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds",
-                "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"]
+                "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                "vllm:iteration_tokens_total", "vllm:request_params_n", "vllm:request_params_max_tokens"]
 
 
 async def test_metrics_carry_vllms_names_with_a_model_name_label(server):
@@ -259,6 +260,11 @@ async def test_metrics_carry_vllms_names_with_a_model_name_label(server):
     for phase in ("prefill", "decode", "inference"):
         assert value(f"vllm:request_{phase}_time_seconds", "_count") == 2
     assert value("vllm:prefix_cache_hits", "_total") > 0
+    assert value("vllm:request_params_n", "_sum") == 2 and value("vllm:request_params_max_tokens", "_sum") == 6
+    # Every step computes the prompt tokens not found cached, or one token per decoding request:
+    # each request's first token comes with its prefill, the other two take a step each.
+    computed = value("vllm:request_prompt_tokens", "_sum") - value("vllm:prefix_cache_hits", "_total") + 2 * 2
+    assert value("vllm:iteration_tokens_total", "_sum") == computed
     assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
     assert "trio_llm_requests_running" in families  # the old names stay beside them
 

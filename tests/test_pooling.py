@@ -1,9 +1,10 @@
-"""Pooling: all-MiniLM-L6-v2 embeddings against transformers, the OpenAI client, score, rerank,
+"""Pooling: all-MiniLM-L6-v2 embeddings against sentence-transformers, the OpenAI client, score, rerank,
 late interaction, cross-encoders, decoders as embedders, and bad input."""
 
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import openai
@@ -27,15 +28,11 @@ SENTENCES = [
 
 
 def reference_embeddings(model_dir: str, texts: list[str]) -> torch.Tensor:
-    """sentence-transformers' recipe done directly: BertModel, mean pooling over real tokens, L2 norm."""
-    from transformers import AutoTokenizer, BertModel
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = BertModel.from_pretrained(model_dir).eval()
-    batch = tokenizer(texts, padding=True, return_tensors="pt")
-    with torch.inference_mode():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).float()
-    return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    """sentence-transformers itself, on the checkpoint's own modules (Transformer, mean Pooling,
+    Normalize)."""
+    from sentence_transformers import SentenceTransformer
+    model = SentenceTransformer(model_dir, device="cpu", local_files_only=True)
+    return model.encode(texts, convert_to_tensor=True).float()
 
 
 @pytest.fixture(scope="session")
@@ -85,6 +82,31 @@ async def test_the_openai_client_float_and_base64(server, reference):
     # Asked for explicitly, the client hands base64 back as is: little-endian float32.
     decoded_all = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in as_b64.data]
     assert np.allclose(decoded_all, floats, atol=1e-6)
+
+
+async def test_bytes_and_embed_dtypes_decode_as_vllm_writes_them(server, reference):
+    """encoding_format bytes: the vectors back to back, their places in a `metadata` header;
+    bytes_only: no header; embed_dtype and endianness apply to base64 and bytes alike."""
+    response = await request(server.url, "POST", "/v1/embeddings",
+                             {"input": SENTENCES[:2], "encoding_format": "bytes", "endianness": "big"})
+    assert response.status == 200 and response.headers["content-type"] == "application/octet-stream"
+    metadata = json.loads(response.headers["metadata"])
+    assert metadata["usage"]["prompt_tokens"] > 2 and metadata["model"] == server.state.model_name
+    vectors = [np.frombuffer(response.body[item["start"]:item["end"]], dtype=">f4").reshape(item["shape"])
+               for item in metadata["data"]]
+    assert [item["index"] for item in metadata["data"]] == [0, 1]
+    assert min(cosines(np.stack(vectors), reference[:2])) >= 0.99999
+    only = await request(server.url, "POST", "/v1/embeddings",
+                         {"input": SENTENCES[:2], "encoding_format": "bytes_only", "embed_dtype": "float16"})
+    assert "metadata" not in only.headers and len(only.body) == 2 * 384 * 2
+    halves = np.frombuffer(only.body, dtype="<f2").reshape(2, 384).astype(np.float32)
+    assert min(cosines(halves, reference[:2])) >= 0.9999
+    as_bf16 = await embed(server, {"input": SENTENCES[:1], "encoding_format": "base64", "embed_dtype": "bfloat16"})
+    words = np.frombuffer(base64.b64decode(as_bf16["data"][0]["embedding"]), dtype="<i2").copy()
+    widened = torch.from_numpy(words).view(torch.bfloat16).float()
+    assert cosines(widened.unsqueeze(0).tolist(), reference[:1])[0] >= 0.999
+    bad = await request(server.url, "POST", "/v1/embeddings", {"input": "x", "embed_dtype": "int4"})
+    assert bad.status == 400 and bad.json()["error"]["param"] == "embed_dtype"
 
 
 async def test_token_ids_truncation_and_bad_input(server, minilm_dir):
@@ -215,9 +237,9 @@ async def test_a_cross_encoder_scores_pairs_with_its_head(tmp_path, minilm_dir):
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
     tokenizer.save_pretrained(tmp_path)
     pairs = [(SENTENCES[0], SENTENCES[2]), (SENTENCES[1], SENTENCES[3])]
-    batch = tokenizer([a for a, _ in pairs], [b for _, b in pairs], padding=True, return_tensors="pt")
-    with torch.inference_mode():
-        expected = torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+    from sentence_transformers import CrossEncoder
+    cross_encoder = CrossEncoder(str(tmp_path), device="cpu", local_files_only=True)
+    expected = cross_encoder.predict(pairs).tolist()  # with its activation: a sigmoid for one label
     async with running_server(engine_config(str(tmp_path), num_kv_blocks=None)) as cross_server:
         response = await request(cross_server.url, "POST", "/score",
                                  {"queries": [a for a, _ in pairs], "documents": [b for _, b in pairs]})

@@ -14,9 +14,10 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from web.errors import APIError, bad_request
-from web.openai_api import read_request
+from web.openai_api import chat_prompt_for, read_request
 from web.protocol import DetokenizeRequest, TokenizeRequest
 from web.state import ServerState
+from web.tools import template_tools
 
 _STARTED = int(time.time())
 
@@ -59,9 +60,9 @@ def register(app: QuartTrio, state: ServerState) -> None:
         engine = state.engine_for_request()
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
-        if req.messages is not None:
-            text = await engine.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
-            tokens = await engine.tokenize(text, add_special_tokens=False)
+        if req.messages is not None:  # as the chat endpoint renders them, tools included
+            rendered = await chat_prompt_for(state, engine, req, req.messages, template_tools(req.tools))
+            tokens = rendered["prompt_token_ids"]
         else:
             tokens = await engine.tokenize(req.prompt, req.add_special_tokens) if req.prompt else []
         body: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens}

@@ -22,7 +22,7 @@ from werkzeug.exceptions import HTTPException
 
 from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestError, RequestFailedError, open_engine
 from engine.ids import random_id
-from web import admin_api, cors, openai_api, pooling_api
+from web import admin_api, cors, openai_api, orca, pooling_api, render_api
 from web.errors import APIError
 from web.settings import ServerSettings
 from web.startup import describe_engine, explain
@@ -82,10 +82,21 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
             response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or random_id()
             return response
 
+    @app.after_request
+    async def orca_load_report(response: Response) -> Response:
+        """An ORCA load report on a generation answer whose request asked for one (web.orca)."""
+        asked = request.headers.get(orca.REQUEST_HEADER)
+        if asked and request.path in orca.REPORTING_PATHS and state.engine is not None:
+            report = orca.load_report(asked, state.engine.stats())
+            if report is not None:
+                response.headers[orca.RESPONSE_HEADER] = report
+        return response
+
     cors.register(app, state.settings.cors)
     _register_error_handlers(app)
     openai_api.register(app, state)
     pooling_api.register(app, state)
+    render_api.register(app, state)
     admin_api.register(app, state)
     return app
 

@@ -62,15 +62,18 @@ REFUSED: dict[str, dict[str, str]] = {
     "embeddings": {"priority": "request priorities are not taken from the API for pooling"},
     "pooling": {},
     "classify": {}, "score": {}, "rerank": {},
-    "tokenize": {"tools": "tools in the tokenized chat are not implemented yet"},
+    "tokenize": {"mm_processor_kwargs": "the image processor's settings come from the model"},
     "detokenize": {},
 }
+
+REFUSED["chat/completions/batch"] = REFUSED["chat/completions"]  # the same body, one conversation per item
 
 MODELS: dict[str, type[BaseModel]] = {
     "completions": protocol.CompletionRequest, "chat/completions": protocol.ChatCompletionRequest,
     "embeddings": protocol.EmbeddingRequest, "pooling": protocol.PoolingRequest,
     "classify": protocol.ClassificationRequest, "score": protocol.ScoreRequest,
-    "rerank": protocol.RerankRequest, "tokenize": protocol.TokenizeRequest, "detokenize": protocol.DetokenizeRequest,
+    "rerank": protocol.RerankRequest, "chat/completions/batch": protocol.BatchChatCompletionRequest,
+    "tokenize": protocol.TokenizeRequest, "detokenize": protocol.DetokenizeRequest,
 }
 ENDPOINT_OF = {model: name for name, model in MODELS.items()}
 

@@ -21,6 +21,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# vLLM's: powers of two up to the batch's token budget.
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LAG_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -113,6 +115,9 @@ class ServerMetrics:
     def on_eplb_rebalance(self, seconds: float, experts_moved: int) -> None:
         self.eplb_transfer.labels(self._model).observe(seconds)
 
+    def on_step(self, num_tokens: int) -> None:
+        self.vllm.iteration_tokens.labels(self._model).observe(num_tokens)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -153,12 +158,23 @@ class _VllmMetrics:
         self.inference_time = Histogram("vllm:request_inference_time_seconds",
                                         "Histogram of time spent in RUNNING phase for request.", labels,
                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", labels,
+                                          buckets=_STEP_TOKEN_BUCKETS, registry=r)
+        self.params_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", labels,
+                                  buckets=(1, 2, 5, 10, 20), registry=r)
+        self.params_max_tokens = Histogram("vllm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", labels,
+                                           buckets=_TOKEN_BUCKETS, registry=r)
 
     def observe(self, model: str, record: RequestRecord) -> None:
-        """A finished request's sizes and phases (prefill: scheduled to first token; decode: first
-        token to the end; inference: scheduled to the end)."""
+        """A finished request's sizes, parameters and phases (prefill: scheduled to first token;
+        decode: first token to the end; inference: scheduled to the end)."""
         self.prompt_tokens_per_request.labels(model).observe(record.prompt_tokens)
         self.generation_tokens_per_request.labels(model).observe(record.generation_tokens)
+        if record.max_tokens is not None:  # generation requests (vLLM records these for them only)
+            self.params_n.labels(model).observe(record.n)
+            self.params_max_tokens.labels(model).observe(record.max_tokens)
         if record.queue_time is None:
             return
         self.inference_time.labels(model).observe(max(0.0, record.e2e - record.queue_time))

@@ -19,16 +19,25 @@ from pydantic_core import to_json
 from quart import Response, current_app, g, request
 from quart_trio import QuartTrio
 
-from engine.api import AsyncEngine, EngineDeadError, RequestOutput, RequestOutputKind
+from engine.api import AsyncEngine, EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from engine.concurrency.offload import run_sized
 from engine.ids import random_id
 from web import sse
 from web.errors import APIError, bad_request
 from web.fields import check_fields
-from web.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, check_model, parse_body
-from web.responses import ChatStream, CompletionStream, chat_response, completion_response
+from web.protocol import (
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    check_model,
+    checked_messages,
+    echoed_text,
+    parse_body,
+)
+from web.responses import ChatStream, CompletionStream, chat_response, completion_response, usage
 from web.state import ServerState
-from web.tools import history_for_template, plan_tools
+from web.tools import ToolPlan, history_for_template, plan_tools
 
 # Bodies and responses above these sizes are parsed / built in a worker thread.
 OFFLOAD_BODY_BYTES = 64 << 10
@@ -43,6 +52,10 @@ def register(app: QuartTrio, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         return await create_chat_completion(state)
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions() -> Response:
+        return await create_batch_chat_completion(state)
 
     @app.post("/invocations")
     async def invocations() -> Response:
@@ -107,7 +120,7 @@ def _top_level_keys(body: bytes | bytearray) -> set[str]:
     return set(value)
 
 
-async def json_response(state: ServerState, build: Callable[[], dict[str, Any]], num_tokens: int) -> Response:
+async def json_response(state: ServerState, build: Callable[[], Any], num_tokens: int) -> Response:
     """Cancellation drops a thread's result once the thread returns."""
     body = await run_sized(lambda: to_json(build()), size=num_tokens, inline_below=OFFLOAD_RESPONSE_TOKENS,
                            limiter=state.limiter)
@@ -182,15 +195,10 @@ async def create_completion(state: ServerState) -> Response:
 
 
 # ---- chat ----------------------------------------------------------------------------------------
-async def create_chat_completion(state: ServerState) -> Response:
-    """Handles `POST /v1/chat/completions`. The client going away cancels the handler, which aborts
-    its engine requests.
-    """
-    req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
-    force_usage = state.settings.enable_force_include_usage
-    engine = generation_engine(state)
-    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.settings.enable_auto_tool_choice,
-                       state.settings.tool_call_parser)
+async def chat_prompt_for(state: ServerState, engine: AsyncEngine, req: Any, messages: list[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """`messages` rendered with the request's template fields (`req`: a chat, batch or tokenize
+    body), the tools given to the template. Cancellation drops the rendering thread's result."""
     template_kwargs: dict[str, Any] = {**req.template_kwargs(), "add_generation_prompt": req.add_generation_prompt}
     if req.chat_template is not None:
         if not state.settings.trust_request_chat_template:
@@ -198,28 +206,52 @@ async def create_chat_completion(state: ServerState) -> Response:
                               "chat_template")
         template_kwargs["chat_template"] = req.chat_template
     if tools is not None:
-        template_kwargs["tools"] = tools.tools
-    prompt_input = await engine.chat_prompt(history_for_template(req.checked_messages()),
-                                            continue_final_message=req.continue_final_message, **template_kwargs)
-    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        template_kwargs["tools"] = tools
+    return await engine.chat_prompt(history_for_template(checked_messages(messages)),
+                                    continue_final_message=req.continue_final_message, **template_kwargs)
+
+
+async def chat_sampling_params(state: ServerState, engine: AsyncEngine, req: Any, tools: ToolPlan | None,
+                               kind: RequestOutputKind) -> SamplingParams:
+    """The sampling parameters of a chat body, with the constraint a tool choice implies.
+    Cancellation drops the tokenizer thread's result."""
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind,
-                                 defaults=engine.sampling_defaults)
+    params: SamplingParams = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind,
+                                                 defaults=engine.sampling_defaults)
     if tools is not None and tools.structured is not None:
         if params.structured_outputs is not None:
             raise bad_request("tool_choice required or a named function constrains the output already; drop "
                               "response_format / structured_outputs", "tool_choice")
         params = replace(params, structured_outputs=tools.structured)
-    tool_plan = tools if tools is not None and tools.makes_calls else None
     if params.structured_outputs is not None and state.settings.reasoning_parser is not None:
         # The constraint applies to the answer, after the model's reasoning.
         end = tuple(await engine.tokenize("</think>", add_special_tokens=False))
         params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning_end=end))
+    return params
+
+
+def chat_tools(state: ServerState, req: Any) -> ToolPlan | None:
+    return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.settings.enable_auto_tool_choice,
+                      state.settings.tool_call_parser)
+
+
+async def create_chat_completion(state: ServerState) -> Response:
+    """Handles `POST /v1/chat/completions`. The client going away cancels the handler, which aborts
+    its engine requests.
+    """
+    req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
+    force_usage = state.settings.enable_force_include_usage
+    engine = generation_engine(state)
+    tools = chat_tools(state, req)
+    prompt_input = await chat_prompt_for(state, engine, req, req.messages, tools.tools if tools else None)
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    params = await chat_sampling_params(state, engine, req, tools, kind)
+    tool_plan = tools if tools is not None and tools.makes_calls else None
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([req.salted(prompt_input)], params, priority=req.priority,
                                     request_id=response_id)
     first = await first_item(outputs)
-    top = logprobs if req.logprobs else None
+    top = params.logprobs if req.logprobs else None
     if req.stream:
         stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan,
                             reasoning_parser=state.settings.reasoning_parser, echo=req.echoed_text(),
@@ -236,6 +268,39 @@ async def create_chat_completion(state: ServerState) -> Response:
                                                             req.echoed_text(), req.prompt_logprobs is not None,
                                                             req.return_token_ids, req.return_tokens_as_token_ids),
                                tokens)
+
+
+async def create_batch_chat_completion(state: ServerState) -> Response:
+    """Handles `POST /v1/chat/completions/batch` (vLLM's): one conversation per item of `messages`,
+    run together, answered as one chat completion whose choice `i` is conversation `i`. Streaming,
+    tools and n > 1 are refused, as vLLM refuses them. The client going away cancels the handler,
+    which aborts every conversation's request."""
+    req: BatchChatCompletionRequest = await read_request(state, BatchChatCompletionRequest)
+    for name, asked in (("stream", req.stream), ("tools", req.tools), ("n", req.n != 1)):
+        if asked:
+            raise bad_request(f"{name} is not supported by /v1/chat/completions/batch", name)
+    if not req.messages:
+        raise bad_request("messages must hold at least one conversation", "messages")
+    engine = generation_engine(state)
+    prompts = [req.salted(await chat_prompt_for(state, engine, req, conversation, None))
+               for conversation in req.messages]
+    params = await chat_sampling_params(state, engine, req, None, RequestOutputKind.FINAL_ONLY)
+    response_id, created = f"chatcmpl-{random_id()}", int(time.time())
+    outputs = engine.generate_batch(prompts, params, priority=req.priority, request_id=response_id)
+    finals = await final_outputs(await first_item(outputs), outputs, len(prompts))
+    top = params.logprobs if req.logprobs else None
+
+    def build() -> dict[str, Any]:
+        bodies = [chat_response(response_id, created, state.model_name, final, top, None,
+                                state.settings.reasoning_parser, echoed_text(conversation, req.echo),
+                                token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
+                  for final, conversation in zip(finals, req.messages, strict=True)]
+        choices = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
+        prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
+        completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
+        return {**bodies[0], "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    return await json_response(state, build, sum(len(c.token_ids) for f in finals for c in f.outputs))
 
 
 async def _prepend(head: bytes, body: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -132,7 +133,11 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest, object_na
     task = getattr(req, "task", "embed")
     outputs = await engine.encode(prompts, PoolingParams(task=task, dimensions=req.dimensions,
                                                          normalize=req.normalize))
-    body = await offload(state, embeddings_body, outputs, req.encoding_format, state.model_name, object_name,
+    if req.encoding_format in ("bytes", "bytes_only"):
+        raw, headers = await offload(state, embeddings_bytes, outputs, req, state.model_name,
+                                     size=_output_size(outputs))
+        return Response(raw, content_type="application/octet-stream", headers=headers)
+    body = await offload(state, embeddings_body, outputs, req, state.model_name, object_name,
                          size=_output_size(outputs))
     return Response(body, content_type="application/json")
 
@@ -161,19 +166,62 @@ async def create_classification(state: ServerState, req: ClassificationRequest) 
     return Response(json.dumps(body), content_type="application/json")
 
 
-def encode_vector(data: torch.Tensor, encoding_format: str) -> Any:
-    if encoding_format == "base64":  # little-endian float32, as the openai client decodes it
-        return base64.b64encode(data.float().numpy().astype("<f4").tobytes()).decode()
+# vLLM's `embed_dtype` names: the dtype the vector is cast to, and the dtype its bytes are read as
+# (numpy has no bfloat16 or fp8, so those travel as raw 16- and 8-bit words).
+EMBED_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "float32": (torch.float32, torch.float32),
+    "float16": (torch.float16, torch.float16),
+    "bfloat16": (torch.bfloat16, torch.int16),
+    "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+    "fp8_e5m2": (torch.float8_e5m2, torch.uint8),
+}
+
+
+def vector_bytes(data: torch.Tensor, embed_dtype: str, endianness: str) -> bytes:
+    """The vector's bytes in `embed_dtype`, in the byte order asked for (vLLM's `tensor2binary`)."""
+    dtype, word = EMBED_DTYPES[embed_dtype]
+    array = data.to(dtype).flatten().contiguous().view(word).numpy()
+    if endianness != "native" and endianness != sys.byteorder:
+        array = array.byteswap()
+    return array.tobytes()
+
+
+def encode_vector(data: torch.Tensor, encoding_format: str, embed_dtype: str = "float32",
+                  endianness: str = "native") -> Any:
+    if encoding_format == "base64":  # float32 in native (little-endian) order, as the openai client decodes it
+        return base64.b64encode(vector_bytes(data, embed_dtype, endianness)).decode()
     return data.tolist()
 
 
-def embeddings_body(outputs: list[PoolingRequestOutput], encoding_format: str, model: str, object_name: str) -> bytes:
+def embeddings_body(outputs: list[PoolingRequestOutput], req: EmbeddingRequest, model: str,
+                    object_name: str) -> bytes:
     key = "embedding" if object_name == "embedding" else "data"
-    data = [{"object": object_name, "index": i, key: encode_vector(o.data, encoding_format)}
+    data = [{"object": object_name, "index": i,
+             key: encode_vector(o.data, req.encoding_format, req.embed_dtype, req.endianness)}
             for i, o in enumerate(outputs)]
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return to_json({"id": f"embd-{random_id()}", "object": "list", "created": int(time.time()),
                     "model": model, "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def embeddings_bytes(outputs: list[PoolingRequestOutput], req: EmbeddingRequest,
+                     model: str) -> tuple[bytes, dict[str, str]]:
+    """`encoding_format` "bytes": the vectors back to back as the body, and where each lies in a
+    `metadata` header (JSON: id, created, model, data, usage), as vLLM answers; "bytes_only"
+    leaves the header out."""
+    chunks, items, offset = [], [], 0
+    for index, output in enumerate(outputs):
+        chunk = vector_bytes(output.data, req.embed_dtype, req.endianness)
+        items.append({"index": index, "embed_dtype": req.embed_dtype, "endianness": req.endianness,
+                      "start": offset, "end": offset + len(chunk), "shape": list(output.data.shape)})
+        chunks.append(chunk)
+        offset += len(chunk)
+    if req.encoding_format == "bytes_only":
+        return b"".join(chunks), {}
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    metadata = {"id": f"embd-{random_id()}", "created": int(time.time()), "model": model, "data": items,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return b"".join(chunks), {"metadata": json.dumps(metadata)}
 
 
 # ---- score and rerank ---------------------------------------------------------------------------

@@ -211,21 +211,14 @@ class CompletionRequest(_Sampling):
         return _as_prompt_list(p)
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]]
+class _ChatTemplating(_Body):
+    """The fields that shape how `messages` are rendered (chat, tokenize, render, batch)."""
+
     tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     continue_final_message: bool = False  # the prompt ends inside the final (assistant) message
     chat_template: str | None = None  # only with --trust-request-chat-template
-    echo: bool = False  # the reply starts with the final message's text when it is the assistant's
-
-    def echoed_text(self) -> str:
-        """With `echo`: the final message's text when the assistant wrote it (the reply continues it)."""
-        final = self.messages[-1] if self.messages else {}
-        content = final.get("content") if isinstance(final, dict) else None
-        return content if self.echo and final.get("role") == "assistant" and isinstance(content, str) else ""
+    add_generation_prompt: bool = True
 
     def template_kwargs(self) -> dict[str, Any]:
         """`chat_template_kwargs`, minus the names the server itself passes to the template."""
@@ -235,39 +228,67 @@ class ChatCompletionRequest(_Sampling):
             raise bad_request(f"chat_template_kwargs may not set {taken[0]!r} (the server passes it)",
                               "chat_template_kwargs")
         return extra
+
+
+def checked_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages, with content a string or a list of `text` and `image_url` parts (the engine
+    renders the parts; a model without vision refuses images)."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise bad_request(f"messages[{i}]: unsupported content part {kind!r}; supported: text, "
+                                      "image_url", "messages")
+        elif content is None:
+            message = {**message, "content": ""}
+        elif not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
+        out.append(message)
+    return out
+
+
+def echoed_text(messages: list[dict[str, Any]], echo: bool) -> str:
+    """With `echo`: the final message's text when the assistant wrote it (the reply continues it)."""
+    final = messages[-1] if messages else {}
+    content = final.get("content") if isinstance(final, dict) else None
+    return content if echo and final.get("role") == "assistant" and isinstance(content, str) else ""
+
+
+class _ChatSampling(_Sampling, _ChatTemplating):
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    echo: bool = False  # the reply starts with the final message's text when it is the assistant's
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
-    add_generation_prompt: bool = True
+
+
+class ChatCompletionRequest(_ChatSampling):
+    messages: list[dict[str, Any]]
+
+    def echoed_text(self) -> str:
+        return echoed_text(self.messages, self.echo)
 
     def checked_messages(self) -> list[dict[str, Any]]:
-        """The messages, with content a string or a list of `text` and `image_url` parts (the
-        engine renders the parts; a model without vision refuses images)."""
-        out = []
-        for i, message in enumerate(self.messages):
-            content = message.get("content")
-            if isinstance(content, list):
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise bad_request(f"messages[{i}]: unsupported content part {kind!r}; supported: text, "
-                                          "image_url", "messages")
-            elif content is None:
-                message = {**message, "content": ""}
-            elif not isinstance(content, str):
-                raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
-            out.append(message)
-        return out
+        return checked_messages(self.messages)
 
 
-class TokenizeRequest(_Body):
+class BatchChatCompletionRequest(_ChatSampling):
+    """/v1/chat/completions/batch: one conversation per item of `messages`, one choice each."""
+
+    messages: list[list[dict[str, Any]]]
+
+
+class TokenizeRequest(_ChatTemplating):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False  # the tokens' strings beside their ids
-    add_generation_prompt: bool = True  # with messages
 
 
 class DetokenizeRequest(_Body):
@@ -351,7 +372,9 @@ class EmbeddingRequest(_Body):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
     messages: list[dict[str, Any]] | None = None  # vLLM's chat-style input: the rendered conversation is embedded
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"  # base64 and bytes
+    endianness: Literal["native", "big", "little"] = "native"  # base64 and bytes
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     normalize: bool | None = None  # L2-normalise (default: as the model's pooling config says)

@@ -42,6 +42,14 @@ class ToolPlan:
         return self.mode != "none"
 
 
+def template_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """`tools` checked, as the chat template receives them (None: no tools)."""
+    if not tools:
+        return None
+    _functions(tools)
+    return tools
+
+
 def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
     functions: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):

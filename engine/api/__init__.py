@@ -17,11 +17,13 @@ from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.tiny import ARCHITECTURES, TinyModelSpec, ensure_default_model, make_model
 from engine.outputs import CompletionOutput, Logprob, PoolingRequestOutput, PositionLogprobs, RequestOutput
 from engine.pooling_params import PoolingParams
+from engine.render.renderer import EngineInput
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
-    "ARCHITECTURES", "LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineStats",
+    "ARCHITECTURES", "LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineInput",
+    "EngineStats",
     "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError", "PoolerConfig",
     "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError", "RequestOutput", "RequestRecord",
     "RequestOutputKind",

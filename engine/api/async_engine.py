@@ -153,16 +153,31 @@ class AsyncEngine:
             return params
         return replace(params, structured_outputs=await self.grammars.compile(spec))
 
-    async def _run(self, prompts: Sequence[Prompt], request_ids: list[str],
-                   make_requests: Callable[[str, EngineInput], list[Request]],
-                   output_kind: RequestOutputKind) -> AsyncGenerator[tuple[int, Any]]:
+    async def render(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None
+                     ) -> list[EngineInput]:
+        """What `generate_batch` would run for `prompts`, without running anything: each prompt
+        rendered (tokenized, images decoded and hashed), truncated and checked against the model,
+        with the same errors. Rendering runs in worker threads; cancellation drops their results
+        once the threads return."""
+        params = sampling_params or SamplingParams()
+        if self.info.kind == "encoder":
+            raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
+                                      "generate", param="model")
+        return [self._prepared(engine_input, params) for engine_input in await self._render_all(prompts)]
+
+    async def _render_all(self, prompts: Sequence[Prompt]) -> list[EngineInput]:
         if not prompts:
             raise InvalidRequestError("no prompt given", param="prompt")
         limit = self.config.max_prompts_per_request
         if len(prompts) > limit:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request is more than the limit of {limit}",
                                       param="prompt")
-        rendered = await self.renderer.render(prompts)
+        return await self.renderer.render(prompts)
+
+    async def _run(self, prompts: Sequence[Prompt], request_ids: list[str],
+                   make_requests: Callable[[str, EngineInput], list[Request]],
+                   output_kind: RequestOutputKind) -> AsyncGenerator[tuple[int, Any]]:
+        rendered = await self._render_all(prompts)
         batches = [make_requests(rid, engine_input) for rid, engine_input in zip(request_ids, rendered, strict=True)]
         # One output stream for the whole batch: each request gets a clone of the send side,
         # so the outputs of every prompt arrive on one receive side without extra tasks.
@@ -363,11 +378,16 @@ class AsyncEngine:
             if bad:
                 raise InvalidRequestError(f"{name} {bad[:8]} are out of vocabulary (size {vocab})", param=name)
 
+    def _prepared(self, engine_input: EngineInput, params: SamplingParams) -> EngineInput:
+        """The prompt as it will run: truncated as asked, and checked against the model."""
+        engine_input = _truncated(engine_input, params.truncate_prompt_tokens)
+        self._check_against_model(params, engine_input)
+        return engine_input
+
     def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
                        priority: int) -> list[Request]:
-        engine_input = _truncated(engine_input, params.truncate_prompt_tokens)
+        engine_input = self._prepared(engine_input, params)
         token_ids = engine_input.token_ids
-        self._check_against_model(params, engine_input)
         if params.bad_words and not params.bad_words_token_ids:
             params = replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         params = params.with_eos(self.info.eos_token_ids)

@@ -234,6 +234,7 @@ class EngineCore:
             self._fail_requests(result.failed)
         updates = self.scheduler.update_from_output(sched_out, result)
         self.num_steps += 1
+        self.observer.on_step(sched_out.total_num_tokens)
         self._publish(updates, anyio.current_time())
         return True
 

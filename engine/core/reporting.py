@@ -41,4 +41,10 @@ class RequestTimings:
         self.observer.on_request_done(RequestRecord(
             tracker.request_id, reason, len(tracker.prompt_token_ids), generated,
             metrics["scheduled_time"] - arrival if "scheduled_time" in metrics else None,
-            metrics["first_token_time"] - arrival if "first_token_time" in metrics else None, now - arrival))
+            metrics["first_token_time"] - arrival if "first_token_time" in metrics else None, now - arrival,
+            n=tracker.params.n, max_tokens=_max_tokens(tracker)))
+
+
+def _max_tokens(tracker: RequestTracker) -> int | None:
+    request = tracker.children[0].request
+    return None if request.pooling_params is not None else request.max_tokens

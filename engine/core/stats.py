@@ -64,6 +64,8 @@ class RequestRecord:
     queue_time: float | None  # seconds from arrival to the first scheduled step (None: never scheduled)
     ttft: float | None  # seconds from arrival to the first token (None: no token)
     e2e: float  # seconds from arrival to the end
+    n: int = 1  # samples asked for
+    max_tokens: int | None = None  # the output-token limit it ran under (None: a pooling request)
 
 
 class LoopLagReadings:
@@ -102,6 +104,9 @@ class StatsObserver(Protocol):
         """An expert rebalance finished: how long it took from start to the last layer adopted,
         and how many expert slots changed."""
 
+    def on_step(self, num_tokens: int) -> None:
+        """An engine step ran: the prompt and generated tokens it computed, over all requests."""
+
 
 class NullObserver:
     def on_first_token(self, ttft: float) -> None:
@@ -124,4 +129,7 @@ class NullObserver:
         pass
 
     def on_eplb_rebalance(self, seconds: float, experts_moved: int) -> None:
+        pass
+
+    def on_step(self, num_tokens: int) -> None:
         pass
