@@ -256,3 +256,14 @@ async def test_a_refused_batch_member_does_not_leak_its_siblings(engine):
         nursery.cancel_scope.cancel()
     await engine.core.wait_until_idle()
     assert engine.core.num_requests == 0 and engine.core.scheduler.kv.num_used_blocks == 0
+
+
+async def test_a_priority_is_taken_under_the_priority_policy_and_refused_otherwise(tiny_model_dir):
+    async with open_engine(engine_config(tiny_model_dir, scheduling_policy="priority")) as engine:
+        done = await final_output(engine, [5, 6, 7], greedy(3), priority=3)
+        assert len(done.outputs[0].token_ids) == 3
+    async with open_engine(engine_config(tiny_model_dir)) as engine:
+        with pytest.raises(InvalidRequestError, match="Priority scheduling is not enabled") as refused:
+            await final_output(engine, [5, 6, 7], greedy(3), priority=-1)
+        assert refused.value.param == "priority"
+        assert len((await final_output(engine, [5, 6, 7], greedy(2))).outputs[0].token_ids) == 2

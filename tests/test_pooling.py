@@ -159,6 +159,9 @@ async def test_rerank_orders_by_relevance(server, reference):
     assert [r["index"] for r in results] == expected[:3]
     assert [r["relevance_score"] for r in results] == sorted((r["relevance_score"] for r in results), reverse=True)
     assert results[0]["document"]["text"] == documents[expected[0]]
+    cohere_v2 = await request(server.url, "POST", "/v2/rerank",
+                              {"query": SENTENCES[0], "documents": documents, "top_n": 3})
+    assert cohere_v2.json()["results"] == results
     plain = await request(server.url, "POST", "/rerank", {"query": "x", "documents": documents,
                                                            "return_documents": False})
     assert len(plain.json()["results"]) == len(documents) and "document" not in plain.json()["results"][0]

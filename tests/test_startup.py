@@ -69,6 +69,14 @@ def test_every_serve_option_has_help_and_shows_its_default():
     assert "(default: 256)" in text and "(default: sha256)" in text and "--no-enable-prefix-caching" in text
 
 
+def test_the_scheduling_policy_flag_reaches_the_engine_config():
+    from web.options import engine_options
+    serve = _parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    assert engine_options(serve.parse_args(["m"]))["scheduling_policy"] == "fcfs"
+    chosen = serve.parse_args(["m", "--scheduling-policy", "priority"])
+    assert engine_options(chosen)["scheduling_policy"] == "priority"
+
+
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_fails_before_any_worker(tiny_model_dir):
     check_tensor_parallel(engine_config(tiny_model_dir, tensor_parallel_size=2))  # divides: no error
     with pytest.raises(ModelLoadError, match=rf"does not divide the model's {TEST_SPEC.heads} attention heads "

@@ -140,7 +140,7 @@ async def test_logit_bias_and_allowed_token_ids(client, tiny_model_dir):
 async def test_continuous_usage_stats_and_priority(client):
     stream = await client.completions.create(model=client.served, prompt="hello", max_tokens=5, stream=True,
                                              stream_options={"include_usage": True, "continuous_usage_stats": True},
-                                             extra_body={"ignore_eos": True, "priority": 3})
+                                             extra_body={"ignore_eos": True, "priority": 0})
     counts = [chunk.usage.completion_tokens async for chunk in stream if chunk.choices]
     assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 2
     stream = await client.chat.completions.create(model=client.served, messages=chat(), max_tokens=4, stream=True,
@@ -148,6 +148,10 @@ async def test_continuous_usage_stats_and_priority(client):
                                                                   "continuous_usage_stats": True})
     usages = [chunk.usage for chunk in [c async for c in stream] if chunk.choices and chunk.usage]
     assert usages and usages[-1].completion_tokens >= 1
+    # Under the default policy (fcfs) a priority would be ignored: vLLM refuses it, and so do we.
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model=client.served, prompt="x", max_tokens=1, extra_body={"priority": 3})
+    assert refused.value.body["param"] == "priority" and "not enabled" in refused.value.body["message"]
 
 
 async def test_bad_words_truncation_echo_and_request_templates(client, tiny_model_dir):

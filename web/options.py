@@ -48,6 +48,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="block identity (xxhash: faster, not cryptographic: only if every prompt is trusted)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over several steps")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="the waiting queue's order: arrival, or each request's `priority` (lower first; ties by "
+                        "arrival)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one per rank")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts over the tensor-parallel ranks instead of sharding each")
@@ -91,7 +94,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "device": args.device, "seed": getattr(args, "seed", None) or 0,
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
-            "enable_chunked_prefill": args.enable_chunked_prefill, "enable_prompt_embeds": args.enable_prompt_embeds,
+            "enable_chunked_prefill": args.enable_chunked_prefill, "scheduling_policy": args.scheduling_policy,
+            "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
             "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template,
             "generation_config": args.generation_config,

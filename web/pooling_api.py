@@ -55,6 +55,7 @@ def register(app: QuartTrio, state: ServerState) -> None:
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
     async def rerank() -> Response:
         return await create_rerank(state)
 

@@ -123,6 +123,7 @@ class AsyncEngine:
         """
         params = pooling_params or PoolingParams()
         self._check_pooling(params)
+        self._check_priority(priority)
         request_id = request_id or random_id()
         request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         results: list[PoolingRequestOutput | None] = [None] * len(prompts)
@@ -139,6 +140,7 @@ class AsyncEngine:
         if self.info.kind == "encoder":
             raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
                                       "generate; use embeddings, pooling, score or rerank", param="model")
+        self._check_priority(priority)
         params = await self._with_grammar(sampling_params or SamplingParams())
         build = partial(self._make_requests, params=params, priority=priority)
         async with aclosing(self._run(prompts, request_ids, build, params.output_kind)) as outputs:
@@ -316,6 +318,13 @@ class AsyncEngine:
                 if ids:
                     sequences.add(tuple(ids))
         return tuple(sorted(sequences))
+
+    def _check_priority(self, priority: int) -> None:
+        """A priority only means something under the priority policy; elsewhere it is refused
+        rather than ignored (vLLM's rule and wording)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
+                                      param="priority")
 
     def _check_pooling(self, params: PoolingParams) -> None:
         info = self.info
