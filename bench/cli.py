@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 from functools import partial
 
 import trio
@@ -131,6 +133,11 @@ def _add_bench_serve(bench: Subcommands) -> None:
     sv.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
     sv.add_argument("--max-seconds", type=float, default=120.0, help="time bound per concurrency level")
     sv.add_argument("--api-key", default=None)
+    sv.add_argument("--side-by-side", metavar="MODEL_DIR", default=None,
+                    help="start trio-llm, then vLLM-CPU, on this checkpoint and load each in turn (no --url)")
+    sv.add_argument("--vllm-python", default=os.path.expanduser("~/.cache/vllm-cpu-venv/bin/python"),
+                    help="the interpreter of a venv with vllm-cpu (../shared/tools/vllm-cpu-venv builds one)")
+    sv.add_argument("--trio-llm-args", default="", help="extra `trio-llm serve` options for --side-by-side")
     sv.set_defaults(run=_bench_serve)
 
 
@@ -184,6 +191,11 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from bench import serve as bench_serve
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.side_by_side:
+        from bench import side_by_side
+        print(trio.run(partial(side_by_side.run, args.side_by_side, args.vllm_python, levels, args.num_requests,
+                               args.input_len, args.output_len, args.vocab, shlex.split(args.trio_llm_args))))
+        return 0
     print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len, args.output_len,
                            model=args.model, vocab=args.vocab, max_seconds=args.max_seconds, api_key=args.api_key)))
     return 0

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine.cpu_binding import CpuLayout
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 _EXECUTORS = ("inproc", "mp")
@@ -126,6 +128,9 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256"  # vLLM's choices: sha256, sha256_cbor, xxhash, xxhash_cbor
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # --cpu-threads-bind: the forward pass's CPUs and the event loop's (None: no binding, torch's
+    # default thread count)
+    cpu_layout: CpuLayout | None = None
     max_logprobs: int = 20
     max_prompts_per_request: int = 2048  # prompts (or embeddings inputs) in one request; OpenAI's input limit
     executor: str | None = None  # "inproc" or "mp" (worker processes); default: mp when tensor_parallel_size > 1

@@ -20,6 +20,7 @@ from typing import TypeAlias
 import trio
 
 from engine.api import ARCHITECTURES, TinyModelSpec
+from engine.cpu_binding import bind_this_thread
 from web import options
 from web.startup import check_port_free, startup_failure
 
@@ -94,6 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
         if args.uds is None:
             check_port_free(args.host, args.port)  # before loading a model that may take minutes
         engine_config = options.engine_config(model_dir(args.model), args)
+        if engine_config.cpu_layout is not None:  # the event loop's thread, and every thread it starts
+            bind_this_thread(engine_config.cpu_layout.server)
         run = partial(serve, engine_config, options.server_settings(args), args.host, args.port,
                       log_level=args.log_level)
         return int(trio.run(run))

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.api import EngineConfig
 from engine.config import ECTransferConfig, EplbConfig
+from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from web.cors import CorsSettings
 from web.settings import ServerSettings
 
@@ -51,6 +52,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="the waiting queue's order: arrival, or each request's `priority` (lower first; ties by "
                         "arrival)")
+    p.add_argument("--cpu-threads-bind", default="none",
+                   help="CPUs of the forward pass: auto (all but the first, which the event loop keeps), none "
+                        "(no binding, torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's "
+                        "VLLM_CPU_OMP_THREADS_BIND)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one per rank")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts over the tensor-parallel ranks instead of sharding each")
@@ -95,6 +100,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_chunked_prefill": args.enable_chunked_prefill, "scheduling_policy": args.scheduling_policy,
+            "cpu_layout": parse_cpu_threads_bind(args.cpu_threads_bind, available_cpus()),
             "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
             "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template,

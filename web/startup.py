@@ -34,6 +34,8 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
             f"model {config.model} ({info.architecture or info.kind}), dtype {info.dtype}, "
             f"context {info.max_model_len} tokens",
             f"executor: {layout}, device {config.device}",
+            "CPUs: " + (config.cpu_layout.describe() if config.cpu_layout is not None else
+                        "not bound (--cpu-threads-bind none)"),
             f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "
             f"({info.num_kv_blocks * config.block_size} tokens)",
             f"engine ready in {load_seconds:.1f} s"] + (

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_binding import bound_to
 from engine.ec.storage import save_rows
 from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
@@ -46,6 +47,10 @@ class Worker:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
+        # --cpu-threads-bind: one intra-op thread per compute CPU; calls below run bound to them.
+        self.compute_cpus = config.cpu_layout.compute if config.cpu_layout is not None else None
+        if self.compute_cpus is not None:
+            torch.set_num_threads(len(self.compute_cpus))
         if world_size > 1:
             if distributed_init_method is None:
                 raise ValueError("tensor parallelism needs a distributed_init_method")
@@ -57,6 +62,10 @@ class Worker:
         self.vision: LlavaVision | None = None  # a vision-language model's tower and projector
 
     def load_model(self) -> ModelInfo:
+        with bound_to(self.compute_cpus):
+            return self._load_model()
+
+    def _load_model(self) -> ModelInfo:
         raw = read_config_json(self.config.model)
         if is_encoder_config(raw):
             return self._load_encoder(raw)
@@ -128,9 +137,10 @@ class Worker:
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
-        if sched_out.eplb_commit is not None:
-            self.eplb_commit_layer(sched_out.eplb_commit)
-        return self.runner.execute(sched_out)
+        with bound_to(self.compute_cpus):  # a syscall or two per step
+            if sched_out.eplb_commit is not None:
+                self.eplb_commit_layer(sched_out.eplb_commit)
+            return self.runner.execute(sched_out)
 
     def eplb_stage_layer(self, plan: LayerPlan, first: int = 0, count: int | None = None) -> int:
         """Stage one MoE layer's moving experts, or the part `plan.moves[first:first + count]` of them

@@ -1,0 +1,89 @@
+"""`--cpu-threads-bind`: which CPUs run the forward pass and which the event loop (vLLM-CPU's
+`VLLM_CPU_OMP_THREADS_BIND`).
+
+On a small machine the HTTP server, the scheduler and the model's intra-op threads compete for
+the same cores; vLLM-CPU reserves one CPU for its API server and binds its compute threads to
+the rest. `auto` does that here (on one CPU nothing is bound), `none` binds nothing and leaves
+torch its default thread count, and a list (`"1"`, `"0-2,5"`) names the compute CPUs; the event
+loop gets the others (all of them when the list takes every CPU).
+
+Linux affinity is per thread: the compute thread binds itself for the duration of each
+forward-pass call (`bound_to`), so a thread of a shared pool never keeps the compute CPUs
+after; the event loop's thread binds once at start-up, and threads it starts later inherit that.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    compute: tuple[int, ...]  # CPUs of the forward pass; torch uses one intra-op thread per CPU
+    server: tuple[int, ...]  # CPUs of the event loop (HTTP, scheduler, rendering threads)
+
+    def describe(self) -> str:
+        return f"compute threads on CPUs {_ranges(self.compute)}, event loop on CPUs {_ranges(self.server)}"
+
+
+def available_cpus() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def parse_cpu_threads_bind(value: str, available: Sequence[int]) -> CpuLayout | None:
+    """The layout `value` asks for on the CPUs `available` (None: bind nothing). A bad value or a
+    CPU outside `available` is a ValueError naming it."""
+    value = value.strip()
+    if value == "none":
+        return None
+    if value == "auto":
+        if len(available) < 2:
+            return None
+        return CpuLayout(tuple(available[1:]), tuple(available[:1]))
+    compute = _parse_list(value)
+    outside = sorted(set(compute) - set(available))
+    if outside:
+        raise ValueError(f"--cpu-threads-bind names CPUs {_ranges(outside)}, which this process may not use "
+                         f"(it may use {_ranges(available)})")
+    rest = tuple(c for c in available if c not in compute)
+    return CpuLayout(compute, rest or compute)
+
+
+def _parse_list(value: str) -> tuple[int, ...]:
+    cpus: list[int] = []
+    try:
+        for part in value.split(","):
+            first, _, last = part.partition("-")
+            low, high = int(first), int(last or first)
+            if low < 0 or high < low:
+                raise ValueError(part)
+            cpus += range(low, high + 1)
+    except ValueError:
+        raise ValueError(f"--cpu-threads-bind takes auto, none or a CPU list such as 1 or 0-2,5; got {value!r}") \
+            from None
+    return tuple(sorted(set(cpus)))
+
+
+def _ranges(cpus: Sequence[int]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+def bind_this_thread(cpus: Sequence[int]) -> None:
+    os.sched_setaffinity(0, cpus)  # 0: the calling thread (Linux affinity is per thread)
+
+
+@contextmanager
+def bound_to(cpus: Sequence[int] | None) -> Iterator[None]:
+    """Run the block on `cpus` (None: wherever it runs now), then restore the thread's CPUs."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    bind_this_thread(cpus)
+    try:
+        yield
+    finally:
+        bind_this_thread(tuple(before))
