@@ -61,6 +61,8 @@ async def _stream_completion(url: str, model: str | None, prompt: list[int], out
                 timing.events.extend([now] * count)
             if not seen and not chunk.startswith(b"HTTP/1.1 200"):
                 return timing  # an error status: not counted
+            if b'data: {"error"' in chunk or b'{"object":"error"' in chunk:
+                return timing  # an error event in a 200 stream (vLLM's way): not counted
             seen = seen[-16:] + chunk
     timing.ok = True
     return timing

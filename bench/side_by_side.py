@@ -93,12 +93,14 @@ def table(ours: ServerRun, theirs: ServerRun) -> str:
     ms = 1000
     lines = [f"start-up to healthy: {ours.name} {ours.startup_seconds:.1f} s, {theirs.name} "
              f"{theirs.startup_seconds:.1f} s",
-             "concurrency | trio-llm tok/s | vLLM tok/s | ratio | trio-llm TTFT p50 ms | vLLM TTFT p50 ms "
-             "| trio-llm ITL p50 ms | vLLM ITL p50 ms"]
+             "concurrency | completed (ours/theirs) | trio-llm tok/s | vLLM tok/s | ratio | trio-llm TTFT p50 ms "
+             "| vLLM TTFT p50 ms | trio-llm ITL p50 ms | vLLM ITL p50 ms"]
     for level, a in ours.levels.items():
         b = theirs.levels[level]
         rate_a, rate_b = a.output_tokens / a.elapsed, b.output_tokens / b.elapsed
-        lines.append(f"{level:>11} | {rate_a:>14.1f} | {rate_b:>10.1f} | {rate_a / rate_b:>5.2f} | "
+        ratio = rate_a / rate_b if rate_b else float("nan")
+        lines.append(f"{level:>11} | {a.completed:>10}/{b.completed:<11} | {rate_a:>14.1f} | {rate_b:>10.1f} | "
+                     f"{ratio:>5.2f} | "
                      f"{_percentile(a.ttft, .5) * ms:>20.1f} | {_percentile(b.ttft, .5) * ms:>16.1f} | "
                      f"{_percentile(a.itl, .5) * ms:>19.1f} | {_percentile(b.itl, .5) * ms:>15.1f}")
     return "\n".join(lines)
