@@ -173,9 +173,7 @@ async def create_completion(state: ServerState) -> Response:
     prompts = req.prompts()
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt")
-    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = req.sampling_params(req.max_tokens, req.logprobs, kind, prompt_logprobs, engine.sampling_defaults)
+    params = completion_sampling_params(engine, req)
     response_id, created = f"cmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([req.salted(p) for p in prompts], params, request_id=response_id,
                                     priority=req.priority)
@@ -192,6 +190,17 @@ async def create_completion(state: ServerState) -> Response:
     return await json_response(state, lambda: completion_response(
         response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None, finals,
         req.prompt_logprobs is not None, req.return_token_ids, req.return_tokens_as_token_ids), tokens)
+
+
+def output_kind(stream: bool) -> RequestOutputKind:
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+
+
+def completion_sampling_params(engine: AsyncEngine, req: CompletionRequest) -> SamplingParams:
+    """The sampling parameters of a completions body (`echo` with `logprobs` asks for the prompt's)."""
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    return req.sampling_params(req.max_tokens, req.logprobs, output_kind(req.stream), prompt_logprobs,
+                               engine.sampling_defaults)
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -211,12 +220,13 @@ async def chat_prompt_for(state: ServerState, engine: AsyncEngine, req: Any, mes
                                     continue_final_message=req.continue_final_message, **template_kwargs)
 
 
-async def chat_sampling_params(state: ServerState, engine: AsyncEngine, req: Any, tools: ToolPlan | None,
-                               kind: RequestOutputKind) -> SamplingParams:
+async def chat_sampling_params(state: ServerState, engine: AsyncEngine, req: Any,
+                               tools: ToolPlan | None) -> SamplingParams:
     """The sampling parameters of a chat body, with the constraint a tool choice implies.
     Cancellation drops the tokenizer thread's result."""
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params: SamplingParams = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs, kind,
+    params: SamplingParams = req.sampling_params(req.max_completion_tokens or req.max_tokens, logprobs,
+                                                 output_kind(req.stream),
                                                  defaults=engine.sampling_defaults)
     if tools is not None and tools.structured is not None:
         if params.structured_outputs is not None:
@@ -244,8 +254,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     engine = generation_engine(state)
     tools = chat_tools(state, req)
     prompt_input = await chat_prompt_for(state, engine, req, req.messages, tools.tools if tools else None)
-    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    params = await chat_sampling_params(state, engine, req, tools, kind)
+    params = await chat_sampling_params(state, engine, req, tools)
     tool_plan = tools if tools is not None and tools.makes_calls else None
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([req.salted(prompt_input)], params, priority=req.priority,
@@ -284,7 +293,7 @@ async def create_batch_chat_completion(state: ServerState) -> Response:
     engine = generation_engine(state)
     prompts = [req.salted(await chat_prompt_for(state, engine, req, conversation, None))
                for conversation in req.messages]
-    params = await chat_sampling_params(state, engine, req, None, RequestOutputKind.FINAL_ONLY)
+    params = await chat_sampling_params(state, engine, req, None)  # stream is refused: FINAL_ONLY
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch(prompts, params, priority=req.priority, request_id=response_id)
     finals = await final_outputs(await first_item(outputs), outputs, len(prompts))

@@ -14,12 +14,13 @@ from typing import Any
 from quart import Response
 from quart_trio import QuartTrio
 
-from engine.api import AsyncEngine, EngineInput, RequestOutputKind, SamplingParams
+from engine.api import AsyncEngine, EngineInput, SamplingParams
 from engine.ids import random_id
 from web.openai_api import (
     chat_prompt_for,
     chat_sampling_params,
     chat_tools,
+    completion_sampling_params,
     generation_engine,
     json_response,
     read_request,
@@ -43,9 +44,7 @@ async def create_completion_render(state: ServerState) -> Response:
     The client going away cancels the handler; nothing was queued to abort."""
     req: CompletionRequest = await read_request(state, CompletionRequest)
     engine = generation_engine(state)
-    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = req.sampling_params(req.max_tokens, req.logprobs, kind, prompt_logprobs, engine.sampling_defaults)
+    params = completion_sampling_params(engine, req)
     rendered = await engine.render([req.salted(p) for p in req.prompts()], params)
     bodies = [generate_request("cmpl", engine, item, params, req) for item in rendered]
     return await json_response(state, lambda: bodies, sum(len(b["token_ids"]) for b in bodies))
@@ -58,8 +57,7 @@ async def create_chat_render(state: ServerState) -> Response:
     engine = generation_engine(state)
     tools = chat_tools(state, req)
     prompt_input = await chat_prompt_for(state, engine, req, req.messages, tools.tools if tools else None)
-    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    params = await chat_sampling_params(state, engine, req, tools, kind)
+    params = await chat_sampling_params(state, engine, req, tools)
     (rendered,) = await engine.render([req.salted(prompt_input)], params)
     body = generate_request("chatcmpl", engine, rendered, params, req)
     return await json_response(state, lambda: body, len(body["token_ids"]))
