@@ -17,6 +17,7 @@ def add_bench_command(sub: Subcommands) -> None:
     """Add `bench` and its sub-commands to the `trio-llm` parser."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_bench_throughput(bench)
+    _add_bench_forward(bench)
     _add_bench_serve(bench)
     _add_bench_loop_lag(bench)
     _add_bench_rpc(bench)
@@ -120,6 +121,35 @@ def _add_bench_throughput(bench: Subcommands) -> None:
     tp.add_argument("--repeats", type=int, default=3, help="alternating runs per contender; the best is reported")
     tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     tp.set_defaults(run=_bench_throughput)
+
+
+def _add_bench_forward(bench: Subcommands) -> None:
+    fw = bench.add_parser("forward", help="one decode step, eager against compiled, per batch size")
+    fw.add_argument("--model", default=None)
+    fw.add_argument("--batch", default="1,16,64", help="comma-separated batch sizes")
+    fw.add_argument("--context", type=int, default=192, help="cached tokens per sequence")
+    fw.add_argument("--repeats", type=int, default=50, help="steps per timed round")
+    fw.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    fw.add_argument("--profile", type=int, default=None, metavar="BATCH",
+                    help="also print a torch.profiler table of decode steps at this batch size, both ways")
+    fw.set_defaults(run=_bench_forward)
+
+
+def _bench_forward(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench import forward
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batch.split(",")]
+    bench = forward.DecodeBench(model_dir(args.model), sorted({*batches, *([args.profile] if args.profile else [])}),
+                                args.context)
+    print(f"compiled every bucket in {bench.compile():.1f} s")
+    times = [bench.time_steps(b, args.repeats) for b in batches]
+    print(forward.report(times, args.context))
+    if args.profile:
+        print(bench.profile(args.profile))
+    return 0
 
 
 def _add_bench_serve(bench: Subcommands) -> None:

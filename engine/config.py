@@ -64,6 +64,39 @@ def _json_options(text: str | dict[str, Any], name: str, known: set[str]) -> dic
     return raw
 
 
+@dataclass(frozen=True)
+class CompilationConfig:
+    """`--compilation-config` (a subset of vLLM's keys): the batch sizes decode steps are padded
+    to and compiled for (`cudagraph_capture_sizes`; default powers of two up to 64, capped at
+    max_num_seqs), and where compiled artefacts are cached (`cache_dir`; default
+    ~/.cache/trio-llm/torch_compile, or TORCHINDUCTOR_CACHE_DIR if set)."""
+
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if not isinstance(sizes, (list, tuple)) or not sizes or \
+                    not all(type(b) is int and b >= 1 for b in sizes):
+                raise ValueError(f"compilation_config.cudagraph_capture_sizes must be a non-empty list of positive "
+                                 f"integers, got {sizes!r}")
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
+            raise ValueError(f"compilation_config.cache_dir must be a directory, got {self.cache_dir!r}")
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> CompilationConfig:
+        """From `--compilation-config`'s JSON object; `ValueError` naming an unknown key or a bad value."""
+        return cls(**_json_options(text, "compilation_config", {f.name for f in fields(cls)}))
+
+
+def eager_by_default() -> bool:
+    """TRIO_LLM_ENFORCE_EAGER=1 makes eager the default where `enforce_eager` is not given (the
+    test suite sets it: its many short-lived engines would each compile)."""
+    return os.environ.get("TRIO_LLM_ENFORCE_EAGER", "") not in ("", "0")
+
+
 _EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
 
 
@@ -131,6 +164,11 @@ class EngineConfig:
     # --cpu-threads-bind: the forward pass's CPUs and the event loop's (None: no binding, torch's
     # default thread count)
     cpu_layout: CpuLayout | None = None
+    # Decode steps run a torch.compile'd graph per batch-size bucket (engine.worker.decode_graphs);
+    # True keeps every step on the eager model (vLLM's --enforce-eager). None: compile, unless
+    # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).
+    enforce_eager: bool | None = None
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     max_logprobs: int = 20
     max_prompts_per_request: int = 2048  # prompts (or embeddings inputs) in one request; OpenAI's input limit
     executor: str | None = None  # "inproc" or "mp" (worker processes); default: mp when tensor_parallel_size > 1
@@ -201,6 +239,20 @@ class EngineConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def eager(self) -> bool:
+        """Whether every step runs the eager model (no compiled decode graphs)."""
+        return eager_by_default() if self.enforce_eager is None else self.enforce_eager
+
+    @property
+    def decode_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes decode graphs are compiled for (see CompilationConfig)."""
+        sizes = self.compilation_config.cudagraph_capture_sizes
+        if sizes is not None:
+            return sizes
+        return tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < self.max_num_seqs}
+                            | {min(self.max_num_seqs, 64)}))
 
     @property
     def executor_kind(self) -> str:

@@ -6,6 +6,11 @@ import os
 
 import pytest
 
+# Engines run eagerly unless a test asks for compiled decode graphs (tests/test_compiled_decode.py):
+# the suite opens hundreds of short-lived engines, and each would compile. Servers the tests
+# start in subprocesses inherit it.
+os.environ["TRIO_LLM_ENFORCE_EAGER"] = "1"
+
 from engine import EngineConfig, open_engine
 from engine.models.tiny import TinyModelSpec, make_model
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.api import EngineConfig
-from engine.config import ECTransferConfig, EplbConfig
+from engine.config import CompilationConfig, ECTransferConfig, EplbConfig
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from web.cors import CorsSettings
 from web.settings import ServerSettings
@@ -56,6 +56,12 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="CPUs of the forward pass: auto (all but the first, which the event loop keeps), none "
                         "(no binding, torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's "
                         "VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="run every step on the eager model (default: decode steps run graphs compiled by "
+                        "torch.compile at start-up, cached on disk)")
+    p.add_argument("--compilation-config", "-cc", default=None,
+                   help='compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
+                        '64], "cache_dir": "~/.cache/trio-llm/torch_compile"}')
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one per rank")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts over the tensor-parallel ranks instead of sharding each")
@@ -101,6 +107,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_chunked_prefill": args.enable_chunked_prefill, "scheduling_policy": args.scheduling_policy,
             "cpu_layout": parse_cpu_threads_bind(args.cpu_threads_bind, available_cpus()),
+            "enforce_eager": args.enforce_eager,
+            "compilation_config": CompilationConfig.from_json(args.compilation_config or "{}"),
             "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
             "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.attention import AttentionMetadata, paged_attention, write_kv
+from engine.models.attention import AttentionMetadata, DecodeMetadata, paged_attention, paged_decode_attention, write_kv
 from engine.models.hf_config import DecoderConfig
 from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         x = x + self._attention(self.input_layernorm(x), positions, rope, kv_cache, meta)
         h = self.mlp(self.post_attention_layernorm(x))
         if isinstance(self.mlp, SparseMoeBlock):  # partial sums of this rank's experts
@@ -67,7 +67,7 @@ class DecoderLayer(nn.Module):
         return x + h
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                   kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         T = h.shape[0]
         q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -77,7 +77,10 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(positions, q, k)
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if isinstance(meta, DecodeMetadata):  # a compiled decode graph
+            out = paged_decode_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        else:
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(T, -1))
 
 
@@ -113,8 +116,9 @@ class DecoderForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """hidden: input embeddings [T, H] of the flat batch -> final hidden states [T, H]."""
+                meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
+        """hidden: input embeddings [T, H] of the flat batch -> final hidden states [T, H].
+        With `DecodeMetadata` (one token per sequence) it is the graph `torch.compile` takes."""
         assert self.rope is not None, "setup_rope() must run before forward()"
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.rope, kv_cache, meta)

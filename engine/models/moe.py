@@ -89,6 +89,13 @@ class FusedExperts(nn.Module):
         return [slot - first for slot, held in enumerate(self.phy2log.tolist())
                 if held == expert and self.layout.is_local(slot)]
 
+    def exclude_from_compilation(self) -> None:
+        """Run `forward` eagerly inside a compiled model, between its compiled parts: the dispatch
+        is data-dependent (tokens per expert decide the loop), and a graph would specialise on one
+        step's counts. (Done per instance when compiling: `torch.compiler.disable` imports
+        torch._dynamo, seconds that an eager process should not pay at import.)"""
+        self.forward = torch.compiler.disable(self.forward)  # type: ignore[method-assign, no-untyped-call]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, experts [T, k] (logical ids) -> this rank's partial output [T, H]."""
         T, k = experts.shape

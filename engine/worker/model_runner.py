@@ -23,6 +23,7 @@ from engine.multimodal import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.sampler import SamplingRow, sample, top_logprobs
 
@@ -61,11 +62,16 @@ class ModelRunner:
                  pooler: PoolerConfig = PoolerConfig(), report_expert_load: bool = False,
                  vision: LlavaVision | None = None,
                  save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None,
-                 grammar: GrammarMasks | None = None) -> None:
+                 grammar: GrammarMasks | None = None, decode_graphs: DecodeGraphs | None = None,
+                 num_blocks: int | None = None) -> None:
+        """`decode_graphs`: compiled graphs that decode-only steps run on (None: all eager).
+        `num_blocks`: the scheduler's blocks (default: all the cache holds)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.num_blocks = kv_caches[0][0].shape[0] // block_size if kv_caches else 0
+        self.num_blocks = num_blocks if num_blocks is not None else \
+            (kv_caches[0][0].shape[0] // block_size if kv_caches else 0)
+        self.decode_graphs = decode_graphs
         self.device = device
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=device)
@@ -175,12 +181,28 @@ class ModelRunner:
         for item in batch:
             token_ids.extend(item.token_ids)
             positions.extend(range(item.start_position, item.start_position + item.num_tokens))
-        chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
-        meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden: torch.Tensor = self.model(self._embed(batch, input_ids), pos, self.kv_caches, meta)
+        embeds = self._embed(batch, input_ids)
+        graphs = self.decode_graphs
+        if graphs is not None and len(batch) <= graphs.max_batch and all(s.num_tokens == 1 for s in batch):
+            return self._decode_compiled(graphs, batch, embeds, pos)
+        chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
+        meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
+        hidden: torch.Tensor = self.model(embeds, pos, self.kv_caches, meta)
         return hidden
+
+    def _decode_compiled(self, graphs: DecodeGraphs, batch: list[ScheduledRequest], embeds: torch.Tensor,
+                         pos: torch.Tensor) -> torch.Tensor:
+        """A decode-only step on the compiled graph of its batch-size bucket."""
+        size = self.block_size
+        slots, lengths, tables = [], [], []
+        for s in batch:
+            p = s.start_position
+            slots.append(s.block_ids[p // size] * size + p % size)
+            lengths.append(p + 1)
+            tables.append(s.block_ids[:p // size + 1])
+        return graphs.run(embeds, pos, slots, lengths, tables)
 
     def _embed(self, batch: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings for the flat batch, with prompt-embeddings rows written over the

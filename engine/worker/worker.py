@@ -29,6 +29,7 @@ from engine.models.pooler import read_pooler_config
 from engine.models.vision import LlavaVision
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
+from engine.worker.decode_graphs import DecodeGraphs, use_compile_cache
 from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.expert_mover import ExpertMover
 from engine.worker.grammar_masks import GrammarMasks
@@ -125,15 +126,34 @@ class Worker:
             self.runner.requests.clear()  # a new engine run over the same cache: forget old requests
             return
         cfg = self.model.config
-        shape = (num_blocks * self.config.block_size, self.model.num_local_kv_heads, cfg.head_dim)
+        compiled = self._compiles()
+        # A compiled decode graph pads its batch with rows that write to one scratch block, past
+        # the scheduler's blocks.
+        shape = ((num_blocks + compiled) * self.config.block_size, self.model.num_local_kv_heads, cfg.head_dim)
         caches = [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
                    torch.zeros(shape, dtype=self.model.dtype, device=self.device))
                   for _ in range(cfg.num_layers)]
+        graphs = None
+        if compiled:
+            use_compile_cache(self.config.compilation_config.cache_dir)
+            graphs = DecodeGraphs(self.model, caches, self.config.block_size, num_blocks,
+                                  self.config.decode_batch_sizes)
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
                                   is_driver=self.rank == 0, pooler=self.pooler,
                                   report_expert_load=self.config.enable_eplb, vision=self.vision,
                                   save_encoder_output=self._ec_saver(),
-                                  grammar=GrammarMasks(self.config.tokenizer_path, cfg.vocab_size))
+                                  grammar=GrammarMasks(self.config.tokenizer_path, cfg.vocab_size),
+                                  decode_graphs=graphs, num_blocks=num_blocks)
+        if graphs is not None:
+            with bound_to(self.compute_cpus), torch.inference_mode():
+                graphs.compile_all()
+
+    def _compiles(self) -> bool:
+        """Whether decode steps run compiled graphs: unless --enforce-eager, for a decoder on one
+        rank whose experts (if any) stay where they are loaded. Tensor parallelism's collectives
+        and EPLB's weight moves run on the eager model."""
+        return not self.config.eager and self.tp.size == 1 and not self.config.enable_eplb \
+            and isinstance(self.model, DecoderForCausalLM)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"

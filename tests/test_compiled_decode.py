@@ -1,0 +1,124 @@
+"""The compiled decode graphs (engine.worker.decode_graphs) against transformers and the eager model.
+
+These are the only tests that compile (conftest sets TRIO_LLM_ENFORCE_EAGER for the rest); they
+compile two small buckets per checkpoint to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trio
+
+from engine import EngineConfig, open_engine
+from engine.config import CompilationConfig
+from engine.models.tiny import write_tokenizer
+from tests.helpers import final_output, greedy
+from tests.test_moe_eplb import FAMILIES as MOE_FAMILIES
+from tests.test_moe_eplb import hf_moe
+from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
+
+
+def compiled_config(path, sizes=(2, 8), **options) -> EngineConfig:
+    options = {"enforce_eager": False, **options}
+    return EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48,
+                        compilation_config=CompilationConfig(cudagraph_capture_sizes=sizes), **options)
+
+
+@pytest.fixture(scope="module", params=[*sorted(FAMILIES), "mixtral"])
+def checkpoint(request, tmp_path_factory):
+    """A tiny random checkpoint saved by transformers, and transformers' model of it."""
+    if request.param in MOE_FAMILIES:
+        return hf_moe(tmp_path_factory, request.param)
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    write_tokenizer(path, VOCAB)
+    return path, model
+
+
+def transformers_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            mask = torch.ones(1, len(prompt), dtype=torch.long)
+            generated = model.generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=max_tokens,
+                                       do_sample=False)
+            out.append(generated[0, len(prompt):].tolist())
+    return out
+
+
+async def engine_greedy(config: EngineConfig, prompts: list[list[int]], max_tokens: int, together: bool = True):
+    """Greedy tokens per prompt (all at once, or one after another), and the compiled steps run."""
+    got: dict[int, list[int]] = {}
+    async with open_engine(config) as engine:
+        async def run(i):
+            got[i] = (await final_output(engine, prompts[i], greedy(max_tokens, ignore_eos=True))).outputs[0].token_ids
+
+        if together:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(run, i)
+        else:
+            for i in range(len(prompts)):
+                await run(i)
+        graphs = engine.core.executor.worker.runner.decode_graphs
+        steps = graphs.steps_run if graphs is not None else 0
+    return [got[i] for i in range(len(prompts))], steps
+
+
+async def test_compiled_and_eager_give_transformers_greedy_tokens(checkpoint):
+    path, hf_model = checkpoint
+    rng = random.Random(2)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (3, 11, 17, 29, 40)]
+    expected = transformers_greedy(hf_model, prompts, 24)
+    compiled, compiled_steps = await engine_greedy(compiled_config(path), prompts, 24)
+    eager, eager_steps = await engine_greedy(compiled_config(path, enforce_eager=True), prompts, 24)
+    assert compiled == expected
+    assert eager == expected
+    assert compiled_steps >= 20 and eager_steps == 0  # the decode steps did run compiled
+
+
+async def test_a_padded_batch_of_three_equals_three_batches_of_one(tmp_path_factory):
+    """Three sequences pad to the bucket of 4 (one scratch row); alone, each runs the bucket of 1.
+    Different contexts make the block tables differ in width within the batch."""
+    path, _ = _dense(tmp_path_factory)
+    rng = random.Random(5)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (5, 21, 38)]
+    config = compiled_config(path, sizes=(1, 4), enable_prefix_caching=False)
+    together, steps_together = await engine_greedy(config, prompts, 30)
+    alone, steps_alone = await engine_greedy(config, prompts, 30, together=False)
+    assert together == alone
+    assert steps_together >= 25 and steps_alone >= 3 * 29
+
+
+def _dense(tmp_path_factory):
+    config_cls, model_cls, extra = FAMILIES["llama"]
+    torch.manual_seed(1)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    path = tmp_path_factory.mktemp("llama-pad")
+    model.save_pretrained(path)
+    write_tokenizer(path, VOCAB)
+    return path, model
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"cudagraph_capture_sizes": []}', "non-empty list of positive integers"),
+    ('{"cudagraph_capture_sizes": [0, 2]}', "non-empty list of positive integers"),
+    ('{"mode": 3}', "unknown key 'mode'"),
+    ("[1]", "must be a JSON object"),
+])
+def test_bad_compilation_config_is_refused_naming_the_problem(text, message):
+    with pytest.raises(ValueError, match=message):
+        CompilationConfig.from_json(text)
+
+
+def test_decode_batch_sizes_default_to_powers_of_two_capped_by_max_num_seqs():
+    assert EngineConfig(model="m", max_num_seqs=256).decode_batch_sizes == (1, 2, 4, 8, 16, 32, 64)
+    assert EngineConfig(model="m", max_num_seqs=12).decode_batch_sizes == (1, 2, 4, 8, 12)
+    sizes = CompilationConfig(cudagraph_capture_sizes=[8, 1, 8])
+    assert EngineConfig(model="m", compilation_config=sizes).decode_batch_sizes == (1, 8)
