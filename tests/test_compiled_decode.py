@@ -122,3 +122,16 @@ def test_decode_batch_sizes_default_to_powers_of_two_capped_by_max_num_seqs():
     assert EngineConfig(model="m", max_num_seqs=12).decode_batch_sizes == (1, 2, 4, 8, 12)
     sizes = CompilationConfig(cudagraph_capture_sizes=[8, 1, 8])
     assert EngineConfig(model="m", compilation_config=sizes).decode_batch_sizes == (1, 8)
+
+
+def test_serve_flags_reach_the_engine_config():
+    from web.cli import _parser
+    from web.options import engine_config
+
+    args = _parser().parse_args(["serve", "m", "--enforce-eager", "-cc", '{"cudagraph_capture_sizes": [4, 1]}'])
+    config = engine_config("m", args)
+    assert config.enforce_eager is True and config.eager
+    assert config.decode_batch_sizes == (1, 4)
+    default = engine_config("m", _parser().parse_args(["serve", "m"]))
+    assert default.enforce_eager is None  # compile, unless TRIO_LLM_ENFORCE_EAGER says otherwise
+    assert default.compilation_config == CompilationConfig()
