@@ -1,10 +1,35 @@
-"""Running a decoder over one sequence in a fresh paged cache (64 slots), for logit comparisons."""
+"""Comparing with transformers: tiny checkpoints it saves, its greedy tokens, and our decoder's logits over
+one sequence in a fresh paged cache (64 slots)."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.models.attention import SequenceChunk, build_metadata
+from engine.models.tiny import write_tokenizer
+
+
+def save_hf_checkpoint(tmp_path_factory, name: str, config_cls, model_cls, options: dict, seed: int = 0):
+    """A random model of transformers' `model_cls`, saved (with a tokenizer) as checkpoint `name`;
+    returns (its directory, the model)."""
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**options)).eval()
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    write_tokenizer(path, options["vocab_size"])
+    return path, model
+
+
+def transformers_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time."""
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            mask = torch.ones(1, len(prompt), dtype=torch.long)
+            generated = model.generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=max_tokens,
+                                       do_sample=False)
+            out.append(generated[0, len(prompt):].tolist())
+    return out
 
 
 def decoder_logits(decoder, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 import trio
 
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig
-from engine.models.tiny import write_tokenizer
 from tests.helpers import final_output, greedy
+from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.test_moe_eplb import FAMILIES as MOE_FAMILIES
 from tests.test_moe_eplb import hf_moe
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
@@ -33,23 +32,7 @@ def checkpoint(request, tmp_path_factory):
     if request.param in MOE_FAMILIES:
         return hf_moe(tmp_path_factory, request.param)
     config_cls, model_cls, extra = FAMILIES[request.param]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    write_tokenizer(path, VOCAB)
-    return path, model
-
-
-def transformers_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            mask = torch.ones(1, len(prompt), dtype=torch.long)
-            generated = model.generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=max_tokens,
-                                       do_sample=False)
-            out.append(generated[0, len(prompt):].tolist())
-    return out
+    return save_hf_checkpoint(tmp_path_factory, request.param, config_cls, model_cls, {**COMMON, **extra})
 
 
 async def engine_greedy(config: EngineConfig, prompts: list[list[int]], max_tokens: int, together: bool = True):
@@ -98,12 +81,7 @@ async def test_a_padded_batch_of_three_equals_three_batches_of_one(tmp_path_fact
 
 def _dense(tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES["llama"]
-    torch.manual_seed(1)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
-    path = tmp_path_factory.mktemp("llama-pad")
-    model.save_pretrained(path)
-    write_tokenizer(path, VOCAB)
-    return path, model
+    return save_hf_checkpoint(tmp_path_factory, "llama-pad", config_cls, model_cls, {**COMMON, **extra}, seed=1)
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -23,9 +23,9 @@ from engine.eplb.maps import initial_phy2log
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.loader import load_decoder
 from engine.models.moe import ExpertLayout
-from engine.models.tiny import TinyModelSpec, make_model, write_tokenizer
+from engine.models.tiny import TinyModelSpec, make_model
 from tests.helpers import final_output, greedy
-from tests.model_helpers import decoder_logits
+from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -42,12 +42,7 @@ FAMILIES = {
 
 def hf_moe(tmp_path_factory, family: str):
     config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
-    path = tmp_path_factory.mktemp(family)
-    model.save_pretrained(path)
-    write_tokenizer(path, VOCAB)
-    return path, model
+    return save_hf_checkpoint(tmp_path_factory, family, config_cls, model_cls, {**COMMON, **extra})
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -69,14 +64,7 @@ PROMPTS = [random.Random(i).choices(range(3, VOCAB), k=9 + 7 * i) for i in range
 
 
 def hf_greedy(model, max_tokens: int = 24) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            mask = torch.ones(1, len(prompt), dtype=torch.long)
-            generated = model.generate(torch.tensor([prompt]), attention_mask=mask, max_new_tokens=max_tokens,
-                                       do_sample=False)
-            out.append(generated[0, len(prompt):].tolist())
-    return out
+    return transformers_greedy(model, PROMPTS, max_tokens)
 
 
 async def our_greedy(config: EngineConfig, max_tokens: int = 24):

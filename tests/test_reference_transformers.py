@@ -12,8 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from engine import EngineConfig, open_engine
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.loader import load_decoder
-from engine.models.tiny import write_tokenizer
 from tests.helpers import final_output, greedy
+from tests.model_helpers import save_hf_checkpoint
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -30,12 +30,7 @@ FAMILIES = {
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def hf_checkpoint(request, tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES[request.param]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    write_tokenizer(path, VOCAB)
-    return path, model
+    return save_hf_checkpoint(tmp_path_factory, request.param, config_cls, model_cls, {**COMMON, **extra})
 
 
 def _our_logits(model_dir, token_ids: list[int], chunks: list[tuple[int, int]]) -> torch.Tensor:
