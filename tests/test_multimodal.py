@@ -92,7 +92,9 @@ def bomb_png() -> bytes:
     ("file:///etc/passwd", "data: or http(s)"),
     ("http://169.254.169.254/latest/meta-data", "not in --allowed-media-domains"),
     ("data:image/png;base64,@@@", "not valid base64"),
-])
+], ids=["not-an-image", "truncated", "bomb", "too-large", "file-url", "metadata-url", "bad-base64"])
+# (Short ids: pytest puts the test's id in PYTEST_CURRENT_TEST, and a whole PNG there made the
+# environment of the engine process too large to start.)
 async def test_hostile_images_get_400_and_the_server_serves_on(llava, url, message):
     config = EngineConfig(model=str(llava[0]), num_kv_blocks=64, max_image_bytes=100_000,
                           max_image_pixels=2000 * 2000, limit_images_per_prompt=2)

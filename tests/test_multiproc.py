@@ -113,22 +113,22 @@ async def test_cancelling_the_owner_still_stops_every_worker(tiny_model_dir):
 async def test_kill_9_of_a_worker_during_generation_fails_requests_fast(tiny_model_dir):
     config = engine_config(tiny_model_dir, tensor_parallel_size=2, max_model_len=512)
     async with running_server(config) as server:
-        processes = server.engine.core.executor.processes
+        engine_process, worker_pids = server.engine.core.process, server.engine.core.worker_pids
         body = {"prompt": [1, 2, 3], "max_tokens": 500, "ignore_eos": True, "stream": True}
         async with await open_request(server.url, "POST", "/v1/completions", body) as stream:
             response = Reader(stream)
             await response.until(b"data: {")  # generating
-            os.kill(processes[1].pid, signal.SIGKILL)
+            os.kill(worker_pids[1], signal.SIGKILL)
             with trio.fail_after(1):
                 rest = await response.until(b"data: [DONE]")
         assert b'"error"' in rest and b"exited unexpectedly" in rest and b"killed by SIGKILL" in rest
         assert (await request(server.url, "GET", "/health")).status == 503  # the engine was dead before the error
         with trio.fail_after(5):
-            for process in processes:
-                await process.wait()  # the other rank is stopped too, and both are reaped
+            await engine_process.wait()  # it stops and reaps the other rank, then exits
         refused = await request(server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert refused.status == 503
-    assert_gone([p.pid for p in processes])
+    assert len(worker_pids) == 2
+    assert_gone(list(worker_pids))
 
 
 async def test_engine_dead_error_reaches_library_callers(tiny_model_dir):
@@ -166,8 +166,8 @@ async def test_a_worker_killed_while_idle_fails_health_at_once(tiny_model_dir, l
         assert (await request(server.url, "GET", "/health")).status == 200
         failed = trio.Event()
         server.state.on_engine_failure = failed.set
-        processes = server.engine.core.executor.processes
-        os.kill(processes[-1].pid, signal.SIGKILL)  # nothing is running: no request will notice
+        engine_process, worker_pids = server.engine.core.process, server.engine.core.worker_pids
+        os.kill(worker_pids[-1], signal.SIGKILL)  # nothing is running: no request will notice
         with trio.fail_after(1):
             await failed.wait()
         assert (await request(server.url, "GET", "/health")).status == 503
@@ -175,9 +175,9 @@ async def test_a_worker_killed_while_idle_fails_health_at_once(tiny_model_dir, l
         refused = await request(server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert refused.status == 503
         with trio.fail_after(5):
-            for process in processes:
-                await process.wait()
-    assert_gone([p.pid for p in processes])
+            await engine_process.wait()  # it stops and reaps its workers, then exits
+    assert worker_pids
+    assert_gone(list(worker_pids))
 
 
 async def test_serve_stops_and_exits_1_when_the_engine_dies(tiny_model_dir):

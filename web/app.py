@@ -20,7 +20,15 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from engine.api import EngineConfig, EngineDeadError, Executor, InvalidRequestError, RequestFailedError, open_engine
+from engine.api import (
+    EngineConfig,
+    EngineDeadError,
+    Executor,
+    InvalidRequestError,
+    RequestFailedError,
+    open_engine,
+    open_engine_process,
+)
 from engine.ids import random_id
 from web import admin_api, cors, openai_api, orca, pooling_api, render_api
 from web.errors import APIError
@@ -36,7 +44,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
                exit_on_failed_start: bool = False) -> QuartTrio:
     """The app; the engine opens when it starts serving. `executor` replaces the configured one
     (tests pass a fake); `on_ready` runs once the engine is up (the process entry points pass
-    `web.serve.tune_collector_for_serving`); with `exit_on_failed_start` (hypercorn's factory) a
+    `engine.api.gc_tuning.tune_collector_for_serving`); with `exit_on_failed_start` (hypercorn's factory) a
     failed engine start ends the process with status 1."""
     state = ServerState(engine_config, settings or ServerSettings(), executor)
     app = QuartTrio(__name__)
@@ -111,11 +119,17 @@ async def run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyi
     if config.loop_lag_interval is None:
         config = replace(config, loop_lag_interval=state.settings.loop_lag_interval)
     started_at = anyio.current_time()
+    apart = engine_in_own_process(state)
+    if apart:
+        opened = open_engine_process(config, observer=state.metrics)
+    else:
+        opened = open_engine(config, executor=state.executor, observer=state.metrics)
     try:
-        async with open_engine(config, executor=state.executor, observer=state.metrics) as engine:
+        async with opened as engine:
             state.engine = engine
             state.metrics.bind(engine.stats)
-            for line in describe_engine(engine, config, anyio.current_time() - started_at):
+            engine_pid = getattr(engine.core, "pid", None) if apart else None
+            for line in describe_engine(engine, config, anyio.current_time() - started_at, engine_pid):
                 logger.info("%s", line)
             task_status.started()
             started = True
@@ -127,6 +141,12 @@ async def run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyi
         logger.error("the engine failed; the server now answers 503", exc_info=group)
         if state.on_engine_failure is not None:
             state.on_engine_failure()
+
+
+def engine_in_own_process(state: ServerState) -> bool:
+    """The server runs its engine core in a process of its own (`open_engine_process`), as vLLM's
+    API server does, unless a test injects an executor or `--executor inproc` asks for one process."""
+    return state.executor is None and state.engine_config.executor != "inproc"
 
 
 def _check_api_key(api_key: str | None) -> None:
@@ -174,7 +194,7 @@ def app_from_env() -> QuartTrio:
     TRIO_LLM_SERVED_MODEL_NAME and TRIO_LLM_MAX_NUM_SEQS.
     """
     from engine.api import ensure_default_model
-    from web.serve import tune_collector_for_serving
+    from engine.api.gc_tuning import tune_collector_for_serving
     model = os.environ.get("TRIO_LLM_MODEL") or str(ensure_default_model())
     engine_config = EngineConfig(model=model, max_num_seqs=int(os.environ.get("TRIO_LLM_MAX_NUM_SEQS", "256")))
     settings = ServerSettings(api_key=os.environ.get("TRIO_LLM_API_KEY"),

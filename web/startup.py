@@ -25,15 +25,19 @@ def trio_llm_version() -> str:
         return "unknown"
 
 
-def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: float) -> list[str]:
-    """The lines users look for once the engine is up."""
+def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: float,
+                    engine_pid: int | None = None) -> list[str]:
+    """The lines users look for once the engine is up (`engine_pid`: the engine process's, when
+    the engine core runs apart from the server)."""
     info = engine.info
     layout = (f"{config.tensor_parallel_size} worker processes (tensor parallel)" if config.tensor_parallel_size > 1
               else "a worker process" if config.executor_kind == "mp" else "in-process (a worker thread)")
+    core = (f"its own process (pid {engine_pid})" if engine_pid is not None
+            else "in the server process")
     return [f"trio-llm {trio_llm_version()}",
             f"model {config.model} ({info.architecture or info.kind}), dtype {info.dtype}, "
             f"context {info.max_model_len} tokens",
-            f"executor: {layout}, device {config.device}",
+            f"engine core: {core}; executor: {layout}, device {config.device}",
             "CPUs: " + (config.cpu_layout.describe() if config.cpu_layout is not None else
                         "not bound (--cpu-threads-bind none)"),
             f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "

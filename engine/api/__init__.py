@@ -7,6 +7,7 @@ modules at the root of `engine` (the layering test checks it).
 """
 
 from engine.api.async_engine import AsyncEngine
+from engine.api.engine_client import open_engine_process
 from engine.api.llm import LLM
 from engine.api.open import open_engine
 from engine.config import EngineConfig
@@ -28,5 +29,5 @@ __all__ = [
     "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError", "RequestOutput", "RequestRecord",
     "RequestOutputKind",
     "SamplingParams", "StatsObserver", "Tokenizer", "TinyModelSpec", "ensure_default_model", "make_model",
-    "open_engine",
+    "open_engine", "open_engine_process",
 ]

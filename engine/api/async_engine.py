@@ -23,7 +23,7 @@ import torch
 
 from engine.api.merge import merge_pending
 from engine.config import EngineConfig
-from engine.core.engine_core import AddRequest, EngineCore, OutputItem
+from engine.core.engine_core import AddRequest, CoreHandle, OutputItem
 from engine.core.stats import EngineStats, LoopLagReadings
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.ids import random_id
@@ -49,11 +49,12 @@ class AsyncEngine:
 
     Public: `generate`, `generate_batch`, `chat`, `encode`, `apply_chat_template`,
     `stats()`, `is_running`, and the read-only facts `config`, `info` (the model,
-    sized) and `tokenizer`. `core` is the engine-core task's object, for white-box
+    sized) and `tokenizer`. `core` is the engine-core task's object (an `EngineCore`;
+    behind `open_engine_process`, the `CoreClient` of the engine process), for white-box
     tests only: its state belongs to that task.
     """
 
-    def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer, core: EngineCore,
+    def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer, core: CoreHandle,
                  loop_lag: LoopLagReadings | None = None, *, sampling_defaults: dict[str, Any] | None = None,
                  image_spec: ImageSpec | None = None) -> None:
         self.config = config
@@ -284,19 +285,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine now (synchronous: it reads plain counters between steps)."""
-        scheduler = self.core.scheduler
-        return EngineStats(
-            num_running=scheduler.num_running, num_waiting=self.core.num_waiting_requests,
-            kv_cache_usage=scheduler.kv.usage, prefix_cache_queries=scheduler.prefix_cache_queries,
-            prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
-            loop_lag=self._loop_lag.last, loop_lag_max=self._loop_lag.max,
-            workers_alive=self.core.executor.workers_alive(),
-            eplb=self.core.eplb.stats() if self.core.eplb is not None else None,
-            mm_encoder_runs=scheduler.num_encoder_runs, encoder_cache_hits=scheduler.encoder_cache.hits,
-            encoder_cache_evictions=scheduler.encoder_cache.evictions,
-            encoder_cache_usage=scheduler.encoder_cache.usage,
-            ec_connector_loads=getattr(scheduler.external, "loads", 0),
-            ec_deferrals=getattr(scheduler.external, "deferrals", 0))
+        return replace(self.core.stats(), loop_lag=self._loop_lag.last, loop_lag_max=self._loop_lag.max)
 
     @property
     def is_running(self) -> bool:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 
 from engine.api.async_engine import AsyncEngine
 from engine.concurrency.loop_lag import run_loop_lag_probe
@@ -72,6 +74,56 @@ def build_scheduler(config: EngineConfig, info: ModelInfo, connector: SharedStor
     return scheduler
 
 
+@dataclass(frozen=True)
+class LoadedCore:
+    """What `open_core` yields: the running core and the facts about the model it serves."""
+
+    core: EngineCore
+    info: ModelInfo  # sized: KV blocks, context length, end-of-sequence ids
+    tokenizer: Tokenizer
+    sampling_defaults: dict[str, Any]  # from generation_config.json
+    task_group: TaskGroup  # the core's: tasks started here stop with it (one group, so one level of errors)
+
+
+@asynccontextmanager
+async def open_core(config: EngineConfig, *, executor: Executor | None = None, tokenizer: Tokenizer | None = None,
+                    observer: StatsObserver | None = None, ec_loader: Loader | None = None,
+                    ec_blocking: bool = False) -> AsyncGenerator[LoadedCore]:
+    """The engine core without its front end: load the model, size the KV cache, start the core
+    task (and the EPLB and EC connector tasks). `open_engine` builds on it, and so does the engine
+    process (`engine.api.engine_main`). Leaving the block, or cancelling the task inside it,
+    cancels the core task; requests still open end with `EngineDeadError`; worker processes are
+    stopped (shielded, time limited). A failing core task raises out of the block."""
+    await anyio.to_thread.run_sync(check_expert_options, config)  # before any worker starts
+    executor = executor or create_executor(config)
+    async with executor:  # worker processes start here (multi-process executor) and stop on the way out
+        if tokenizer is None:
+            tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
+        if config.chat_template is not None:
+            tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
+        info = await _size_engine(config, executor, tokenizer)
+        defaults = await anyio.to_thread.run_sync(read_generation_defaults, config.generation_config, config.model)
+        await executor.initialize_kv_cache(info.num_kv_blocks)
+        eplb = EplbDriver(config.eplb_config, executor, info, observer) if config.enable_eplb else None
+        connector = None
+        if config.ec_transfer_config is not None and info.image_rows:
+            connector = SharedStorageConnector(config.ec_transfer_config, config.ec_defer_timeout, wake=lambda: None,
+                                               loader=ec_loader)
+        core = EngineCore(build_scheduler(config, info, connector, ec_blocking), executor, tokenizer, observer, eplb)
+        async with anyio.create_task_group() as tg:
+            if eplb is not None:
+                await tg.start(eplb.run)
+            if connector is not None:
+                connector.wake = core.wake
+                await tg.start(connector.run)
+            await tg.start(core.run)
+            tg.start_soon(_stop_core_on_executor_failure, executor, core)
+            try:
+                yield LoadedCore(core, info, tokenizer, defaults, tg)
+            finally:
+                tg.cancel_scope.cancel()
+
+
 @asynccontextmanager
 async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
                       tokenizer: Tokenizer | None = None,
@@ -90,45 +142,27 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
     (tests pass one that takes virtual time); `ec_blocking` makes a request that waits for its
     images hold up the requests behind it (the baseline `trio-llm bench ec` measures).
     """
-    await anyio.to_thread.run_sync(check_expert_options, config)  # before any worker starts
-    executor = executor or create_executor(config)
-    async with executor:  # worker processes start here (multi-process executor) and stop on the way out
-        if tokenizer is None:
-            tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
-        if config.chat_template is not None:
-            tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
-        info = await _size_engine(config, executor, tokenizer)
-        defaults = await anyio.to_thread.run_sync(read_generation_defaults, config.generation_config, config.model)
-        image_spec = await anyio.to_thread.run_sync(_image_spec, config, info, tokenizer)
-        await executor.initialize_kv_cache(info.num_kv_blocks)
-        eplb = EplbDriver(config.eplb_config, executor, info, observer) if config.enable_eplb else None
-        connector = None
-        if config.ec_transfer_config is not None and info.image_rows:
-            connector = SharedStorageConnector(config.ec_transfer_config, config.ec_defer_timeout, wake=lambda: None,
-                                               loader=ec_loader)
-        core = EngineCore(build_scheduler(config, info, connector, ec_blocking), executor, tokenizer, observer, eplb)
-        loop_lag = LoopLagReadings()
-        async with anyio.create_task_group() as tg:
-            if eplb is not None:
-                await tg.start(eplb.run)
-            if connector is not None:
-                connector.wake = core.wake
-                await tg.start(connector.run)
-            await tg.start(core.run)
-            tg.start_soon(_stop_core_on_executor_failure, executor, core)
-            if config.loop_lag_interval is not None:
-                on_lag = (observer or NullObserver()).on_loop_lag
+    async with open_core(config, executor=executor, tokenizer=tokenizer, observer=observer, ec_loader=ec_loader,
+                         ec_blocking=ec_blocking) as loaded:
+        image_spec = await anyio.to_thread.run_sync(_image_spec, config, loaded.info, loaded.tokenizer)
+        loop_lag = await start_loop_lag_probe(loaded.task_group, config, observer)
+        yield AsyncEngine(config, loaded.info, loaded.tokenizer, loaded.core, loop_lag,
+                          sampling_defaults=loaded.sampling_defaults, image_spec=image_spec)
 
-                def observe_lag(lag: float) -> None:
-                    loop_lag.record(lag)
-                    on_lag(lag)
 
-                await tg.start(run_loop_lag_probe, observe_lag, config.loop_lag_interval)
-            try:
-                yield AsyncEngine(config, info, tokenizer, core, loop_lag, sampling_defaults=defaults,
-                                  image_spec=image_spec)
-            finally:
-                tg.cancel_scope.cancel()
+async def start_loop_lag_probe(tg: TaskGroup, config: EngineConfig, observer: StatsObserver | None) -> LoopLagReadings:
+    """Start the loop-lag probe in `tg` when `config.loop_lag_interval` asks for one; its readings
+    go to the returned record and to `observer.on_loop_lag`. It runs until `tg` is cancelled."""
+    loop_lag = LoopLagReadings()
+    if config.loop_lag_interval is not None:
+        on_lag = (observer or NullObserver()).on_loop_lag
+
+        def observe_lag(lag: float) -> None:
+            loop_lag.record(lag)
+            on_lag(lag)
+
+        await tg.start(run_loop_lag_probe, observe_lag, config.loop_lag_interval)
+    return loop_lag
 
 
 def _image_spec(config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer) -> ImageSpec | None:

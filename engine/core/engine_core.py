@@ -18,16 +18,16 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.core.eplb_driver import EplbDriver
 from engine.core.output_processor import RequestTracker
 from engine.core.reporting import RequestTimings
-from engine.core.stats import NullObserver, StatsObserver
+from engine.core.stats import EngineStats, NullObserver, StatsObserver
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.executor.base import Executor
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -39,7 +39,17 @@ from engine.sched.scheduler import RequestUpdate, Scheduler
 logger = logging.getLogger(__name__)
 
 OutputItem = RequestOutput | PoolingRequestOutput | BaseException
-OutputSender = MemoryObjectSendStream[OutputItem]
+
+
+class OutputSender(Protocol):
+    """Where one request's outputs go: a memory object send stream in process (its consumer's), or
+    the engine process's outbox, which ships a step's outputs to the server process in one frame."""
+
+    def send_nowait(self, item: OutputItem) -> None:
+        """Deliver without waiting; `anyio.BrokenResourceError` if the consumer has gone."""
+
+    def close(self) -> None:
+        """No more outputs for this request."""
 
 
 @dataclass
@@ -68,6 +78,25 @@ class ExecutorFailed:
 
 
 CoreMessage = AddRequest | AbortRequest | ExecutorFailed | Wake
+
+
+class CoreHandle(Protocol):
+    """What `AsyncEngine` drives: an `EngineCore` in this process, or the client of one in the
+    engine process (`engine.api.engine_client.CoreClient`). All of it is synchronous and never
+    blocks."""
+
+    @property
+    def dead(self) -> bool:
+        """The core has stopped: it takes no more requests."""
+
+    def submit(self, message: AddRequest) -> None:
+        """Queue a request; `EngineDeadError` once the core has stopped."""
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op if it finished or the core stopped)."""
+
+    def stats(self) -> EngineStats:
+        """A snapshot, without loop lag."""
 
 
 class EngineCore:
@@ -307,11 +336,26 @@ class EngineCore:
         for rid in list(self._trackers):
             stream = self._streams[rid]
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                stream.send_nowait(_dead_error(failure))
+                stream.send_nowait(dead_error(failure))
             self._forget(rid)
         self._trackers.clear()
 
     # ---- introspection (for metrics and tests) ---------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the core now, without the event loop's lag (its owner measures that)."""
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=scheduler.num_running, num_waiting=self.num_waiting_requests,
+            kv_cache_usage=scheduler.kv.usage, prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
+            loop_lag=None, loop_lag_max=None, workers_alive=self.executor.workers_alive(),
+            eplb=self.eplb.stats() if self.eplb is not None else None,
+            mm_encoder_runs=scheduler.num_encoder_runs, encoder_cache_hits=scheduler.encoder_cache.hits,
+            encoder_cache_evictions=scheduler.encoder_cache.evictions,
+            encoder_cache_usage=scheduler.encoder_cache.usage,
+            ec_connector_loads=getattr(scheduler.external, "loads", 0),
+            ec_deferrals=getattr(scheduler.external, "deferrals", 0))
+
     @property
     def num_requests(self) -> int:
         return len(self._trackers)
@@ -327,7 +371,8 @@ class EngineCore:
         return self._inbox.statistics().current_buffer_used
 
 
-def _dead_error(failure: BaseException | None) -> EngineDeadError:
+def dead_error(failure: BaseException | None) -> EngineDeadError:
+    """What an open request gets when the core stops: closed (no failure), or the failure named."""
     if failure is None or isinstance(failure, anyio.get_cancelled_exc_class()):
         return EngineDeadError("the engine was closed before the request finished")
     error = EngineDeadError(f"the engine failed before the request finished: {failure!r}")

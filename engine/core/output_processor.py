@@ -24,6 +24,21 @@ def to_position_logprobs(entry: TokenLogprobs, tokenizer: Tokenizer) -> Position
             for tid, lp, rank in zip(ids, lps, ranks, strict=True)}
 
 
+@dataclass(frozen=True)
+class RequestPrompt:
+    """What every output of a request repeats about its prompt."""
+
+    prompt: str | None
+    visible_token_ids: list[int]  # none for a prompt of embeddings: its ids are placeholders
+    num_prompt_tokens: int
+
+    @classmethod
+    def of(cls, prompt: str | None, children: list[Request]) -> RequestPrompt:
+        first = children[0]
+        visible = [] if first.prompt_embeds is not None else first.prompt_token_ids
+        return cls(prompt, visible, len(first.prompt_token_ids))
+
+
 @dataclass
 class ChildSequence:
     index: int
@@ -56,8 +71,7 @@ class RequestTracker:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self._prompt_logprobs_sent = False
-        # An embeddings prompt's ids are placeholders: callers see none.
-        self._visible_prompt_ids = [] if children[0].prompt_embeds is not None else prompt_token_ids
+        self.prompt_facts = RequestPrompt.of(prompt, children)
         self.metrics = {"arrival_time": arrival_time}
 
     @property
@@ -98,8 +112,8 @@ class RequestTracker:
             prompt_logprobs = self.prompt_logprobs
             self._prompt_logprobs_sent = True
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self._visible_prompt_ids,
-            num_prompt_tokens=len(self.prompt_token_ids),
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_facts.visible_token_ids,
+            num_prompt_tokens=self.prompt_facts.num_prompt_tokens,
             outputs=outputs, finished=finished, prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(0, self.children[0].request.num_cached_tokens), metrics=dict(self.metrics))
 

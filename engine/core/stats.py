@@ -7,8 +7,9 @@ HTTP layer's one updates Prometheus counters and histograms).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,63 @@ class NullObserver:
 
     def on_step(self, num_tokens: int) -> None:
         pass
+
+
+ObserverCall = tuple[str, tuple[Any, ...]]
+
+
+class RecordingObserver:
+    """A `StatsObserver` that records its calls, for another process's observer to `replay`.
+
+    The engine process observes its core with one; the calls of each step travel to the server
+    process with the step's outputs, where the server's metrics receive them. `on_record` runs
+    after every call (the engine process uses it to know a step has something to send).
+    """
+
+    def __init__(self, on_record: Callable[[], None] = lambda: None) -> None:
+        self.calls: list[ObserverCall] = []
+        self._on_record = on_record
+
+    def take(self) -> list[ObserverCall]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def _record(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+        self._on_record()
+
+    def on_first_token(self, ttft: float) -> None:
+        self._record("on_first_token", ttft)
+
+    def on_tokens(self, inter_token_latency: float, num_tokens: int) -> None:
+        self._record("on_tokens", inter_token_latency, num_tokens)
+
+    def on_finished(self, finish_reason: str, e2e_latency: float, prompt_tokens: int,
+                    generation_tokens: int) -> None:
+        self._record("on_finished", finish_reason, e2e_latency, prompt_tokens, generation_tokens)
+
+    def on_loop_lag(self, lag: float) -> None:
+        self._record("on_loop_lag", lag)
+
+    def on_scheduled(self, queue_time: float) -> None:
+        self._record("on_scheduled", queue_time)
+
+    def on_request_done(self, record: RequestRecord) -> None:
+        self._record("on_request_done", record)
+
+    def on_eplb_rebalance(self, seconds: float, experts_moved: int) -> None:
+        self._record("on_eplb_rebalance", seconds, experts_moved)
+
+    def on_step(self, num_tokens: int) -> None:
+        self._record("on_step", num_tokens)
+
+
+REPLAYABLE = frozenset(name for name in vars(NullObserver) if name.startswith("on_"))
+
+
+def replay(calls: list[ObserverCall], observer: StatsObserver) -> None:
+    """Make `calls` (from a `RecordingObserver`) on `observer`, in order."""
+    for name, args in calls:
+        if name not in REPLAYABLE:
+            raise ValueError(f"{name!r} is not a StatsObserver method")
+        getattr(observer, name)(*args)

@@ -28,6 +28,8 @@ from engine.executor.polling import now
 
 # What a socket that broke raises from this module, for callers that catch stream failures.
 STREAM_BROKEN: tuple[type[Exception], ...] = (trio.BrokenResourceError, trio.ClosedResourceError)
+# ... and what a frame reader raises besides when the peer closed its end.
+STREAM_ENDED: tuple[type[Exception], ...] = (EOFError, *STREAM_BROKEN)
 
 
 class FastSocketStream(trio.abc.HalfCloseableStream):

@@ -13,19 +13,16 @@ Lifecycle (use as an async context manager; `open_engine` does):
   every pending and later call with `EngineDeadError` at once and closes
   every connection, which makes the other children exit too.
 - stop (also on cancellation; shielded and time-limited): ask (`Shutdown`),
-  wait, SIGTERM, wait, SIGKILL, reap. Children also die with the parent
+  wait, SIGTERM, wait, SIGKILL, reap (`engine.executor.process.stop_processes`). Children also die with the parent
   process (a pidfd watch in the child), so not even a killed parent leaves orphans.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import signal
 import socket
-import subprocess
 import sys
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
 
@@ -37,16 +34,15 @@ from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor import wire
 from engine.executor.base import Executor
-from engine.executor.fast_socket import STREAM_BROKEN, FastSocketStream
+from engine.executor.fast_socket import STREAM_ENDED, FastSocketStream
 from engine.executor.messages import Init, Ready, StartupFailed
+from engine.executor.process import describe_exit, spawn_with_socket, stop_processes
 from engine.executor.rpc import WorkerConnection, WorkerError, WorkerGroup
 from engine.model_info import ModelInfo
 from engine.models.hf_config import read_config_json
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
-SHUTDOWN_GRACE = 5.0  # each stage of the staged stop
-_HANDSHAKE_LOST: tuple[type[Exception], ...] = (EOFError, *STREAM_BROKEN)
 
 
 class MultiprocExecutor(Executor):
@@ -103,13 +99,7 @@ class MultiprocExecutor(Executor):
         return connections
 
     async def _spawn(self, rank: int) -> WorkerConnection:
-        ours, theirs = socket.socketpair()
-        try:
-            command = [*self.worker_command, "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
-            process = await anyio.open_process(command, stdin=subprocess.DEVNULL, stdout=None, stderr=None,
-                                               pass_fds=(theirs.fileno(),))
-        finally:
-            theirs.close()
+        process, ours = await spawn_with_socket(self.worker_command)
         self.processes.append(process)
         stream = FastSocketStream(ours)
         threads = max(1, usable_cpus() // self.world_size)
@@ -137,9 +127,9 @@ class MultiprocExecutor(Executor):
     async def _handshake(self, conn: WorkerConnection) -> None:
         try:
             message = await conn.reader.receive()
-        except _HANDSHAKE_LOST:  # it exited (perhaps before reading its Init)
+        except STREAM_ENDED:  # it exited (perhaps before reading its Init)
             code = await self.processes[conn.rank].wait()
-            raise ModelLoadError(f"worker rank {conn.rank} exited during start-up ({_describe(code)})") from None
+            raise ModelLoadError(f"worker rank {conn.rank} exited during start-up ({describe_exit(code)})") from None
         if isinstance(message, StartupFailed):
             raise ModelLoadError(f"worker rank {conn.rank} failed to start:\n{message.error}")
         if not isinstance(message, Ready):
@@ -160,7 +150,7 @@ class MultiprocExecutor(Executor):
         process = self.processes[rank]
         if process.returncode is not None and not self._closing and self.group is not None:
             error = EngineDeadError(
-                f"worker rank {rank} (pid {process.pid}) exited unexpectedly ({_describe(process.returncode)})")
+                f"worker rank {rank} (pid {process.pid}) exited unexpectedly ({describe_exit(process.returncode)})")
             self.group.fail(error)
             if self._failure is None:
                 self._failure = error
@@ -174,19 +164,11 @@ class MultiprocExecutor(Executor):
     async def _stop_workers(self) -> None:
         """Ask, wait, SIGTERM, wait, SIGKILL, reap. Shielded: runs to the end even when cancelled."""
         self._closing = True
-        with anyio.CancelScope(shield=True):
-            if self.group is not None and self.group.failure is None:
-                self.group.shutdown()
-            for stage in (None, signal.SIGTERM, signal.SIGKILL):
-                alive = [p for p in self.processes if p.returncode is None]
-                if stage is not None:
-                    for process in alive:
-                        _signal(process, stage)
-                with anyio.move_on_after(SHUTDOWN_GRACE):
-                    for process in alive:
-                        await process.wait()
-            if self.group is not None:
-                self.group.fail(EngineDeadError("the executor was closed"))
+        group = self.group
+        ask = group.shutdown if group is not None and group.failure is None else None
+        await stop_processes(self.processes, ask)
+        if group is not None:
+            group.fail(EngineDeadError("the executor was closed"))
 
     # ---- the executor interface ----------------------------------------------------------------
     def _workers(self) -> WorkerGroup:
@@ -247,12 +229,3 @@ def check_tensor_parallel(config: EngineConfig) -> None:
                              f"and {kv_heads} key/value heads; sizes that do: {', '.join(map(str, sizes))}")
 
 
-def _signal(process: Process, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError):
-        process.send_signal(sig)
-
-
-def _describe(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"

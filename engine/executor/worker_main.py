@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import select
 import signal
 import socket
-import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +29,7 @@ from engine.executor import wire
 from engine.executor.fast_socket import FastSocketStream
 from engine.executor.messages import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed, from_wire, to_wire
 from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
+from engine.executor.process import die_with_parent
 
 
 async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) -> None:
@@ -103,28 +102,6 @@ def build_worker(init: Init) -> Any:
                   distributed_init_method=init.distributed_init_method)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit the moment the parent process does, even in the middle of a call.
-
-    A thread waits on a pidfd of the parent (readable when it exits). Not
-    `PR_SET_PDEATHSIG`: that fires when the parent *thread* that forked us
-    exits, and trio spawns processes from its worker threads, which exit
-    when idle (the worker was killed 10 s in)."""
-    if not hasattr(os, "pidfd_open"):
-        return  # elsewhere the closed socket still ends the worker after its current call
-    try:
-        parent = os.pidfd_open(parent_pid)
-    except ProcessLookupError:
-        os._exit(1)  # the parent is already gone
-
-    def wait_for_parent() -> None:
-        select.select([parent], [], [])
-        os._exit(1)
-
-    # A thread, not a task: calls run inline on the loop's thread, and this must fire mid-call.
-    threading.Thread(target=wait_for_parent, name="parent-watch", daemon=True).start()
-
-
 async def _main(fd: int) -> None:
     async with FastSocketStream(socket.socket(fileno=fd), cooperative=False) as stream:
         await serve_worker(stream, build_worker)
@@ -135,7 +112,7 @@ def main() -> None:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args()
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop (Ctrl-C reaches the group)
     trio.run(_main, args.fd)
 

@@ -1,0 +1,308 @@
+"""The engine core in a process of its own: `open_engine_process`, and `CoreClient`, its side here.
+
+    async with open_engine_process(EngineConfig(model=path), observer=metrics) as engine:
+        ...  # the same AsyncEngine as open_engine's
+
+The server process keeps what is per request and cheap (rendering, tokenizing, grammar compiling,
+building `Request`s) and the HTTP work; the engine process (`engine.api.engine_main`) runs the
+scheduler, the executor and the model. The two share no GIL, so HTTP handling never waits for a
+step's Python work, nor a step for the HTTP work. `AsyncEngine` drives a `CoreClient` as it
+drives an in-process `EngineCore`: `submit`, `abort`, `stats()` and `dead`, all synchronous.
+
+Outputs come back one frame per step for every request of the step; metrics observed in the
+engine process travel with them and are replayed on this process's observer.
+
+If the engine process dies (a crash, `kill -9`), every open request fails with
+`EngineDeadError` naming how it ended, `dead` turns true at once (health checks answer 503), and
+the failure is raised out of the `async with` block, as an in-process core's failure is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import socket
+import sys
+import time
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.abc import Process
+
+from engine.api.async_engine import AsyncEngine
+from engine.api.engine_wire import (
+    ABORT,
+    ADD,
+    SYNC,
+    CoreSnapshot,
+    EngineFailed,
+    EngineInit,
+    EngineReady,
+    EngineStartFailed,
+    decode_output,
+)
+from engine.api.open import _image_spec, resolve_chat_template, start_loop_lag_probe
+from engine.config import EngineConfig
+from engine.core.engine_core import AddRequest, OutputSender, dead_error
+from engine.core.output_processor import RequestPrompt
+from engine.core.stats import EngineStats, NullObserver, StatsObserver, replay
+from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from engine.executor import wire
+from engine.executor.fast_socket import STREAM_ENDED, FastSocketStream
+from engine.executor.process import describe_exit, spawn_with_socket, stop_processes
+from engine.render.tokenizer import Tokenizer
+
+STARTUP_TIMEOUT = 600.0  # loading and compiling a model
+ENGINE_COMMAND = (sys.executable, "-m", "engine.api.engine_main")
+
+
+class CoreClient:
+    """The engine core of the engine process, as `AsyncEngine` sees a core (`CoreHandle`).
+
+    `run` (a task) writes posted messages and reads the engine's step reports; it raises the
+    engine's failure. `submit`, `abort` and `stats` never block.
+    """
+
+    def __init__(self, stream: FastSocketStream, reader: wire.FrameReader, process: Process,
+                 ready: EngineReady, observer: StatsObserver | None = None) -> None:
+        self.process = process
+        self.pid = ready.pid
+        self.worker_pids = ready.worker_pids
+        self._stream = stream
+        self._reader = reader
+        self._observer: StatsObserver = observer or NullObserver()
+        self._snapshot = CoreSnapshot(ready.stats, 0, 0, 0)
+        self._streams: dict[str, OutputSender] = {}
+        self._prompts: dict[str, RequestPrompt] = {}
+        self._outbox_send, self._outbox = anyio.create_memory_object_stream[Any](math.inf)
+        self._adds_sent = 0
+        self._syncs = itertools.count()
+        self._synced: dict[int, anyio.Event] = {}
+        self.failure: BaseException | None = None
+        self.closing = False
+
+    # ---- the core's surface (CoreHandle) ------------------------------------------------------
+    @property
+    def dead(self) -> bool:
+        return self.failure is not None or self.closing or self._snapshot.core_dead
+
+    def submit(self, message: AddRequest) -> None:
+        """Send a request to the engine process. `EngineDeadError` once it has stopped."""
+        if self.dead:
+            raise EngineDeadError("the engine has stopped")
+        rid = message.request_id
+        if rid in self._streams:  # as the core refuses it
+            message.outputs.send_nowait(InvalidRequestError(f"request id {rid!r} is already in use",
+                                                            param="request_id", request_id=rid))
+            message.outputs.close()
+            return
+        self._streams[rid] = message.outputs
+        self._prompts[rid] = RequestPrompt.of(message.prompt, message.children)
+        self._adds_sent += 1
+        self._post((ADD, rid, message.prompt, message.children))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op if it finished or the engine stopped); its outputs end here now."""
+        if self._forget(request_id) and not self.dead:
+            self._post((ABORT, request_id))
+
+    def stats(self) -> EngineStats:
+        """The engine's state after its last step; requests still on their way count as waiting."""
+        snapshot = self._snapshot
+        stats = snapshot.stats
+        in_flight = self._adds_sent - snapshot.adds_received
+        if in_flight:
+            stats = replace(stats, num_waiting=stats.num_waiting + in_flight)
+        if self.dead:
+            stats = replace(stats, workers_alive=tuple(False for _ in stats.workers_alive))
+        return stats
+
+    # ---- for tests and benchmarks -------------------------------------------------------------
+    @property
+    def num_steps(self) -> int:
+        return self._snapshot.num_steps
+
+    @property
+    def num_requests(self) -> int:
+        """Requests open in the engine process after its last step."""
+        return self._snapshot.num_requests
+
+    async def wait_until_idle(self) -> None:
+        """Return once the engine process has applied every message sent before this call and
+        has no request left. Cancellation just stops the wait."""
+        token = next(self._syncs)
+        event = self._synced[token] = anyio.Event()
+        self._post((SYNC, token))
+        await event.wait()
+
+    # ---- the task -----------------------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Write posted messages, read step reports and watch the process, until cancelled (the
+        owner's shutdown) or the engine fails: then every open request fails, and the failure
+        (`EngineDeadError` naming how the process ended, or the core's own error) is raised."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_loop)
+            tg.start_soon(self._watch_process)
+            task_status.started()
+            await self._read_loop()
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                frame = await self._reader.receive()
+            except STREAM_ENDED:
+                if self.closing:
+                    await anyio.sleep_forever()  # the owner stops the process, then cancels us
+                raise self._fail(await self._connection_lost_error()) from None
+            if isinstance(frame, EngineFailed):
+                self._fail(frame.error)
+                raise frame.error
+            self._apply(*frame)
+
+    def _apply(self, items: list[tuple[str, Any]], observed: list[tuple[str, tuple[Any, ...]]],
+               snapshot: CoreSnapshot, synced: list[int]) -> None:
+        replay(observed, self._observer)
+        self._snapshot = snapshot
+        for rid, encoded in items:
+            sink = self._streams.get(rid)
+            if sink is None:
+                continue  # aborted here already
+            if encoded is None:
+                self._forget(rid)
+                continue
+            try:
+                sink.send_nowait(decode_output(rid, encoded, self._prompts[rid]))
+            except anyio.BrokenResourceError:
+                self.abort(rid)  # the consumer went away without saying so
+        for token in synced:
+            self._synced.pop(token).set()
+
+    async def _connection_lost_error(self) -> EngineDeadError:
+        with anyio.move_on_after(1.0):  # the process is probably dying: name how, if it does soon
+            await self.process.wait()
+        return self._exit_error()
+
+    async def _watch_process(self) -> None:
+        await self.process.wait()
+        if not self.closing:
+            raise self._fail(self._exit_error())
+
+    def _exit_error(self) -> EngineDeadError:
+        code = self.process.returncode
+        if code is None:
+            return EngineDeadError(f"the connection to the engine process (pid {self.pid}) was lost")
+        return EngineDeadError(f"the engine process (pid {self.pid}) exited unexpectedly ({describe_exit(code)})")
+
+    async def _write_loop(self) -> None:
+        async for first in self._outbox:
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._outbox.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            await wire.send(self._stream, batch)
+
+    def _post(self, message: Any) -> None:
+        self._outbox_send.send_nowait(message)
+
+    def _forget(self, request_id: str) -> bool:
+        sink = self._streams.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+        if sink is None:
+            return False
+        sink.close()
+        return True
+
+    def _fail(self, failure: BaseException) -> BaseException:
+        """Every open request fails, naming `failure` (the first failure wins); returns it."""
+        if self.failure is None:
+            self.failure = failure
+        self._end_open_requests(dead_error(self.failure))
+        return self.failure
+
+    def _end_open_requests(self, error: EngineDeadError) -> None:
+        for rid in list(self._streams):
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._streams[rid].send_nowait(error)
+            self._forget(rid)
+        for event in self._synced.values():
+            event.set()
+
+    def shut_down(self) -> None:
+        """Ask the engine process to stop: our sending side closes (at once, even while this
+        task group is being cancelled), and it sees the end of its input. Requests still open end
+        with `EngineDeadError`, as when an in-process engine closes."""
+        self.closing = True
+        with contextlib.suppress(OSError):
+            self._stream.socket.shutdown(socket.SHUT_WR)
+        self._end_open_requests(dead_error(None))
+
+
+@asynccontextmanager
+async def open_engine_process(config: EngineConfig, *, observer: StatsObserver | None = None,
+                              command: Sequence[str] = ENGINE_COMMAND) -> AsyncGenerator[AsyncEngine]:
+    """Start the engine core in a process of its own and yield an `AsyncEngine` over it.
+
+    `observer` receives the engine process's metrics (and this process's loop-lag readings, with
+    `config.loop_lag_interval`). Start-up failures raise what `open_engine` would
+    (`ModelLoadError` naming the problem), with the process stopped. Leaving the block, or
+    cancelling the task inside it, stops the engine process (asked, then SIGTERM, then SIGKILL;
+    shielded and time limited); requests still open end with `EngineDeadError`. If the engine
+    process dies or its core fails, the failure is raised out of the block.
+    """
+    offset = anyio.current_time() - time.perf_counter()
+    level = logging.getLogger().getEffectiveLevel()
+    process, sock = await spawn_with_socket([*command, "--clock-offset", repr(offset), "--log-level", str(level)])
+    stream = FastSocketStream(sock)
+    client: CoreClient | None = None
+    try:
+        await wire.send(stream, EngineInit(replace(config, loop_lag_interval=None)))
+        # Loaded here while the engine process imports torch and loads the model.
+        tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
+        reader = wire.FrameReader(stream)
+        ready = await _handshake(reader, process)
+        client = CoreClient(stream, reader, process, ready, observer)
+        image_spec = await anyio.to_thread.run_sync(_image_spec, config, ready.info, tokenizer)
+        if config.chat_template is not None:
+            tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
+        async with anyio.create_task_group() as tg:
+            await tg.start(client.run)
+            loop_lag = await start_loop_lag_probe(tg, config, observer)
+            try:
+                yield AsyncEngine(config, ready.info, tokenizer, client, loop_lag,
+                                  sampling_defaults=ready.sampling_defaults, image_spec=image_spec)
+            finally:
+                await stop_processes([process], client.shut_down)
+                tg.cancel_scope.cancel()
+    finally:  # start-up failed or was cancelled, or the engine stopped: nothing is left running
+        await stop_processes([process], partial(_terminate, process))
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+
+
+def _terminate(process: Process) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+
+
+async def _handshake(reader: wire.FrameReader, process: Process) -> EngineReady:
+    with anyio.fail_after(STARTUP_TIMEOUT):
+        try:
+            message = await reader.receive()
+        except STREAM_ENDED:
+            code = await process.wait()
+            raise ModelLoadError(f"the engine process exited during start-up ({describe_exit(code)})") from None
+    if isinstance(message, EngineStartFailed):
+        raise message.error
+    if not isinstance(message, EngineReady):
+        raise ModelLoadError(f"the engine process sent {type(message).__name__} instead of EngineReady")
+    return message
