@@ -79,6 +79,32 @@ async def test_a_padded_batch_of_three_equals_three_batches_of_one(tmp_path_fact
     assert steps_together >= 25 and steps_alone >= 3 * 29
 
 
+async def test_decodes_of_mixed_steps_run_compiled_beside_the_eager_prompt_chunks(tmp_path_factory):
+    """A long prompt arrives while another request decodes: its chunks (48 tokens a step) run
+    eager, the decode beside them on its graph, and both requests get transformers' tokens."""
+    path, hf_model = _dense(tmp_path_factory)
+    rng = random.Random(9)
+    short, long = rng.choices(range(3, VOCAB), k=3), rng.choices(range(3, VOCAB), k=130)
+    expected = transformers_greedy(hf_model, [short, long], 20)
+    async with open_engine(compiled_config(path, sizes=(1, 2))) as engine:
+        got = {}
+        started = trio.Event()
+
+        async def run(name, prompt):
+            async for output in engine.generate(prompt, greedy(20, ignore_eos=True)):
+                started.set()
+                got[name] = output.outputs[0].token_ids
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "short", short)
+            await started.wait()  # decoding when the long prompt comes
+            nursery.start_soon(run, "long", long)
+        graphs = engine.core.executor.worker.runner.decode_graphs
+        steps, compiled = engine.core.num_steps, graphs.steps_run
+    assert [got["short"], got["long"]] == expected
+    assert compiled == steps - 1  # every step but the short prompt's own ran its decodes compiled
+
+
 def _dense(tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES["llama"]
     return save_hf_checkpoint(tmp_path_factory, "llama-pad", config_cls, model_cls, {**COMMON, **extra}, seed=1)

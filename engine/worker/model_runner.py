@@ -185,8 +185,19 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         embeds = self._embed(batch, input_ids)
         graphs = self.decode_graphs
-        if graphs is not None and len(batch) <= graphs.max_batch and all(s.num_tokens == 1 for s in batch):
-            return self._decode_compiled(graphs, batch, embeds, pos)
+        num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens != 1), len(batch))  # decodes come first
+        if graphs is None or not 0 < num_decodes <= graphs.max_batch:
+            return self._forward_eager(batch, embeds, pos)
+        decoded = self._decode_compiled(graphs, batch[:num_decodes], embeds[:num_decodes], pos[:num_decodes])
+        if num_decodes == len(batch):
+            return decoded
+        # A mixed step: the decodes on their graph, the prompt chunks eager. Two calls on disjoint
+        # sequences (each writes and reads only its own KV blocks); under load most steps are mixed,
+        # and running them all eager cost the compiled graphs their gain (docs/benchmarks.md).
+        prompts = self._forward_eager(batch[num_decodes:], embeds[num_decodes:], pos[num_decodes:])
+        return torch.cat([decoded, prompts])
+
+    def _forward_eager(self, batch: list[ScheduledRequest], embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
         meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
         hidden: torch.Tensor = self.model(embeds, pos, self.kv_caches, meta)
