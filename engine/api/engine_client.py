@@ -48,7 +48,7 @@ from engine.api.engine_wire import (
     EngineStartFailed,
     decode_output,
 )
-from engine.api.open import _image_spec, resolve_chat_template, start_loop_lag_probe
+from engine.api.open import image_spec_for, resolve_chat_template, start_loop_lag_probe
 from engine.config import EngineConfig
 from engine.core.engine_core import AddRequest, OutputSender, dead_error
 from engine.core.output_processor import RequestPrompt
@@ -270,7 +270,7 @@ async def open_engine_process(config: EngineConfig, *, observer: StatsObserver |
         reader = wire.FrameReader(stream)
         ready = await _handshake(reader, process)
         client = CoreClient(stream, reader, process, ready, observer)
-        image_spec = await anyio.to_thread.run_sync(_image_spec, config, ready.info, tokenizer)
+        image_spec = await anyio.to_thread.run_sync(image_spec_for, config, ready.info, tokenizer)
         if config.chat_template is not None:
             tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
         async with anyio.create_task_group() as tg:

@@ -144,7 +144,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
     """
     async with open_core(config, executor=executor, tokenizer=tokenizer, observer=observer, ec_loader=ec_loader,
                          ec_blocking=ec_blocking) as loaded:
-        image_spec = await anyio.to_thread.run_sync(_image_spec, config, loaded.info, loaded.tokenizer)
+        image_spec = await anyio.to_thread.run_sync(image_spec_for, config, loaded.info, loaded.tokenizer)
         loop_lag = await start_loop_lag_probe(loaded.task_group, config, observer)
         yield AsyncEngine(config, loaded.info, loaded.tokenizer, loaded.core, loop_lag,
                           sampling_defaults=loaded.sampling_defaults, image_spec=image_spec)
@@ -165,8 +165,9 @@ async def start_loop_lag_probe(tg: TaskGroup, config: EngineConfig, observer: St
     return loop_lag
 
 
-def _image_spec(config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer) -> ImageSpec | None:
-    """What the renderer needs for a vision-language model's images (None for other models)."""
+def image_spec_for(config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer) -> ImageSpec | None:
+    """What the renderer needs for a vision-language model's images (None for other models); used
+    by both `open_engine` and `open_engine_process`."""
     if info.image_token_id is None:
         return None
     token = tokenizer.id_to_token(info.image_token_id)
