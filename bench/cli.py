@@ -144,7 +144,7 @@ def _bench_forward(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     bench = forward.DecodeBench(model_dir(args.model), sorted({*batches, *([args.profile] if args.profile else [])}),
                                 args.context)
-    print(f"compiled every bucket in {bench.compile():.1f} s")
+    print(f"compiled the decode graph in {bench.compile():.1f} s")
     times = [bench.time_steps(b, args.repeats) for b in batches]
     print(forward.report(times, args.context))
     if args.profile:

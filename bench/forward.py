@@ -1,7 +1,7 @@
 """`trio-llm bench forward`: one decode step of the model, eager against compiled, per batch size.
 
 Both run the same model over the same KV cache in one process: the eager forward (gathered
-blocks, SDPA: the path of prefill and of --enforce-eager) and the bucket's compiled decode graph
+blocks, SDPA: the path of prefill and of --enforce-eager) and the compiled decode graph
 (`engine.worker.decode_graphs`). Each sequence has `context` cached tokens. With `--profile`, a
 torch.profiler table of a few steps of each is printed too: where a decode step's time goes.
 """

@@ -1,7 +1,7 @@
 """The compiled decode graphs (engine.worker.decode_graphs) against transformers and the eager model.
 
 These are the only tests that compile (conftest sets TRIO_LLM_ENFORCE_EAGER for the rest); they
-compile two small buckets per checkpoint to keep the suite fast.
+compile one graph per checkpoint (batch sizes up to 8 at most) to keep the suite fast.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ async def test_compiled_and_eager_give_transformers_greedy_tokens(checkpoint):
     assert compiled_steps >= 20 and eager_steps == 0  # the decode steps did run compiled
 
 
-async def test_a_padded_batch_of_three_equals_three_batches_of_one(tmp_path_factory):
-    """Three sequences pad to the bucket of 4 (one scratch row); alone, each runs the bucket of 1.
-    Different contexts make the block tables differ in width within the batch."""
+async def test_a_batch_of_three_equals_three_batches_of_one(tmp_path_factory):
+    """Three sequences run as a batch of 3 on the one graph; alone, each is padded to two rows (one
+    scratch row). Different contexts make the block tables differ in width within the batch."""
     path, _ = _dense(tmp_path_factory)
     rng = random.Random(5)
     prompts = [rng.choices(range(3, VOCAB), k=n) for n in (5, 21, 38)]
@@ -77,6 +77,26 @@ async def test_a_padded_batch_of_three_equals_three_batches_of_one(tmp_path_fact
     alone, steps_alone = await engine_greedy(config, prompts, 30, together=False)
     assert together == alone
     assert steps_together >= 25 and steps_alone >= 3 * 29
+
+
+async def test_every_batch_size_runs_the_one_graph_compiled_at_start_up(tmp_path_factory):
+    """Batches of 1 to 6 sequences (requests finishing at different lengths shrink the batch step
+    by step) and growing block tables compile nothing after start-up."""
+    from torch._dynamo.utils import counters
+
+    path, _ = _dense(tmp_path_factory)
+    rng = random.Random(11)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (4, 9, 15, 22, 30, 37)]
+    config = compiled_config(path, sizes=(1, 8), enable_prefix_caching=False)
+    graphs_before = None
+    async with open_engine(config) as engine:
+        graphs_before = counters["stats"]["unique_graphs"]
+        async with trio.open_nursery() as nursery:
+            for i, prompt in enumerate(prompts):
+                nursery.start_soon(final_output, engine, prompt, greedy(6 + 5 * i, ignore_eos=True))
+        steps_run = engine.core.executor.worker.runner.decode_graphs.steps_run
+    assert counters["stats"]["unique_graphs"] == graphs_before
+    assert steps_run >= 30  # the decodes did run compiled, at sizes 6 down to 1
 
 
 async def test_decodes_of_mixed_steps_run_compiled_beside_the_eager_prompt_chunks(tmp_path_factory):
@@ -139,3 +159,31 @@ def test_serve_flags_reach_the_engine_config():
     default = engine_config("m", _parser().parse_args(["serve", "m"]))
     assert default.enforce_eager is None  # compile, unless TRIO_LLM_ENFORCE_EAGER says otherwise
     assert default.compilation_config == CompilationConfig()
+
+
+def test_the_vector_isa_probe_runs_once_per_machine_and_its_answer_is_kept(tmp_path, monkeypatch):
+    """The first start probes and records; a later one reads the record instead of probing, and
+    a recorded failure leaves inductor probing as it would."""
+    import platform
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    from engine.worker.decode_graphs import settle_vector_isa
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.fail("this test's machine is expected to be x86 (CI's is)")
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    settle_vector_isa(tmp_path)
+    (memo,) = tmp_path.iterdir()
+    assert memo.read_text() in ("passed", "failed")
+    assert inductor_config.cpp.vec_isa_ok == (True if memo.read_text() == "passed" else None)
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: pytest.fail("probed again"))
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    memo.write_text("failed")
+    settle_vector_isa(tmp_path)
+    assert inductor_config.cpp.vec_isa_ok is None
+    memo.write_text("passed")
+    settle_vector_isa(tmp_path)
+    assert inductor_config.cpp.vec_isa_ok is True

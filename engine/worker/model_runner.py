@@ -205,7 +205,7 @@ class ModelRunner:
 
     def _decode_compiled(self, graphs: DecodeGraphs, batch: list[ScheduledRequest], embeds: torch.Tensor,
                          pos: torch.Tensor) -> torch.Tensor:
-        """A decode-only step on the compiled graph of its batch-size bucket."""
+        """The step's decodes on the compiled graph."""
         size = self.block_size
         slots, lengths, tables = [], [], []
         for s in batch:
