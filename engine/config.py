@@ -66,9 +66,10 @@ def _json_options(text: str | dict[str, Any], name: str, known: set[str]) -> dic
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """`--compilation-config` (a subset of vLLM's keys): the batch sizes decode steps are padded
-    to and compiled for (`cudagraph_capture_sizes`; default powers of two up to 64, capped at
-    max_num_seqs), and where compiled artefacts are cached (`cache_dir`; default
+    """`--compilation-config` (a subset of vLLM's keys): the batch sizes the decode graph is warmed
+    up at (`cudagraph_capture_sizes`; default powers of two up to 64, capped at max_num_seqs; the
+    graph's batch is dynamic, so the largest is what counts: larger batches run eagerly), and
+    where compiled artefacts are cached (`cache_dir`; default
     ~/.cache/trio-llm/torch_compile, or TORCHINDUCTOR_CACHE_DIR if set)."""
 
     cudagraph_capture_sizes: tuple[int, ...] | None = None
@@ -164,7 +165,7 @@ class EngineConfig:
     # --cpu-threads-bind: the forward pass's CPUs and the event loop's (None: no binding, torch's
     # default thread count)
     cpu_layout: CpuLayout | None = None
-    # Decode steps run a torch.compile'd graph per batch-size bucket (engine.worker.decode_graphs);
+    # Decode steps run a torch.compile'd graph with a dynamic batch (engine.worker.decode_graphs);
     # True keeps every step on the eager model (vLLM's --enforce-eager). None: compile, unless
     # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).
     enforce_eager: bool | None = None
@@ -247,7 +248,7 @@ class EngineConfig:
 
     @property
     def decode_batch_sizes(self) -> tuple[int, ...]:
-        """The batch sizes decode graphs are compiled for (see CompilationConfig)."""
+        """The batch sizes the decode graph is warmed up at; the largest bounds it (see CompilationConfig)."""
         sizes = self.compilation_config.cudagraph_capture_sizes
         if sizes is not None:
             return sizes
