@@ -8,9 +8,9 @@ compiles again. Dynamo specialises a dimension of size 1, so one row is padded t
 table to two blocks) rather than compile a second graph: at batch 1 the forward is bound by
 reading the weights, and a second row costs little.
 
-(CUDA graphs need one capture per batch size, hence vLLM's `cudagraph_capture_sizes`; compiling a
-graph per size here cost ~0.8 s of start-up each, against ~1 s for the one dynamic graph, and the
-dynamic graph steps as fast: docs/benchmarks.md.)
+(CUDA graphs need one capture per batch size, hence vLLM's `cudagraph_capture_sizes`; a graph per
+size here took 9 s of a warm start for seven sizes, against 2.3 s for the one dynamic graph,
+which steps as fast: docs/benchmarks.md.)
 
 Padding rows write their keys and values into a scratch block kept for them past the end of
 the KV cache (the worker allocates it), and attend only to it: they can neither read nor
