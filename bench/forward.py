@@ -48,8 +48,8 @@ class DecodeBench:
         self.runner = runner
         self.model = runner.model
         self.context = context
-        use_compile_cache(None)
-        self.graphs = DecodeGraphs(self.model, runner.kv_caches, self.block_size, num_blocks, batches)
+        cache_dir = use_compile_cache(None)
+        self.graphs = DecodeGraphs(self.model, runner.kv_caches, self.block_size, num_blocks, batches, cache_dir)
         for k_cache, v_cache in runner.kv_caches:  # cached keys and values: any finite numbers do
             k_cache.normal_()
             v_cache.normal_()

@@ -7,12 +7,18 @@ compile one graph per checkpoint (batch sizes up to 8 at most) to keep the suite
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
+import torch
 import trio
+from torch._dynamo.utils import counters
 
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig
+from engine.worker import precompiled_graph
+from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs
+from engine.worker.worker import Worker
 from tests.helpers import final_output, greedy
 from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.test_moe_eplb import FAMILIES as MOE_FAMILIES
@@ -82,8 +88,6 @@ async def test_a_batch_of_three_equals_three_batches_of_one(tmp_path_factory):
 async def test_every_batch_size_runs_the_one_graph_compiled_at_start_up(tmp_path_factory):
     """Batches of 1 to 6 sequences (requests finishing at different lengths shrink the batch step
     by step) and growing block tables compile nothing after start-up."""
-    from torch._dynamo.utils import counters
-
     path, _ = _dense(tmp_path_factory)
     rng = random.Random(11)
     prompts = [rng.choices(range(3, VOCAB), k=n) for n in (4, 9, 15, 22, 30, 37)]
@@ -123,6 +127,65 @@ async def test_decodes_of_mixed_steps_run_compiled_beside_the_eager_prompt_chunk
         steps, compiled = engine.core.num_steps, graphs.steps_run
     assert [got["short"], got["long"]] == expected
     assert compiled == steps - 1  # every step but the short prompt's own ran its decodes compiled
+
+
+def decode_graphs(path, cache_dir) -> DecodeGraphs:
+    """The decode graph (batches up to 4) of the checkpoint at `path` over a small KV cache,
+    saved under `cache_dir`; not yet compiled."""
+    config = EngineConfig(model=str(path), dtype="float32", enforce_eager=True, num_kv_blocks=16, max_num_seqs=4)
+    worker = Worker(config)
+    worker.load_model()
+    worker.initialize_kv_cache(17)  # the last: the graph's scratch block
+    runner = worker.runner
+    return DecodeGraphs(runner.model, runner.kv_caches, config.block_size, 16, (1, 4), cache_dir)
+
+
+def decode_step(graphs: DecodeGraphs, seed: int):
+    """Final hidden states of three sequences at positions 0-2 of blocks 0-2 (random inputs)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(3, graphs.model.config.hidden_size, generator=generator)
+    size = graphs.block_size
+    with torch.inference_mode():
+        return graphs.run(hidden, torch.tensor([0, 1, 2]), [0, size + 1, 2 * size + 2], [1, 2, 3], [[0], [1], [2]])
+
+
+def test_a_restart_loads_the_saved_graph_and_an_unreadable_or_wrong_one_is_compiled_again(
+        tmp_path_factory, tmp_path, caplog):
+    """The first start compiles and saves; the next loads it (no tracing) and computes the same;
+    a file that cannot be read, or one whose graph disagrees with the model, is replaced."""
+    llama, _ = _dense(tmp_path_factory)
+    first = decode_graphs(llama, tmp_path)
+    first.compile_all()
+    (saved,) = (tmp_path / "decode-graphs").iterdir()
+    second = decode_graphs(llama, tmp_path)
+    traced_before = counters["stats"]["unique_graphs"]
+    second.compile_all()
+    assert (first.loaded_from_disk, second.loaded_from_disk) == (False, True)
+    assert counters["stats"]["unique_graphs"] == traced_before
+    assert torch.equal(decode_step(first, 1), decode_step(second, 1))
+
+    saved.write_bytes(b"not a graph")
+    third = decode_graphs(llama, tmp_path)
+    third.compile_all()
+    assert not third.loaded_from_disk and "could not load the compiled decode graph" in caplog.text
+    assert saved.read_bytes() != b"not a graph"  # compiled again and saved over it
+    assert torch.equal(decode_step(first, 2), decode_step(third, 2))
+
+    # Qwen2 has the same shapes as this Llama, plus q/k/v biases the Llama graph never reads
+    # (non-zero here): a graph filed under the wrong name runs, and the check against the eager
+    # model catches it.
+    config_cls, model_cls, extra = FAMILIES["qwen2"]
+    qwen2, _ = save_hf_checkpoint(tmp_path_factory, "qwen2-same-shapes", config_cls, model_cls, {**COMMON, **extra})
+    fourth = decode_graphs(qwen2, tmp_path)
+    biases = [p for name, p in fourth.model.named_parameters() if name.endswith("bias")]
+    assert biases
+    with torch.no_grad():
+        for bias in biases:
+            bias.normal_(generator=torch.Generator().manual_seed(3))
+    own = precompiled_graph.artefact_path(tmp_path, fourth.model, fourth.kv_caches, fourth.block_size, TRACE_ROWS)
+    shutil.copy(saved, own)
+    fourth.compile_all()
+    assert not fourth.loaded_from_disk and "disagrees with the model" in caplog.text
 
 
 def _dense(tmp_path_factory):

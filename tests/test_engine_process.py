@@ -13,6 +13,7 @@ from bench.http import Reader, open_request, request
 from engine import EngineDeadError, InvalidRequestError, ModelLoadError, SamplingParams, open_engine
 from engine.api import open_engine_process
 from engine.api.engine_client import CoreClient
+from engine.api.engine_spawn import engine_process_started
 from engine.sampling_params import RequestOutputKind
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
@@ -138,6 +139,29 @@ async def test_start_up_failures_are_the_in_process_ones(tmp_path):
         async with open_engine_process(engine_config(str(missing))):
             pass
     assert str(there.value) == str(here.value)
+
+
+async def test_an_engine_process_started_early_is_adopted_then_stopped_with_the_engine(tiny_model_dir):
+    """`trio-llm serve` starts the engine process before importing the server; the engine opened
+    later runs in that very process, and closing it stops the process."""
+    async with engine_process_started() as spawned:
+        async with open_engine_process(engine_config(tiny_model_dir), spawned=spawned) as engine:
+            assert engine.core.pid == spawned.process.pid
+            (output,) = await finals(engine, PROMPTS[:1], SamplingParams(max_tokens=3, ignore_eos=True))
+            assert len(output.outputs[0].token_ids) == 3
+        assert spawned.process.returncode is not None
+    assert_gone(spawned.process.pid)
+
+
+async def test_an_engine_process_never_adopted_is_stopped_on_leaving_the_block():
+    """A server whose start fails before it opens the engine (a bad import, say) leaves no
+    engine process behind, even cancelled."""
+    with trio.CancelScope() as scope:
+        async with engine_process_started() as spawned:
+            scope.cancel()
+            await trio.sleep_forever()
+    assert spawned.process.returncode is not None
+    assert_gone(spawned.process.pid)
 
 
 def test_the_server_runs_the_engine_apart_unless_one_process_is_asked_for(tiny_model_dir):

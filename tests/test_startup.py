@@ -115,3 +115,12 @@ def test_the_kv_cache_size_follows_the_flag_then_vllm_cpus_variable():
     assert kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "0"}) == kv_cache_bytes(None, {}) == 1 << 30
     with pytest.raises(ValueError, match="number of GiB"):
         kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "lots"})
+
+
+def test_the_command_line_starts_the_engine_process_before_importing_torch():
+    """What `trio-llm serve` imports before starting its engine process (web/cli.py) pulls in no
+    torch, no quart and no engine internals: the engine process's imports overlap the server's."""
+    code = ("import sys, web.cli, engine.api.engine_spawn; from engine.api import TinyModelSpec; "
+            "print(sorted(m for m in ('torch', 'quart', 'engine.core', 'engine.worker') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"

@@ -121,7 +121,7 @@ async def run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyi
     started_at = anyio.current_time()
     apart = engine_in_own_process(state)
     if apart:
-        opened = open_engine_process(config, observer=state.metrics)
+        opened = open_engine_process(config, observer=state.metrics, spawned=state.spawned_engine)
     else:
         opened = open_engine(config, executor=state.executor, observer=state.metrics)
     try:

@@ -10,9 +10,11 @@ the allow headers here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from quart import Response, request
-from quart_trio import QuartTrio
+if TYPE_CHECKING:  # the settings are read by the CLI before it imports quart (web/cli.py)
+    from quart import Response
+    from quart_trio import QuartTrio
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class CorsSettings:
 
 
 def register(app: QuartTrio, cors: CorsSettings) -> None:
+    from quart import request
+
     @app.after_request
     async def add_cors_headers(response: Response) -> Response:
         origin = request.headers.get("Origin")

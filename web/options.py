@@ -14,8 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from engine.api import EngineConfig
-from engine.config import CompilationConfig, ECTransferConfig, EplbConfig
+from engine.config import CompilationConfig, ECTransferConfig, EngineConfig, EplbConfig
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from web.cors import CorsSettings
 from web.settings import ServerSettings

@@ -20,6 +20,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
 from engine.api import EngineConfig, Executor
+from engine.api.engine_spawn import SpawnedEngine
 from engine.api.gc_tuning import tune_collector_for_serving
 from web.app import create_app, run_engine
 from web.settings import ServerSettings
@@ -42,17 +43,20 @@ def hypercorn_config(host: str, port: int, settings: ServerSettings, log_level: 
 
 async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
                 *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None, executor: Executor | None = None,
-                log_level: str = "info", task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
+                log_level: str = "info", spawned_engine: SpawnedEngine | None = None,
+                task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
     """Serve until a signal (or `shutdown_trigger`), or until the engine dies; `task_status.started`
     gets the bound URLs. Returns the process's exit status: 0, or 1 when the engine died (a worker
     process exited, say): the server then stops as on SIGTERM, giving in-flight requests the grace
-    period, and exits non-zero so a supervisor restarts it (vLLM exits too).
+    period, and exits non-zero so a supervisor restarts it (vLLM exits too). `spawned_engine`: an
+    engine process already started (`engine_process_started`), adopted instead of starting one.
 
     Cancellation stops the server at once: open connections are closed, their
     requests aborted, and the engine closed (a signal or `shutdown_trigger`
     gives in-flight requests the grace period first)."""
     app = create_app(engine_config, settings, executor=executor, on_ready=tune_collector_for_serving)
     state: ServerState = app.extensions["trio_llm"]
+    state.spawned_engine = spawned_engine
     config = hypercorn_config(host, port, settings, log_level)
     stop = trio.Event()
     state.on_engine_failure = stop.set

@@ -12,8 +12,13 @@ import socket
 import sys
 import traceback
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
-from engine.api import AsyncEngine, EngineConfig, ModelLoadError
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+
+if TYPE_CHECKING:  # the CLI imports this module before torch (web/cli.py)
+    from engine.api import AsyncEngine
 
 logger = logging.getLogger("trio_llm.serve")
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from engine.api import AsyncEngine, EngineConfig, Executor
+from engine.api.engine_spawn import SpawnedEngine
 from web.errors import APIError
 from web.metrics import ServerMetrics
 from web.settings import ServerSettings
@@ -19,6 +20,8 @@ class ServerState:
     engine_config: EngineConfig
     settings: ServerSettings
     executor: Executor | None = None  # tests inject a fake; None: the configured executor
+    # An engine process `trio-llm serve` started before importing the server, for run_engine to adopt.
+    spawned_engine: SpawnedEngine | None = None
     engine: AsyncEngine | None = None
     engine_error: BaseException | None = None
     # Called once if the engine dies while serving (serve() uses it to shut the server down).

@@ -4,23 +4,65 @@ Everything here is stable API; the layers below (`engine.core`, `engine.sched`,
 `engine.worker`, ...) are the engine's own. `web/` imports the engine only
 through this package, the toolkit `engine.concurrency`, and the plain-data
 modules at the root of `engine` (the layering test checks it).
+
+Its names are imported on first use (PEP 562), as vLLM's package does: `import engine.api.engine_spawn`
+or `from engine.api import TinyModelSpec` costs no torch import, so `trio-llm serve` can start its
+engine process before the server imports torch (web/cli.py).
 """
 
-from engine.api.async_engine import AsyncEngine
-from engine.api.engine_client import open_engine_process
-from engine.api.llm import LLM
-from engine.api.open import open_engine
-from engine.config import EngineConfig
-from engine.core.stats import EngineStats, RequestRecord, StatsObserver
-from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
-from engine.executor.base import Executor
-from engine.model_info import ModelInfo, PoolerConfig
-from engine.models.tiny import ARCHITECTURES, TinyModelSpec, ensure_default_model, make_model
-from engine.outputs import CompletionOutput, Logprob, PoolingRequestOutput, PositionLogprobs, RequestOutput
-from engine.pooling_params import PoolingParams
-from engine.render.renderer import EngineInput
-from engine.render.tokenizer import Tokenizer
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.api.async_engine import AsyncEngine
+    from engine.api.engine_client import open_engine_process
+    from engine.api.llm import LLM
+    from engine.api.open import open_engine
+    from engine.config import EngineConfig
+    from engine.core.stats import EngineStats, RequestRecord, StatsObserver
+    from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
+    from engine.executor.base import Executor
+    from engine.model_info import ModelInfo, PoolerConfig
+    from engine.models.tiny import ARCHITECTURES, TinyModelSpec, ensure_default_model, make_model
+    from engine.outputs import CompletionOutput, Logprob, PoolingRequestOutput, PositionLogprobs, RequestOutput
+    from engine.pooling_params import PoolingParams
+    from engine.render.renderer import EngineInput
+    from engine.render.tokenizer import Tokenizer
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+_WHERE = {
+    "ARCHITECTURES": "engine.models.tiny",
+    "AsyncEngine": "engine.api.async_engine",
+    "CompletionOutput": "engine.outputs",
+    "EngineConfig": "engine.config",
+    "EngineDeadError": "engine.errors",
+    "EngineInput": "engine.render.renderer",
+    "EngineStats": "engine.core.stats",
+    "ensure_default_model": "engine.models.tiny",
+    "Executor": "engine.executor.base",
+    "InvalidRequestError": "engine.errors",
+    "LLM": "engine.api.llm",
+    "Logprob": "engine.outputs",
+    "make_model": "engine.models.tiny",
+    "ModelInfo": "engine.model_info",
+    "ModelLoadError": "engine.errors",
+    "open_engine": "engine.api.open",
+    "open_engine_process": "engine.api.engine_client",
+    "PoolerConfig": "engine.model_info",
+    "PoolingParams": "engine.pooling_params",
+    "PoolingRequestOutput": "engine.outputs",
+    "PositionLogprobs": "engine.outputs",
+    "RequestFailedError": "engine.errors",
+    "RequestOutput": "engine.outputs",
+    "RequestOutputKind": "engine.sampling_params",
+    "RequestRecord": "engine.core.stats",
+    "SamplingParams": "engine.sampling_params",
+    "StatsObserver": "engine.core.stats",
+    "TinyModelSpec": "engine.models.tiny",
+    "Tokenizer": "engine.render.tokenizer",
+}
 
 __all__ = [
     "ARCHITECTURES", "LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineInput",
@@ -31,3 +73,11 @@ __all__ = [
     "SamplingParams", "StatsObserver", "Tokenizer", "TinyModelSpec", "ensure_default_model", "make_model",
     "open_engine", "open_engine_process",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import math
 import socket
-import sys
-import time
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -37,6 +34,7 @@ import anyio.abc
 from anyio.abc import Process
 
 from engine.api.async_engine import AsyncEngine
+from engine.api.engine_spawn import ENGINE_COMMAND, SpawnedEngine, spawn_engine, terminate
 from engine.api.engine_wire import (
     ABORT,
     ADD,
@@ -56,11 +54,10 @@ from engine.core.stats import EngineStats, NullObserver, StatsObserver, replay
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from engine.executor import wire
 from engine.executor.fast_socket import STREAM_ENDED, FastSocketStream
-from engine.executor.process import describe_exit, spawn_with_socket, stop_processes
+from engine.executor.process import describe_exit, stop_processes
 from engine.render.tokenizer import Tokenizer
 
 STARTUP_TIMEOUT = 600.0  # loading and compiling a model
-ENGINE_COMMAND = (sys.executable, "-m", "engine.api.engine_main")
 
 
 class CoreClient:
@@ -248,8 +245,12 @@ class CoreClient:
 
 @asynccontextmanager
 async def open_engine_process(config: EngineConfig, *, observer: StatsObserver | None = None,
-                              command: Sequence[str] = ENGINE_COMMAND) -> AsyncGenerator[AsyncEngine]:
+                              command: Sequence[str] = ENGINE_COMMAND,
+                              spawned: SpawnedEngine | None = None) -> AsyncGenerator[AsyncEngine]:
     """Start the engine core in a process of its own and yield an `AsyncEngine` over it.
+
+    `spawned`: an engine process already started (`engine_process_started`), which this adopts
+    (and stops, as one it started) instead of starting one; `command` is then unused.
 
     `observer` receives the engine process's metrics (and this process's loop-lag readings, with
     `config.loop_lag_interval`). Start-up failures raise what `open_engine` would
@@ -258,10 +259,10 @@ async def open_engine_process(config: EngineConfig, *, observer: StatsObserver |
     shielded and time limited); requests still open end with `EngineDeadError`. If the engine
     process dies or its core fails, the failure is raised out of the block.
     """
-    offset = anyio.current_time() - time.perf_counter()
-    level = logging.getLogger().getEffectiveLevel()
-    process, sock = await spawn_with_socket([*command, "--clock-offset", repr(offset), "--log-level", str(level)])
-    stream = FastSocketStream(sock)
+    if spawned is None:
+        spawned = await spawn_engine(command, preload_compiler=not config.eager)
+    process = spawned.process
+    stream = FastSocketStream(spawned.socket)
     client: CoreClient | None = None
     try:
         await wire.send(stream, EngineInit(replace(config, loop_lag_interval=None)))
@@ -283,15 +284,9 @@ async def open_engine_process(config: EngineConfig, *, observer: StatsObserver |
                 await stop_processes([process], client.shut_down)
                 tg.cancel_scope.cancel()
     finally:  # start-up failed or was cancelled, or the engine stopped: nothing is left running
-        await stop_processes([process], partial(_terminate, process))
+        await stop_processes([process], partial(terminate, process))
         with anyio.CancelScope(shield=True):
             await stream.aclose()
-
-
-def _terminate(process: Process) -> None:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
 
 
 async def _handshake(reader: wire.FrameReader, process: Process) -> EngineReady:

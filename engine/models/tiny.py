@@ -16,11 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from engine.models.tiny_llava import write_llava_parts
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -119,57 +115,19 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]
     return config
 
 
-def _mlp_weights(spec: TinyModelSpec, prefix: str, normal: Any) -> dict[str, torch.Tensor]:
-    """A dense SwiGLU MLP, or the router and experts in the checkpoint layout of the architecture."""
-    if spec.arch not in ("mixtral", "qwen3_moe"):
-        return {prefix + "mlp.gate_proj.weight": normal(spec.intermediate, spec.hidden),
-                prefix + "mlp.up_proj.weight": normal(spec.intermediate, spec.hidden),
-                prefix + "mlp.down_proj.weight": normal(spec.hidden, spec.intermediate)}
-    block = prefix + ("block_sparse_moe." if spec.arch == "mixtral" else "mlp.")
-    names = ("w1", "w3", "w2") if spec.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    weights = {block + "gate.weight": normal(spec.experts, spec.hidden) * 20}  # a router with preferences
-    for e in range(spec.experts):
-        weights[f"{block}experts.{e}.{names[0]}.weight"] = normal(spec.intermediate, spec.hidden)
-        weights[f"{block}experts.{e}.{names[1]}.weight"] = normal(spec.intermediate, spec.hidden)
-        weights[f"{block}experts.{e}.{names[2]}.weight"] = normal(spec.hidden, spec.intermediate)
-    return weights
-
-
-def _random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(spec.seed)
-    head_dim = spec.hidden // spec.heads
-    dtype = getattr(torch, spec.dtype)
-
-    def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.05).to(dtype)
-
-    weights = {"model.embed_tokens.weight": normal(vocab_size, spec.hidden),
-               "model.norm.weight": torch.ones(spec.hidden, dtype=dtype)}
-    for i in range(spec.layers):
-        p = f"model.layers.{i}."
-        weights.update({
-            p + "self_attn.q_proj.weight": normal(spec.heads * head_dim, spec.hidden),
-            p + "self_attn.k_proj.weight": normal(spec.kv_heads * head_dim, spec.hidden),
-            p + "self_attn.v_proj.weight": normal(spec.kv_heads * head_dim, spec.hidden),
-            p + "self_attn.o_proj.weight": normal(spec.hidden, spec.heads * head_dim),
-            **_mlp_weights(spec, p, normal),
-            p + "input_layernorm.weight": torch.ones(spec.hidden, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(spec.hidden, dtype=dtype),
-        })
-        if spec.arch == "qwen2":
-            for proj, size in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
-                weights[p + f"self_attn.{proj}_proj.bias"] = normal(size * head_dim)
-        if spec.arch in ("qwen3", "qwen3_moe"):
-            weights[p + "self_attn.q_norm.weight"] = torch.ones(head_dim, dtype=dtype)
-            weights[p + "self_attn.k_norm.weight"] = torch.ones(head_dim, dtype=dtype)
-    return weights
-
-
 def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), overwrite: bool = True) -> Path:
     """Write the checkpoint into `model_dir` atomically (built in a sibling temp dir, then renamed).
 
     With `overwrite=False`, a complete checkpoint that appeared meanwhile (another
     process creating the same default model) is kept and ours is discarded."""
+    # torch only here: the CLI imports this module to parse its arguments, before serve's
+    # engine process starts (web/cli.py).
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.models.tiny_llava import write_llava_parts
+    from engine.models.tiny_weights import random_weights
+
     model_dir = Path(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".making-", dir=model_dir.parent))
@@ -180,11 +138,11 @@ def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), ove
         if spec.arch == "llava":  # a tiny Llama as its text model, plus a vision tower
             text = replace(spec, arch="llama")
             gen = torch.Generator().manual_seed(spec.seed + 1)
-            weights = write_llava_parts(staging, _config(text, vocab_size, eos_id), _random_weights(text, vocab_size),
+            weights = write_llava_parts(staging, _config(text, vocab_size, eos_id), random_weights(text, vocab_size),
                                         lambda *shape: torch.randn(*shape, generator=gen) * 0.05)
         else:
             (staging / "config.json").write_text(json.dumps(_config(spec, vocab_size, eos_id), indent=2))
-            weights = _random_weights(spec, vocab_size)
+            weights = random_weights(spec, vocab_size)
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(staging, 0o755)
         if model_dir.exists() and overwrite:

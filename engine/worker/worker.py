@@ -135,9 +135,9 @@ class Worker:
                   for _ in range(cfg.num_layers)]
         graphs = None
         if compiled:
-            use_compile_cache(self.config.compilation_config.cache_dir)
+            cache_dir = use_compile_cache(self.config.compilation_config.cache_dir)
             graphs = DecodeGraphs(self.model, caches, self.config.block_size, num_blocks,
-                                  self.config.decode_batch_sizes)
+                                  self.config.decode_batch_sizes, cache_dir)
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
                                   is_driver=self.rank == 0, pooler=self.pooler,
                                   report_expert_load=self.config.enable_eplb, vision=self.vision,
