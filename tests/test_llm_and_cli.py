@@ -44,6 +44,25 @@ def test_make_model_writes_a_loadable_deterministic_checkpoint(tmp_path, arch, c
     assert "'hello' ->" in capsys.readouterr().out
 
 
+def test_make_model_gives_every_vocab_row_even_past_what_the_tokenizer_learns(tmp_path):
+    """`--vocab 32000` makes a 32,000-row embedding and LM head (the benchmark's checkpoint) though
+    the tokenizer learns fewer tokens from the corpus, as padded checkpoints have; a token past the
+    tokenizer is generated and decodes to nothing."""
+    from safetensors import safe_open
+    from tokenizers import Tokenizer
+
+    path = make_model(tmp_path / "padded", TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64,
+                                                         vocab=20000))
+    learned = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
+    assert learned < 20000 and json.loads((path / "config.json").read_text())["vocab_size"] == 20000
+    with safe_open(str(path / "model.safetensors"), "pt") as weights:
+        assert weights.get_slice("model.embed_tokens.weight").get_shape() == [20000, 32]
+    llm = LLM(str(path), num_kv_blocks=16)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, allowed_token_ids=[learned + 100])
+    (output,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert output.outputs[0].token_ids == [learned + 100] * 3 and output.outputs[0].text == ""
+
+
 def test_generate_without_a_model_creates_the_default_in_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["generate", "--max-tokens", "3", "--kv-cache-memory-bytes", str(1 << 26)]) == 0

@@ -132,7 +132,9 @@ def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), ove
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".making-", dir=model_dir.parent))
     try:
-        vocab_size = write_tokenizer(staging, spec.vocab)
+        # The tokenizer learns what the shipped corpus allows (12,869 tokens at most); the embedding
+        # and LM head still get `spec.vocab` rows, as checkpoints padded past their tokenizer do.
+        vocab_size = max(spec.vocab, write_tokenizer(staging, spec.vocab))
         eos_id = Tokenizer.from_file(str(staging / "tokenizer.json")).token_to_id("<|im_end|>")
         assert eos_id is not None, "the tokenizer trainer always adds <|im_end|>"
         if spec.arch == "llava":  # a tiny Llama as its text model, plus a vision tower
