@@ -6,8 +6,11 @@ compile one graph per checkpoint (batch sizes up to 8 at most) to keep the suite
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -250,3 +253,15 @@ def test_the_vector_isa_probe_runs_once_per_machine_and_its_answer_is_kept(tmp_p
     memo.write_text("passed")
     settle_vector_isa(tmp_path)
     assert inductor_config.cpp.vec_isa_ok is True
+
+
+def test_preloading_the_compiler_keeps_our_cache_directory(tmp_path):
+    """The engine process imports inductor before its configuration arrives; inductor would then
+    fix its cache directory to its own default, and every start would compile from scratch into
+    /tmp. The default stays ours (a clean environment, HOME in tmp_path)."""
+    code = ("from engine.worker.decode_graphs import DEFAULT_CACHE_DIR, preload_compiler, use_compile_cache; "
+            "preload_compiler(); print(use_compile_cache(None) == DEFAULT_CACHE_DIR, DEFAULT_CACHE_DIR)")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                            env={**env, "HOME": str(tmp_path)})
+    assert result.stdout.split() == ["True", str(tmp_path / ".cache" / "trio-llm" / "torch_compile")]

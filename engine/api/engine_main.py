@@ -50,7 +50,7 @@ from engine.errors import EngineDeadError
 from engine.executor import wire
 from engine.executor.fast_socket import STREAM_BROKEN, STREAM_ENDED, FastSocketStream
 from engine.executor.process import die_with_parent
-from engine.worker import precompiled_graph
+from engine.worker.decode_graphs import preload_compiler
 
 logger = logging.getLogger(__name__)
 FINAL_FLUSH_TIMEOUT = 5.0
@@ -237,7 +237,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the engine stops
     logging.basicConfig(level=args.log_level)
     if args.preload_compiler:  # while the server is still importing, when it started us early
-        precompiled_graph.preload()
+        preload_compiler()
     trio.run(_main, args.fd, clock=SharedClock(args.clock_offset))
 
 

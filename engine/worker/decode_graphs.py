@@ -25,7 +25,9 @@ a restart the compiling but not the tracing. Both live under `cache_dir` (defaul
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import logging
 import os
 import platform
@@ -59,6 +61,19 @@ def use_compile_cache(cache_dir: str | None) -> Path:
     directory = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     settle_vector_isa(directory)
     return directory
+
+
+def preload_compiler() -> None:
+    """Import what loading a saved graph imports (inductor, its code generation and templates:
+    ~1.8 s), in a process with that time to spare before its model arrives. Best effort: a module
+    a later torch no longer has is skipped.
+
+    Our cache directory is settled first: the first time inductor looks for its cache it fixes
+    TORCHINDUCTOR_CACHE_DIR to its own default (/tmp/torchinductor_USER), which would then win."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
+    for name in ("torch._inductor.codecache", "torch._dynamo.aot_compile", "torch._inductor.select_algorithm"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 def settle_vector_isa(cache_dir: Path) -> None:

@@ -20,9 +20,7 @@ run eagerly between graphs, keep `torch.compile`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -67,15 +65,6 @@ def _modeling_source_digest() -> str:
             digest.update(source.read_bytes())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()
-
-
-def preload() -> None:
-    """Import what loading a saved graph imports (inductor, its code generation and templates:
-    ~2 s), in a process with that time to spare before its model arrives. Best effort: a module
-    a later torch no longer has is skipped."""
-    for name in ("torch._inductor.codecache", "torch._dynamo.aot_compile", "torch._inductor.select_algorithm"):
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
 
 
 def load(path: Path, model: DecoderForCausalLM) -> DecodeStep | None:
