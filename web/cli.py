@@ -109,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
 async def _serve_engine_first(engine_config: EngineConfig, settings: ServerSettings, host: str, port: int,
                               log_level: str) -> int:
     """Start the engine process, then import the server (quart, hypercorn, the engine API, torch)
-    while it imports torch and the compiler: the two overlap (~1.5 s of a warm start). Nothing
+    while it imports torch and the compiler: the two overlap (~0.5-1 s of a warm start). Nothing
     imported so far pulls in torch (tests/test_startup.py checks)."""
     if engine_config.executor == "inproc":
         from web.serve import serve

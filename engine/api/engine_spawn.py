@@ -2,7 +2,8 @@
 
 `trio-llm serve` starts it before importing its HTTP stack and the engine API, through
 `engine_process_started`, so the engine process imports torch and inductor while the server
-imports quart and torch: on two cores the two overlap, and a warm start is ~1.5 s shorter.
+imports quart and torch: on two cores the two overlap (a warm start 5.4-6.1 s -> 4.9-5.1 s,
+docs/benchmarks.md).
 `open_engine_process(spawned=...)` then adopts the process. This module imports neither torch
 nor the engine API: the command line imports it first.
 """
