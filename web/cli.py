@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from contextlib import AbstractAsyncContextManager, nullcontext
 from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import TypeAlias
 import trio
 
 from engine.api import ARCHITECTURES, TinyModelSpec
-from engine.api.engine_spawn import engine_process_started
+from engine.api.engine_spawn import SpawnedEngine, engine_process_started
 from engine.config import EngineConfig
 from engine.cpu_binding import bind_this_thread
 from web import options
@@ -111,10 +112,10 @@ async def _serve_engine_first(engine_config: EngineConfig, settings: ServerSetti
     """Start the engine process, then import the server (quart, hypercorn, the engine API, torch)
     while it imports torch and the compiler: the two overlap (~0.5-1 s of a warm start). Nothing
     imported so far pulls in torch (tests/test_startup.py checks)."""
-    if engine_config.executor == "inproc":
-        from web.serve import serve
-        return await serve(engine_config, settings, host, port, log_level=log_level)
-    async with engine_process_started(preload_compiler=not engine_config.eager) as spawned:
+    starting: AbstractAsyncContextManager[SpawnedEngine | None] = nullcontext()  # --executor inproc: none
+    if engine_config.executor != "inproc":
+        starting = engine_process_started(preload_compiler=not engine_config.eager)
+    async with starting as spawned:
         from web.serve import serve
         return await serve(engine_config, settings, host, port, log_level=log_level, spawned_engine=spawned)
 
