@@ -110,11 +110,11 @@ def _serve(args: argparse.Namespace) -> int:
 async def _serve_engine_first(engine_config: EngineConfig, settings: ServerSettings, host: str, port: int,
                               log_level: str) -> int:
     """Start the engine process, then import the server (quart, hypercorn, the engine API, torch)
-    while it imports torch and the compiler: the two overlap (~0.5-1 s of a warm start). Nothing
+    while it imports torch: the two overlap (~0.5 s of a warm start). Nothing
     imported so far pulls in torch (tests/test_startup.py checks)."""
     starting: AbstractAsyncContextManager[SpawnedEngine | None] = nullcontext()  # --executor inproc: none
     if engine_config.executor != "inproc":
-        starting = engine_process_started(preload_compiler=not engine_config.eager)
+        starting = engine_process_started()
     async with starting as spawned:
         from web.serve import serve
         return await serve(engine_config, settings, host, port, log_level=log_level, spawned_engine=spawned)

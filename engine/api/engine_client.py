@@ -260,7 +260,7 @@ async def open_engine_process(config: EngineConfig, *, observer: StatsObserver |
     process dies or its core fails, the failure is raised out of the block.
     """
     if spawned is None:
-        spawned = await spawn_engine(command, preload_compiler=not config.eager)
+        spawned = await spawn_engine(command)
     process = spawned.process
     stream = FastSocketStream(spawned.socket)
     client: CoreClient | None = None

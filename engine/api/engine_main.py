@@ -50,7 +50,6 @@ from engine.errors import EngineDeadError
 from engine.executor import wire
 from engine.executor.fast_socket import STREAM_BROKEN, STREAM_ENDED, FastSocketStream
 from engine.executor.process import die_with_parent
-from engine.worker.decode_graphs import preload_compiler
 
 logger = logging.getLogger(__name__)
 FINAL_FLUSH_TIMEOUT = 5.0
@@ -230,14 +229,10 @@ def main() -> None:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--clock-offset", type=float, required=True)
     parser.add_argument("--log-level", type=int, default=logging.INFO)
-    parser.add_argument("--preload-compiler", action="store_true",
-                        help="import the compiler before the configuration arrives (a compiled model is coming)")
     args = parser.parse_args()
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the engine stops
     logging.basicConfig(level=args.log_level)
-    if args.preload_compiler:  # while the server is still importing, when it started us early
-        preload_compiler()
     trio.run(_main, args.fd, clock=SharedClock(args.clock_offset))
 
 

@@ -1,9 +1,8 @@
 """Starting the engine process (`engine.api.engine_main`), early when the server can.
 
 `trio-llm serve` starts it before importing its HTTP stack and the engine API, through
-`engine_process_started`, so the engine process imports torch and inductor while the server
-imports quart and torch: on two cores the two overlap (a warm start 5.4-6.1 s -> 4.9-5.1 s,
-docs/benchmarks.md).
+`engine_process_started`, so the engine process imports torch while the server imports quart
+and torch: on two cores the two overlap (docs/benchmarks.md).
 `open_engine_process(spawned=...)` then adopts the process. This module imports neither torch
 nor the engine API: the command line imports it first.
 """
@@ -36,28 +35,24 @@ class SpawnedEngine:
     socket: socket.socket
 
 
-async def spawn_engine(command: Sequence[str] = ENGINE_COMMAND, *, preload_compiler: bool = False) -> SpawnedEngine:
-    """Start the engine process on this event loop's clock and log level. `preload_compiler`: it
-    imports the compiler while it waits for its configuration (a compiled model is coming).
-    Cancellation during the spawn leaves nothing running (`spawn_with_socket`)."""
+async def spawn_engine(command: Sequence[str] = ENGINE_COMMAND) -> SpawnedEngine:
+    """Start the engine process on this event loop's clock and log level. Cancellation during
+    the spawn leaves nothing running (`spawn_with_socket`)."""
     offset = anyio.current_time() - time.perf_counter()
     level = logging.getLogger().getEffectiveLevel()
     arguments = [*command, "--clock-offset", repr(offset), "--log-level", str(level)]
-    if preload_compiler:
-        arguments.append("--preload-compiler")
     process, sock = await spawn_with_socket(arguments)
     return SpawnedEngine(process, sock)
 
 
 @asynccontextmanager
-async def engine_process_started(command: Sequence[str] = ENGINE_COMMAND, *,
-                                 preload_compiler: bool = False) -> AsyncIterator[SpawnedEngine]:
+async def engine_process_started(command: Sequence[str] = ENGINE_COMMAND) -> AsyncIterator[SpawnedEngine]:
     """Start the engine process now, for `open_engine_process(spawned=...)` inside the block.
 
     Leaving the block (normally, by an error, or cancelled) stops the process if it still runs
     and closes the socket, whether or not it was adopted: shielded and time limited
     (`stop_processes`)."""
-    spawned = await spawn_engine(command, preload_compiler=preload_compiler)
+    spawned = await spawn_engine(command)
     try:
         yield spawned
     finally:

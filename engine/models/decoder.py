@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(positions, q, k)
+        q, k = rope.rotate(positions, q, k)
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
         if isinstance(meta, DecodeMetadata):  # a compiled decode graph
             out = paged_decode_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)

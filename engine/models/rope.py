@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -30,18 +31,26 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding:
-    """Precomputed cos/sin tables for every position up to `max_positions`."""
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for every position up to `max_positions`.
+
+    A module whose tables are (non-persistent) buffers: the model's exported decode graph then
+    names them among the model's tensors (`rope.cos`, `rope.sin`) and takes them from the live
+    model at load, as it takes the weights (engine.worker.precompiled_graph)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)
-        self.cos = freqs.cos().to(dtype)
-        self.sin = freqs.sin().to(dtype)
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
-    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their tokens' positions [T]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

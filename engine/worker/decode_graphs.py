@@ -16,8 +16,9 @@ Padding rows write their keys and values into a scratch block kept for them past
 the KV cache (the worker allocates it), and attend only to it: they can neither read nor
 clobber a real sequence's cache, so padding never leaks into outputs.
 
-The graph of a dense model is compiled ahead of time and saved whole (`precompiled_graph`):
-a restart loads it without tracing (0.4-0.7 s, where re-tracing took 2.3 s). An MoE model's graphs,
+The graph of a dense model is exported and compiled ahead of time into an AOTInductor package
+(`precompiled_graph`): a restart loads it in milliseconds, without tracing and without importing
+the compiler (re-tracing took 2.3 s, dynamo's saved form 0.6 s plus 2.1 s of imports). An MoE model's graphs,
 broken around its eager experts, go through `torch.compile`, and inductor's on-disk caches spare
 a restart the compiling but not the tracing. Both live under `cache_dir` (default
 `~/.cache/trio-llm/torch_compile`).
@@ -25,9 +26,7 @@ a restart the compiling but not the tracing. Both live under `cache_dir` (defaul
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
 import logging
 import os
 import platform
@@ -49,31 +48,18 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "trio-llm" / "torch_compile"
 
 
 def use_compile_cache(cache_dir: str | None) -> Path:
-    """Point inductor's on-disk caches at `cache_dir` (or ours), unless the user already has, and
-    settle which vector instructions its C++ uses (`settle_vector_isa`); returns the directory.
+    """Point inductor's on-disk caches at `cache_dir` (or ours), unless the user already has;
+    returns the directory. Imports no compiler: a warm start loads its graph without one.
 
     Inductor reads TORCHINDUCTOR_CACHE_DIR each time it looks a graph up, so setting it before
-    the first compilation is enough; it is process-wide, as the cache is."""
+    the first compilation is enough; it is process-wide, as the cache is. (The first time
+    inductor looks for its cache it fixes the variable to its own default, /tmp/torchinductor_USER,
+    which is why this runs before anything imports inductor.)"""
     if cache_dir is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     else:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
-    directory = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    settle_vector_isa(directory)
-    return directory
-
-
-def preload_compiler() -> None:
-    """Import what loading a saved graph imports (inductor, its code generation and templates:
-    ~1.8 s), in a process with that time to spare before its model arrives. Best effort: a module
-    a later torch no longer has is skipped.
-
-    Our cache directory is settled first: the first time inductor looks for its cache it fixes
-    TORCHINDUCTOR_CACHE_DIR to its own default (/tmp/torchinductor_USER), which would then win."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
-    for name in ("torch._inductor.codecache", "torch._dynamo.aot_compile", "torch._inductor.select_algorithm"):
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def settle_vector_isa(cache_dir: Path) -> None:
@@ -113,7 +99,7 @@ class DecodeGraphs:
     `scratch_block`: a block id no sequence is ever given (the worker allocates one past the
     scheduler's blocks); padding rows use it. `capture_sizes`: the largest is the largest batch
     the graph runs (the rest only warm it up at start-up). `cache_dir`: where a dense model's
-    graph is saved whole (None: compiled at each start, not saved)."""
+    graph is packaged (None: compiled at each start, not saved)."""
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
                  scratch_block: int, capture_sizes: Sequence[int], cache_dir: Path | None = None) -> None:
@@ -134,11 +120,17 @@ class DecodeGraphs:
         self._step: DecodeStep | None = None
         self._dynamo: Callable[..., torch.Tensor] | None = None
         if model.moe_layers:
-            # Each model compiled in one process (tests open many) adds an entry to forward's cache.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-            self._dynamo = torch.compile(model, dynamic=False, fullgraph=False)
+            self._use_dynamo()
         self.loaded_from_disk = False  # whether compile_all found the graph saved (tests)
         self.steps_run = 0  # decode steps served by a compiled graph since start-up (tests, metrics)
+
+    def _use_dynamo(self) -> None:
+        """`torch.compile` with its guards, for a model that does not export into one graph."""
+        if self.cache_dir is not None:
+            settle_vector_isa(self.cache_dir)
+        # Each model compiled in one process (tests open many) adds an entry to forward's cache.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+        self._dynamo = torch.compile(self.model, dynamic=False, fullgraph=False)
 
     @property
     def max_batch(self) -> int:
@@ -155,6 +147,8 @@ class DecodeGraphs:
         start = time.perf_counter()
         if self._dynamo is None:
             self._step = self._precompiled_step()
+            if self._step is None:
+                self._use_dynamo()
         sizes = sorted({MIN_ROWS, *self.capture_sizes}, reverse=True)
         # Traced first at TRACE_ROWS rows whatever the sizes (the saved graph too, in
         # _precompiled_step): inductor sizes its parallel loops by
@@ -170,9 +164,10 @@ class DecodeGraphs:
                          f"{time.perf_counter() - start:.1f} s")
         return time.perf_counter() - start
 
-    def _precompiled_step(self) -> DecodeStep:
-        """The saved graph if there is one and it agrees with the eager model; else compiled
-        (from inductor's caches when it can) and saved."""
+    def _precompiled_step(self) -> DecodeStep | None:
+        """The saved graph if there is one and it agrees with the eager model; else exported,
+        compiled (from inductor's caches when it can) and saved; None when the model does not
+        export (logged: it then runs on `torch.compile`)."""
         path = None
         if self.cache_dir is not None:
             path = precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,
@@ -183,12 +178,15 @@ class DecodeGraphs:
                 return step
             if step is not None:
                 logger.warning("the compiled decode graph %s disagrees with the model; compiling it again", path)
+            settle_vector_isa(self.cache_dir)
         hidden, positions, *_ = self._scratch_rows(TRACE_ROWS, 8)
         meta = self._metadata(TRACE_ROWS, [], [], [], 8)
-        for batched in (hidden, positions, meta.slot_mapping, meta.block_table, meta.seq_lens):
-            torch._dynamo.mark_dynamic(batched, 0)
-        torch._dynamo.mark_dynamic(meta.block_table, 1)
-        return precompiled_graph.compile_and_save(path, self.model, (hidden, positions, self.kv_caches, meta))
+        try:
+            return precompiled_graph.compile_and_save(path, self.model, (hidden, positions, self.kv_caches, meta))
+        except Exception as exc:  # noqa: BLE001 -- export refuses many things; torch.compile takes them
+            logger.warning("the decode graph does not export (%s: %s); compiling it with torch.compile instead",
+                           type(exc).__name__, exc)
+            return None
 
     def _agrees_with_eager(self, step: DecodeStep) -> bool:
         """Whether `step` computes what the eager model does, on two rows in the scratch block

@@ -1,33 +1,43 @@
-"""The decode graph compiled ahead of time and kept on disk whole, so a warm start loads it
-without dynamo tracing the model again (vLLM's `torch_aot_compile` cache, on torch's
-`aot_compile` API).
+"""The decode graph compiled ahead of time into a package on disk (AOTInductor), so a warm start
+loads it without tracing and without importing the compiler.
 
 A warm start through `torch.compile` re-traces the model with dynamo and then finds the compiled
-code in inductor's caches: ~2.3 s of our warm start. `torch.compile(...).aot_compile` captures the
-whole graph once and serialises the compiled function; loading it takes 0.4-0.7 s.
+code in inductor's caches: ~2.3 s. Dynamo's own saved form (`torch.compile(...).aot_compile`,
+vLLM's `torch_aot_compile` cache) skips the tracing, but loading it runs inductor's Python
+wrapper, which imports dynamo and inductor (~2.1 s of the engine process's start-up, serial).
+Here the decode forward is exported (`torch.export`, the batch and the block table's width
+dynamic) and compiled by AOTInductor into a `.pt2` package: a shared library and its metadata.
+Loading it is torch's C++ loader (`torch._C._aoti.AOTIModelPackageLoader`, what
+`torch._inductor.aoti_load_package` wraps): milliseconds, and no dynamo or inductor import.
 
-The artefact is saved with no guards (dynamo's guards do not all serialise, and the ones that do
-would be re-checked each step). What they would have checked goes into the file's name instead
+The package holds no weights (`package_constants_in_so=False`): at load the model's own
+parameters and buffers are handed to it by name, without copying (`user_managed`), so the file
+stays small and the graph computes with the tensors the eager path uses.
+
+The package keeps no guards. What they would have checked goes into the file's name instead
 (`artefact_path`): torch and Python, the model's configuration, parameter shapes and dtypes, the
 rotary tables, the KV cache's shape, the block size, the compute threads (inductor's C++ loops
-are specialised on them), the vector ISA, and the source of the modeling code. A stale artefact
+are specialised on them), the vector ISA, and the source of the modeling code. A stale package
 the key misses is caught at load: `DecodeGraphs` compares one step against the eager model and
 compiles again on a mismatch.
 
-Only a model that traces into one graph (no graph break) is saved so; MoE models, whose experts
-run eagerly between graphs, keep `torch.compile`.
+Only a model that exports into one graph is compiled so; MoE models, whose experts run eagerly
+between graphs, keep `torch.compile`, and so does a model whose export fails (logged).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import engine.models
 from engine.models.attention import DecodeMetadata
@@ -35,26 +45,27 @@ from engine.models.decoder import DecoderForCausalLM, KVCache
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what is saved, or how it is called, changes
+FORMAT = 2  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], DecodeMetadata], torch.Tensor]
+MAX_ROWS = 1 << 16  # the exported graph's bounds on the batch and the table's width (AOTI checks them)
+MAX_TABLE_WIDTH = 1 << 20
 
 
 def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
                   trace_rows: int) -> Path:
     """Where the decode graph of `model` over caches shaped as `kv_caches` is kept: its name is a
     digest of everything the compiled code depends on (see the module doc)."""
-    from torch._inductor import config as inductor_config
-
     assert model.rope is not None, "setup_rope() before compiling"
     parts = (
-        FORMAT, torch.__version__, sys.version, torch.get_num_threads(), inductor_config.cpp.vec_isa_ok,
+        FORMAT, torch.__version__, sys.version, torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(),
+        os.environ.get("TORCHINDUCTOR_VEC_ISA_OK"),
         repr(model.config), str(model.dtype), block_size, trace_rows,
         [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()],
         [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()],
         tuple(model.rope.cos.shape), [(tuple(k.shape), str(k.dtype), str(k.device)) for k, _ in kv_caches],
         _modeling_source_digest(),
     )
-    return cache_dir / "decode-graphs" / f"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}.bin"
+    return cache_dir / "decode-graphs" / f"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}.pt2"
 
 
 def _modeling_source_digest() -> str:
@@ -68,46 +79,77 @@ def _modeling_source_digest() -> str:
 
 
 def load(path: Path, model: DecoderForCausalLM) -> DecodeStep | None:
-    """The decode step saved at `path`, or None when there is none or it cannot be read (why is
-    logged; the caller compiles again and overwrites it)."""
+    """The decode step packaged at `path`, over `model`'s own tensors; None when there is none or
+    it cannot be loaded (why is logged; the caller compiles again and overwrites it)."""
     if not path.exists():
         return None
     try:
-        with path.open("rb") as file:
-            compiled = torch.compiler.load_compiled_function(file)
-    except Exception as exc:  # any unreadable artefact: torch's format is experimental
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        tensors = _model_tensors(model)
+        # user_managed: the graph reads the model's tensors in place (no copy); a missing name raises.
+        loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()}, False, True, True)
+    except Exception as exc:  # noqa: BLE001 -- any unreadable or foreign package: compile again
         logger.warning("could not load the compiled decode graph %s (%s: %s); compiling it again",
                        path, type(exc).__name__, exc)
         return None
-    return _bind(compiled, model)
+    return _bind(loader, model)
 
 
 def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tuple[Any, ...]) -> DecodeStep:
-    """Compile the decode step of `model` on `example` (hidden, positions, kv_caches, meta: their
-    dynamic dimensions marked) into one graph, save it at `path` (atomically; None: not saved)
-    and return it."""
-    compiler: Any = torch.compile(type(model).forward, fullgraph=True, dynamic=False,
-                                  options={"guard_filter_fn": _no_guards})
-    compiled = compiler.aot_compile(((model, *example), {}))
-    try:
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            compiled.save_compiled_function(str(path))
-    except Exception as exc:  # a full disk, or something torch cannot serialise: next start compiles again
-        logger.warning("could not save the compiled decode graph to %s (%s: %s)", path, type(exc).__name__, exc)
-    return _bind(compiled, model)
+    """Export the decode step of `model` on `example` (hidden, positions, kv_caches, meta), compile
+    it with AOTInductor into a package at `path` (written atomically; None: a temporary one) and
+    load it. Raises what export or compilation raises."""
+    hidden, positions, kv_caches, meta = example
+    batch = torch.export.Dim("batch", min=2, max=MAX_ROWS)
+    width = torch.export.Dim("table_width", min=2, max=MAX_TABLE_WIDTH)
+    program = torch.export.export(
+        _FlatDecodeStep(model, meta.block_size),
+        (hidden, positions, kv_caches, meta.slot_mapping, meta.block_table, meta.seq_lens),
+        dynamic_shapes=({0: batch}, {0: batch}, [(None, None)] * len(kv_caches), {0: batch},
+                        {0: batch, 1: width}, {0: batch}),
+        strict=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        target = path if path is not None else Path(scratch) / "decode.pt2"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.pt2")  # AOTI wants the suffix
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(partial), inductor_configs={"aot_inductor.package_constants_in_so": False})
+        os.replace(partial, target)  # a reader sees the whole package or none
+        step = load(target, model)
+    if step is None:
+        raise RuntimeError(f"the decode graph just compiled to {target} does not load")
+    return step
 
 
-def _no_guards(entries: list[Any]) -> list[bool]:
-    return [False] * len(entries)
+class _FlatDecodeStep(nn.Module):
+    """The decode forward over plain tensors (export takes no dataclass of ours)."""
+
+    def __init__(self, model: DecoderForCausalLM, block_size: int) -> None:
+        super().__init__()
+        self.model = model
+        self.block_size = block_size
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        meta = DecodeMetadata(slot_mapping, block_table, seq_lens, self.block_size)
+        out: torch.Tensor = self.model(hidden, positions, kv_caches, meta)
+        return out
 
 
-def _bind(compiled: Any, model: DecoderForCausalLM) -> DecodeStep:
-    compiled.disable_guard_check()  # none were kept: the file's name stands for them
+def _model_tensors(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by the names the package gives them (`_FlatDecodeStep`
+    holds the model as `model`)."""
+    tensors: dict[str, torch.Tensor] = {f"model.{name}": p for name, p in model.named_parameters()}
+    tensors.update({f"model.{name}": b for name, b in model.named_buffers()})
+    return tensors
 
+
+def _bind(loader: Any, model: DecoderForCausalLM) -> DecodeStep:
     def step(hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
              meta: DecodeMetadata) -> torch.Tensor:
-        out: torch.Tensor = compiled(model, hidden, positions, kv_caches, meta)
+        flat = [hidden, positions, *(t for pair in kv_caches for t in pair), meta.slot_mapping, meta.block_table,
+                meta.seq_lens]
+        out: torch.Tensor = loader.run(flat)[0]
         return out
 
     return step
