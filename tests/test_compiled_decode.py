@@ -284,3 +284,25 @@ def test_a_warm_start_loads_the_graph_without_importing_the_compiler(tmp_path_fa
     ours = str(tmp_path / ".cache" / "trio-llm" / "torch_compile")
     assert runs[0][:2] == ["False", ours] and runs[0][2:] != ["False", "False"]  # compiled: the compiler ran
     assert runs[1] == ["True", ours, "False", "False"]  # loaded, and no compiler imported
+
+
+def test_a_model_that_does_not_export_runs_on_torch_compile(tmp_path_factory, tmp_path, monkeypatch, caplog):
+    """Export refuses what dynamo takes (a fake refusal here): the graph is compiled by
+    `torch.compile` instead, computes what the eager model does, and nothing is saved."""
+    llama, _ = _dense(tmp_path_factory)
+
+    def refuse(*args):
+        raise RuntimeError("export refused")
+
+    monkeypatch.setattr(precompiled_graph, "compile_and_save", refuse)
+    graphs = decode_graphs(llama, tmp_path)
+    graphs.compile_all()
+    assert "does not export (RuntimeError: export refused)" in caplog.text
+    assert not graphs.loaded_from_disk and not (tmp_path / "decode-graphs").exists()
+    got = decode_step(graphs, 4)
+    size = graphs.block_size
+    hidden = torch.randn(3, graphs.model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        meta = graphs._metadata(3, [0, size + 1, 2 * size + 2], [1, 2, 3], [[0], [1], [2]], 2)
+        want = graphs.model(hidden, torch.tensor([0, 1, 2]), graphs.kv_caches, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
