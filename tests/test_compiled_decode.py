@@ -239,20 +239,23 @@ def test_the_vector_isa_probe_runs_once_per_machine_and_its_answer_is_kept(tmp_p
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.fail("this test's machine is expected to be x86 (CI's is)")
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
-    settle_vector_isa(tmp_path)
-    (memo,) = tmp_path.iterdir()
-    assert memo.read_text() in ("passed", "failed")
-    assert inductor_config.cpp.vec_isa_ok == (True if memo.read_text() == "passed" else None)
+    # inductor's own patch restores the setting on exit: pytest 9.2's monkeypatch (CI installs the
+    # latest; 9.0 did not) records a config module's setting as unset and deletes it on undo,
+    # which hides it from every later reader in the process.
+    with inductor_config.patch({"cpp.vec_isa_ok": None}):
+        settle_vector_isa(tmp_path)
+        (memo,) = tmp_path.iterdir()
+        assert memo.read_text() in ("passed", "failed")
+        assert inductor_config.cpp.vec_isa_ok == (True if memo.read_text() == "passed" else None)
 
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: pytest.fail("probed again"))
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
-    memo.write_text("failed")
-    settle_vector_isa(tmp_path)
-    assert inductor_config.cpp.vec_isa_ok is None
-    memo.write_text("passed")
-    settle_vector_isa(tmp_path)
-    assert inductor_config.cpp.vec_isa_ok is True
+    with inductor_config.patch({"cpp.vec_isa_ok": None}):
+        memo.write_text("failed")
+        settle_vector_isa(tmp_path)
+        assert inductor_config.cpp.vec_isa_ok is None
+        memo.write_text("passed")
+        settle_vector_isa(tmp_path)
+        assert inductor_config.cpp.vec_isa_ok is True
 
 
 LOAD_SAVED_GRAPH = """
