@@ -166,8 +166,8 @@ class DecodeGraphs:
 
     def _precompiled_step(self) -> DecodeStep | None:
         """The saved graph if there is one and it agrees with the eager model; else exported,
-        compiled (from inductor's caches when it can) and saved; None when the model does not
-        export (logged: it then runs on `torch.compile`)."""
+        compiled and saved; None when the model does not export or compile so (logged: it then
+        runs on `torch.compile`)."""
         path = None
         if self.cache_dir is not None:
             path = precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,

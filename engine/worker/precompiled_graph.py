@@ -92,7 +92,7 @@ def load(path: Path, model: DecoderForCausalLM) -> DecodeStep | None:
         logger.warning("could not load the compiled decode graph %s (%s: %s); compiling it again",
                        path, type(exc).__name__, exc)
         return None
-    return _bind(loader, model)
+    return _bind(loader)
 
 
 def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tuple[Any, ...]) -> DecodeStep:
@@ -112,12 +112,16 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
         target = path if path is not None else Path(scratch) / "decode.pt2"
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.pt2")  # AOTI wants the suffix
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=str(partial), inductor_configs={"aot_inductor.package_constants_in_so": False})
-        os.replace(partial, target)  # a reader sees the whole package or none
+        try:
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(partial), inductor_configs={"aot_inductor.package_constants_in_so": False})
+            os.replace(partial, target)  # a reader sees the whole package or none
+        finally:
+            partial.unlink(missing_ok=True)  # a failed compile leaves nothing behind
         step = load(target, model)
-    if step is None:
-        raise RuntimeError(f"the decode graph just compiled to {target} does not load")
+        if step is None:
+            target.unlink(missing_ok=True)
+            raise RuntimeError(f"the decode graph just compiled to {target} does not load")
     return step
 
 
@@ -144,7 +148,7 @@ def _model_tensors(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _bind(loader: Any, model: DecoderForCausalLM) -> DecodeStep:
+def _bind(loader: Any) -> DecodeStep:
     def step(hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
              meta: DecodeMetadata) -> torch.Tensor:
         flat = [hidden, positions, *(t for pair in kv_caches for t in pair), meta.slot_mapping, meta.block_table,
