@@ -309,3 +309,42 @@ def test_a_model_that_does_not_export_runs_on_torch_compile(tmp_path_factory, tm
         meta = graphs._metadata(3, [0, size + 1, 2 * size + 2], [1, 2, 3], [[0], [1], [2]], 2)
         want = graphs.model(hidden, torch.tensor([0, 1, 2]), graphs.kv_caches, meta)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+def test_decode_attention_equals_the_eager_attention_over_ragged_sequences(dtype, num_kv_heads):
+    """The compiled graphs' attention formula (run eagerly here) against the eager path's SDPA:
+    sequences of different lengths, some ending mid-block and one of a single token, grouped
+    query heads, tables padded with a scratch block, and a padding row past the real ones."""
+    from engine.models.attention import (
+        DecodeMetadata,
+        SequenceChunk,
+        build_metadata,
+        paged_attention,
+        paged_decode_attention,
+    )
+
+    generator = torch.Generator().manual_seed(0)
+    block_size, num_heads, dim = 4, 4, 8
+    lengths = [1, 4, 7, 13]  # tokens each sequence attends to, the new one included
+    tables = [[1], [2], [3, 4], [5, 6, 7, 8]]
+    width = max(len(t) for t in tables)
+    k_cache, v_cache = (torch.randn(9 * block_size, num_kv_heads, dim, generator=generator).to(dtype)
+                        for _ in range(2))
+    q = torch.randn(len(lengths) + 1, num_heads, dim, generator=generator).to(dtype)  # the last row pads
+    scale = dim ** -0.5
+
+    chunks = [SequenceChunk(n - 1, 1, t) for n, t in zip(lengths, tables, strict=True)]
+    last = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for n, t in zip(lengths, tables, strict=True)]
+    eager_meta = build_metadata(chunks, block_size, torch.device("cpu"), dtype)
+    new_k, new_v = k_cache[last], v_cache[last]
+    expected = paged_attention(q[:-1], new_k, new_v, k_cache, v_cache, eager_meta, scale)
+
+    padded = [t + [0] * (width - len(t)) for t in tables] + [[0] * width]
+    meta = DecodeMetadata(torch.tensor([*last, 0]), torch.tensor(padded), torch.tensor([*lengths, 1]), block_size)
+    got = paged_decode_attention(q, k_cache, v_cache, meta, scale)
+
+    assert got.dtype == dtype and got.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[:-1].float(), expected.float(), atol=tolerance, rtol=tolerance)
