@@ -19,6 +19,13 @@ from torch._dynamo.utils import counters
 
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig
+from engine.models.attention import (
+    DecodeMetadata,
+    SequenceChunk,
+    build_metadata,
+    paged_attention,
+    paged_decode_attention,
+)
 from engine.worker import precompiled_graph
 from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs
 from engine.worker.worker import Worker
@@ -317,14 +324,6 @@ def test_decode_attention_equals_the_eager_attention_over_ragged_sequences(dtype
     """The compiled graphs' attention formula (run eagerly here) against the eager path's SDPA:
     sequences of different lengths, some ending mid-block and one of a single token, grouped
     query heads, tables padded with a scratch block, and a padding row past the real ones."""
-    from engine.models.attention import (
-        DecodeMetadata,
-        SequenceChunk,
-        build_metadata,
-        paged_attention,
-        paged_decode_attention,
-    )
-
     generator = torch.Generator().manual_seed(0)
     block_size, num_heads, dim = 4, 4, 8
     lengths = [1, 4, 7, 13]  # tokens each sequence attends to, the new one included
