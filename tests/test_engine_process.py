@@ -50,8 +50,23 @@ async def test_outputs_are_the_in_process_engines(tiny_model_dir):
     for a, b in zip(here, there, strict=True):
         assert (a.request_id, a.prompt, a.prompt_token_ids, a.num_prompt_tokens, a.finished) == \
             (b.request_id, b.prompt, b.prompt_token_ids, b.num_prompt_tokens, b.finished)
-        assert [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in a.outputs] == \
-            [(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs) for c in b.outputs]
+        assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in a.outputs] == \
+            [(c.index, c.text, c.token_ids, c.finish_reason) for c in b.outputs]
+        for c, d in zip(a.outputs, b.outputs, strict=True):
+            assert same_logprobs(c.logprobs, d.logprobs)
+
+
+def same_logprobs(here: list, there: list) -> bool:
+    """The same candidates, ranks and texts at every position; values equal to float noise. The two
+    engines may batch the requests differently (the process's requests arrive a little apart), and a
+    matmul over another batch shape rounds differently in the last bits."""
+    def exact(positions):
+        return [{tid: (lp.rank, lp.decoded_token) for tid, lp in pos.items()} for pos in positions]
+
+    def values(positions):
+        return [lp.logprob for pos in positions for _, lp in sorted(pos.items())]
+
+    return exact(here) == exact(there) and values(here) == pytest.approx(values(there), abs=1e-4)
 
 
 async def test_a_duplicate_id_and_an_abort_leave_the_engine_serving(tiny_model_dir):
