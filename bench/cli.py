@@ -23,6 +23,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_rpc(bench)
     _add_bench_embed(bench)
     _add_bench_fuzz(bench)
+    _add_bench_keepalive(bench)
     _add_bench_prefix_hash(bench)
     _add_bench_eplb(bench)
     _add_bench_ec(bench)
@@ -101,13 +102,32 @@ def _add_bench_fuzz(bench: Subcommands) -> None:
     fz.add_argument("--url", default="http://127.0.0.1:8000")
     fz.add_argument("--requests", type=int, default=10_000, help="examples to draw (default: %(default)s)")
     fz.add_argument("--seed", type=int, default=0, help="0: hypothesis' fixed derandomized sequence")
+    fz.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     fz.set_defaults(run=_bench_fuzz)
 
 
 def _bench_fuzz(args: argparse.Namespace) -> int:
     from bench import fuzz
-    print(fuzz.run(args.url.rstrip("/"), args.requests, args.seed))
+    print(fuzz.run(args.url.rstrip("/"), args.requests, args.seed, args.api_key))
     return 0
+
+
+def _add_bench_keepalive(bench: Subcommands) -> None:
+    ka = bench.add_parser("keepalive", help="one kept-alive connection, every route, refusals mixed with 200s: "
+                                            "every request answered in time")
+    ka.add_argument("--url", default="http://127.0.0.1:8000")
+    ka.add_argument("--api-key", default=None, help="the server's --api-key (adds 401s with no key and a wrong one)")
+    ka.add_argument("--requests", type=int, default=540)
+    ka.add_argument("--timeout", type=float, default=5.0, help="seconds a request may take before it counts as hung")
+    ka.add_argument("--max-body-bytes", type=int, default=16 << 20, help="the server's body limit (for the 413s)")
+    ka.set_defaults(run=_bench_keepalive)
+
+
+def _bench_keepalive(args: argparse.Namespace) -> int:
+    from bench import keepalive
+    report = keepalive.run(args.url.rstrip("/"), args.api_key, args.requests, args.timeout, args.max_body_bytes)
+    print(report.summary())
+    return 1 if report.failures else 0
 
 
 def _add_bench_throughput(bench: Subcommands) -> None:

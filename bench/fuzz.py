@@ -149,11 +149,13 @@ def still_serving(client: httpx.Client) -> str | None:
     return None
 
 
-def run(url: str, count: int, seed: int = 0) -> str:
-    """`count` fuzzed requests against the server at `url`; a report of what came back."""
+def run(url: str, count: int, seed: int = 0, api_key: str | None = None) -> str:
+    """`count` fuzzed requests against the server at `url` (with `api_key` if it needs one); a report of
+    what came back."""
     report = FuzzReport()
     start = time.perf_counter()
-    with httpx.Client(base_url=url, timeout=60) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url, timeout=60, headers=headers) as client:
         @settings(max_examples=count, database=None, deadline=None, derandomize=seed == 0,
                   suppress_health_check=list(HealthCheck))
         @given(requests())

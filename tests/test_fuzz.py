@@ -17,9 +17,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from bench import fuzz
+from bench import fuzz, keepalive
 
 MAX_MODEL_LEN = 64
+API_KEY = "fuzz-key"
+MAX_BODY_BYTES = 1 << 20
 
 
 def _free_port() -> int:
@@ -33,7 +35,7 @@ def server_url(tiny_model_dir):
     port = _free_port()
     command = [sys.executable, "-m", "web.cli", "serve", tiny_model_dir, "--port", str(port),
                "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-embeds",
-               "--log-level", "info"]
+               "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "info"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_until_serving(process)
@@ -60,7 +62,7 @@ def _wait_until_serving(process: subprocess.Popen[str]) -> None:
 
 @pytest.fixture(scope="module")
 def client(server_url):
-    with httpx.Client(base_url=server_url, timeout=60) as http:
+    with httpx.Client(base_url=server_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         yield http
 
 
@@ -79,3 +81,11 @@ def test_no_request_gets_a_5xx(client, request: tuple[str, dict[str, Any]]):
 
 def test_the_server_still_serves_after_the_fuzzing(client):
     assert fuzz.still_serving(client) is None
+
+
+def test_every_request_on_a_kept_alive_connection_is_answered(server_url):
+    """Issue 36: one pooled connection, every route, every refusal this server gives (401 with no key
+    and a wrong one, 400, 404, 405, 413) mixed with 200s, streamed and not: each answered in a second."""
+    report = keepalive.run(server_url, API_KEY, count=300, timeout=1.0, max_body_bytes=MAX_BODY_BYTES)
+    assert not report.failures, report.summary()
+    assert sum(report.statuses.values()) == 300 and {200, 400, 401, 404, 405, 413} <= set(report.statuses)

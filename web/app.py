@@ -32,6 +32,7 @@ from engine.api import (
 from engine.ids import random_id
 from web import admin_api, cors, openai_api, orca, pooling_api, render_api
 from web.errors import APIError
+from web.keepalive import KeepAliveGuard
 from web.settings import ServerSettings
 from web.startup import describe_engine, explain
 from web.state import ServerState
@@ -56,6 +57,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=None,
     )
     app.extensions["trio_llm"] = state
+    # Responses sent before their request body is in must leave the connection usable or closed.
+    app.asgi_app = KeepAliveGuard(app.asgi_app)  # type: ignore[method-assign,assignment]
 
     @app.before_serving
     async def start_engine() -> None:
