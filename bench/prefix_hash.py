@@ -38,7 +38,7 @@ def prefill_seconds(model_dir: str, repeats: int) -> float:
     """Median wall time of the worker's step that prefills one fresh 512-token prompt."""
     from dataclasses import replace
 
-    from engine.api.open import build_scheduler
+    from engine.core.open_core import build_scheduler
     config = EngineConfig(model=model_dir, enable_prefix_caching=False)
     worker = Worker(config)
     info = worker.load_model()

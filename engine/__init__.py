@@ -6,34 +6,20 @@
         async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
             print(out.outputs[0].text)
 
-Names are imported lazily so that the plain-Python layers (the scheduler,
-`engine.sched`) load without torch.
+The public names are those of `engine.api` (its `__init__` holds the one table), handed on here
+on first use, so that the plain-Python layers (the scheduler, `engine.sched`) load without torch.
 """
 
 from importlib import import_module
-
-_EXPORTS = {
-    "open_engine": "engine.api.open",
-    "AsyncEngine": "engine.api.async_engine",
-    "LLM": "engine.api.llm",
-    "EngineConfig": "engine.config",
-    "SamplingParams": "engine.sampling_params",
-    "RequestOutputKind": "engine.sampling_params",
-    "RequestOutput": "engine.outputs",
-    "CompletionOutput": "engine.outputs",
-    "Logprob": "engine.outputs",
-    "PoolingRequestOutput": "engine.outputs",
-    "PoolingParams": "engine.pooling_params",
-    "InvalidRequestError": "engine.errors",
-    "EngineDeadError": "engine.errors",
-    "RequestFailedError": "engine.errors",
-    "ModelLoadError": "engine.errors",
-}
-
-__all__ = sorted(_EXPORTS)
+from typing import Any
 
 
-def __getattr__(name: str) -> object:
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
+def __getattr__(name: str) -> Any:
+    api = import_module("engine.api")  # by name: the package root sits below the layers it re-exports
+    if name == "__all__" or name in api.__all__:
+        return getattr(api, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(import_module("engine.api").__all__)

@@ -12,8 +12,8 @@ import trio
 from bench.http import Reader, open_request, request
 from engine import EngineDeadError, InvalidRequestError, ModelLoadError, SamplingParams, open_engine
 from engine.api import open_engine_process
-from engine.api.engine_client import CoreClient
-from engine.api.engine_spawn import engine_process_started
+from engine.core.core_client import CoreClient
+from engine.core.engine_spawn import engine_process_started
 from engine.sampling_params import RequestOutputKind
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server

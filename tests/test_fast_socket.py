@@ -7,7 +7,7 @@ import socket
 import trio
 import trio.testing
 
-from engine.executor.fast_socket import FastSocketStream
+from engine.ipc.fast_socket import FastSocketStream
 
 
 class _Checkpointing(FastSocketStream):

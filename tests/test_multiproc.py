@@ -81,7 +81,7 @@ def serve_failing_worker() -> None:
     import argparse
     import socket
 
-    from engine.executor.worker_main import serve_worker
+    from engine.worker.worker_main import serve_worker
 
     def build(init):
         raise RuntimeError("no GPU here")

@@ -8,8 +8,8 @@ import socket
 import pytest
 import trio
 
-from engine.executor.fast_socket import FastSocketStream
-from engine.executor.polling import PollPolicy, now
+from engine.ipc.fast_socket import FastSocketStream
+from engine.ipc.polling import PollPolicy, now
 
 
 def test_a_new_kind_of_message_is_polled_for_once_to_learn():

@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from engine import RequestFailedError, SamplingParams, open_engine
-from engine.api.open import build_scheduler
+from engine.core.open_core import build_scheduler
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.sched.request import Request
 from engine.testing import FakeExecutor

@@ -14,9 +14,9 @@ import trio
 import trio.testing
 
 from engine.errors import EngineDeadError
-from engine.executor import wire
 from engine.executor.rpc import WorkerConnection, WorkerError, WorkerGroup
-from engine.executor.worker_main import Init, Ready, serve_worker
+from engine.ipc import wire
+from engine.worker.worker_main import Init, Ready, serve_worker
 
 
 class FakeWorker:

@@ -8,7 +8,7 @@ import torch
 import trio
 import trio.testing
 
-from engine.executor import wire
+from engine.ipc import wire
 
 
 def test_tensors_are_sent_as_buffers_not_inside_the_pickle():

@@ -45,7 +45,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
                exit_on_failed_start: bool = False) -> QuartTrio:
     """The app; the engine opens when it starts serving. `executor` replaces the configured one
     (tests pass a fake); `on_ready` runs once the engine is up (the process entry points pass
-    `engine.api.gc_tuning.tune_collector_for_serving`); with `exit_on_failed_start` (hypercorn's factory) a
+    `engine.core.gc_tuning.tune_collector_for_serving`); with `exit_on_failed_start` (hypercorn's factory) a
     failed engine start ends the process with status 1."""
     state = ServerState(engine_config, settings or ServerSettings(), executor)
     app = QuartTrio(__name__)
@@ -196,8 +196,7 @@ def app_from_env() -> QuartTrio:
     Reads TRIO_LLM_MODEL (default: the embedded model), TRIO_LLM_API_KEY,
     TRIO_LLM_SERVED_MODEL_NAME and TRIO_LLM_MAX_NUM_SEQS.
     """
-    from engine.api import ensure_default_model
-    from engine.api.gc_tuning import tune_collector_for_serving
+    from engine.api import ensure_default_model, tune_collector_for_serving
     model = os.environ.get("TRIO_LLM_MODEL") or str(ensure_default_model())
     engine_config = EngineConfig(model=model, max_num_seqs=int(os.environ.get("TRIO_LLM_MAX_NUM_SEQS", "256")))
     settings = ServerSettings(api_key=os.environ.get("TRIO_LLM_API_KEY"),

@@ -20,8 +20,7 @@ from typing import TypeAlias
 
 import trio
 
-from engine.api import ARCHITECTURES, TinyModelSpec
-from engine.api.engine_spawn import SpawnedEngine, engine_process_started
+from engine.api import ARCHITECTURES, SpawnedEngine, TinyModelSpec, engine_process_started
 from engine.config import EngineConfig
 from engine.cpu_binding import bind_this_thread
 from web import options

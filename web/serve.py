@@ -19,9 +19,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
-from engine.api import EngineConfig, Executor
-from engine.api.engine_spawn import SpawnedEngine
-from engine.api.gc_tuning import tune_collector_for_serving
+from engine.api import EngineConfig, Executor, SpawnedEngine, tune_collector_for_serving
 from web.app import create_app, run_engine
 from web.settings import ServerSettings
 from web.state import ServerState

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from engine.api import AsyncEngine, EngineConfig, Executor
-from engine.api.engine_spawn import SpawnedEngine
+from engine.api import AsyncEngine, EngineConfig, Executor, SpawnedEngine
 from web.errors import APIError
 from web.metrics import ServerMetrics
 from web.settings import ServerSettings

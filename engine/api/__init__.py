@@ -5,8 +5,10 @@ Everything here is stable API; the layers below (`engine.core`, `engine.sched`,
 through this package, the toolkit `engine.concurrency`, and the plain-data
 modules at the root of `engine` (the layering test checks it).
 
-Its names are imported on first use (PEP 562), as vLLM's package does: `import engine.api.engine_spawn`
-or `from engine.api import TinyModelSpec` costs no torch import, so `trio-llm serve` can start its
+This is the one table of public names: `engine/__init__.py` hands every name on to it, so
+`from engine import open_engine` and `from engine.api import open_engine` are the same object.
+Names are imported on first use (PEP 562), as vLLM's package does: `from engine.api import
+engine_process_started` or `TinyModelSpec` costs no torch import, so `trio-llm serve` can start its
 engine process before the server imports torch (web/cli.py).
 """
 
@@ -17,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.api.async_engine import AsyncEngine
-    from engine.api.engine_client import open_engine_process
     from engine.api.llm import LLM
-    from engine.api.open import open_engine
+    from engine.api.open import open_engine, open_engine_process
     from engine.config import EngineConfig
+    from engine.core.engine_spawn import SpawnedEngine, engine_process_started
+    from engine.core.gc_tuning import tune_collector_for_serving
     from engine.core.stats import EngineStats, RequestRecord, StatsObserver
     from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
     from engine.executor.base import Executor
@@ -49,7 +52,10 @@ _WHERE = {
     "ModelInfo": "engine.model_info",
     "ModelLoadError": "engine.errors",
     "open_engine": "engine.api.open",
-    "open_engine_process": "engine.api.engine_client",
+    "open_engine_process": "engine.api.open",
+    "engine_process_started": "engine.core.engine_spawn",
+    "SpawnedEngine": "engine.core.engine_spawn",
+    "tune_collector_for_serving": "engine.core.gc_tuning",
     "PoolerConfig": "engine.model_info",
     "PoolingParams": "engine.pooling_params",
     "PoolingRequestOutput": "engine.outputs",
@@ -71,7 +77,7 @@ __all__ = [
     "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError", "RequestOutput", "RequestRecord",
     "RequestOutputKind",
     "SamplingParams", "StatsObserver", "Tokenizer", "TinyModelSpec", "ensure_default_model", "make_model",
-    "open_engine", "open_engine_process",
+    "open_engine", "open_engine_process", "SpawnedEngine", "engine_process_started", "tune_collector_for_serving",
 ]
 
 

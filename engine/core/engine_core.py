@@ -82,7 +82,7 @@ CoreMessage = AddRequest | AbortRequest | ExecutorFailed | Wake
 
 class CoreHandle(Protocol):
     """What `AsyncEngine` drives: an `EngineCore` in this process, or the client of one in the
-    engine process (`engine.api.engine_client.CoreClient`). All of it is synchronous and never
+    engine process (`engine.core.core_client.CoreClient`). All of it is synchronous and never
     blocks."""
 
     @property

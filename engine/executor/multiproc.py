@@ -1,6 +1,6 @@
 """The multi-process executor: one spawned child process per tensor-parallel rank.
 
-Each child runs `engine.executor.worker_main` (its own trio program hosting
+Each child runs `engine.worker.worker_main` (its own trio program hosting
 the same `Worker` class the in-process executor uses) and talks to us over
 its end of a socketpair, passed as an inherited file descriptor: no port is
 opened. Calls go through `WorkerGroup` (ordered RPC futures).
@@ -13,7 +13,7 @@ Lifecycle (use as an async context manager; `open_engine` does):
   every pending and later call with `EngineDeadError` at once and closes
   every connection, which makes the other children exit too.
 - stop (also on cancellation; shielded and time-limited): ask (`Shutdown`),
-  wait, SIGTERM, wait, SIGKILL, reap (`engine.executor.process.stop_processes`). Children also die with the parent
+  wait, SIGTERM, wait, SIGKILL, reap (`engine.ipc.process.stop_processes`). Children also die with the parent
   process (a pidfd watch in the child), so not even a killed parent leaves orphans.
 """
 
@@ -32,15 +32,15 @@ from anyio.abc import Process
 from engine.concurrency.gather import gather_first_failure
 from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
-from engine.executor import wire
 from engine.executor.base import Executor
-from engine.executor.fast_socket import STREAM_ENDED, FastSocketStream
-from engine.executor.messages import Init, Ready, StartupFailed
-from engine.executor.process import describe_exit, spawn_with_socket, stop_processes
 from engine.executor.rpc import WorkerConnection, WorkerError, WorkerGroup
+from engine.ipc import wire
+from engine.ipc.fast_socket import STREAM_ENDED, FastSocketStream
+from engine.ipc.process import describe_exit, spawn_with_socket, stop_processes
 from engine.model_info import ModelInfo
 from engine.models.hf_config import read_config_json
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.messages import Init, Ready, StartupFailed
 
 STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
 
@@ -50,7 +50,7 @@ class MultiprocExecutor(Executor):
         self.config = config
         self.world_size = config.tensor_parallel_size
         # Tests swap in a command that starts a misbehaving worker.
-        self.worker_command = worker_command or [sys.executable, "-m", "engine.executor.worker_main"]
+        self.worker_command = worker_command or [sys.executable, "-m", "engine.worker.worker_main"]
         self.processes: list[Process] = []
         self.group: WorkerGroup | None = None
         self._closing = False

@@ -31,9 +31,9 @@ from typing import Any
 import trio
 
 from engine.errors import EngineDeadError
-from engine.executor import wire
-from engine.executor.messages import Call, Failure, Reply, Shutdown, from_wire, to_wire
-from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
+from engine.ipc import wire
+from engine.ipc.polling import POLL_WINDOW, PollPolicy, now, pollable
+from engine.worker.messages import Call, Failure, Reply, Shutdown, from_wire, to_wire
 
 
 class WorkerError(RuntimeError):

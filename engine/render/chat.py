@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, ModelLoadError
 
 
 class TemplateError(InvalidRequestError):
@@ -114,3 +115,16 @@ def render_chat(template: str | None, messages: list[dict[str, Any]], *, add_gen
         raise
     except jinja2.TemplateError as exc:
         raise InvalidRequestError(f"chat template failed to render: {exc}", param="messages") from exc
+
+
+def resolve_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM reads it)."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template long or odd enough not to be a path
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ModelLoadError(f"--chat-template {value!r} is neither a file nor a Jinja template")

@@ -1,4 +1,4 @@
-"""Starting the engine process (`engine.api.engine_main`), early when the server can.
+"""Starting the engine process (`engine.core.engine_main`), early when the server can.
 
 `trio-llm serve` starts it before importing its HTTP stack and the engine API, through
 `engine_process_started`, so the engine process imports torch while the server imports quart
@@ -22,9 +22,9 @@ from functools import partial
 import anyio
 from anyio.abc import Process
 
-from engine.executor.process import spawn_with_socket, stop_processes
+from engine.ipc.process import spawn_with_socket, stop_processes
 
-ENGINE_COMMAND = (sys.executable, "-m", "engine.api.engine_main")
+ENGINE_COMMAND = (sys.executable, "-m", "engine.core.engine_main")
 
 
 @dataclass(frozen=True)

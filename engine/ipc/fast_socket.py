@@ -24,7 +24,7 @@ import socket
 
 import trio
 
-from engine.executor.polling import now
+from engine.ipc.polling import now
 
 # What a socket that broke raises from this module, for callers that catch stream failures.
 STREAM_BROKEN: tuple[type[Exception], ...] = (trio.BrokenResourceError, trio.ClosedResourceError)

@@ -1,8 +1,8 @@
 """The engine process: the engine core (scheduler, executor, worker) apart from the HTTP server.
 
-    python -m engine.api.engine_main --fd N --parent-pid P
+    python -m engine.core.engine_main --fd N --parent-pid P
 
-The server (`engine.api.engine_client`) passes one end of a socketpair as fd N. First frame in:
+The server (`engine.core.core_client`) passes one end of a socketpair as fd N. First frame in:
 `EngineInit`; first frame out: `EngineReady`, or `EngineStartFailed` with the error. Then the
 server's frames carry requests and aborts to the core, and after every step one `StepReport`
 frame carries every request's outputs of that step back. The process exits when the server
@@ -29,7 +29,9 @@ import anyio
 import anyio.abc
 import trio
 
-from engine.api.engine_wire import (
+from engine.core.engine_core import AddRequest, EngineCore, OutputItem
+from engine.core.gc_tuning import tune_collector_for_serving
+from engine.core.messages import (
     ABORT,
     ADD,
     SYNC,
@@ -41,15 +43,13 @@ from engine.api.engine_wire import (
     StepReport,
     encode_output,
 )
-from engine.api.gc_tuning import tune_collector_for_serving
-from engine.api.open import open_core
-from engine.core.engine_core import AddRequest, EngineCore, OutputItem
+from engine.core.open_core import open_core
 from engine.core.stats import RecordingObserver
 from engine.cpu_binding import bind_this_thread
 from engine.errors import EngineDeadError
-from engine.executor import wire
-from engine.executor.fast_socket import STREAM_BROKEN, STREAM_ENDED, FastSocketStream
-from engine.executor.process import die_with_parent
+from engine.ipc import wire
+from engine.ipc.fast_socket import STREAM_BROKEN, STREAM_ENDED, FastSocketStream
+from engine.ipc.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 FINAL_FLUSH_TIMEOUT = 5.0

@@ -1,6 +1,6 @@
 """The worker side of the RPC: a trio program hosting one `Worker`, in a child process.
 
-    python -m engine.executor.worker_main --fd N
+    python -m engine.worker.worker_main --fd N
 
 The parent passes one end of a socketpair as fd N. First frame in: `Init`
 (the config and this worker's rank); first frame out: `Ready`, or
@@ -25,11 +25,11 @@ from typing import Any
 
 import trio
 
-from engine.executor import wire
-from engine.executor.fast_socket import FastSocketStream
-from engine.executor.messages import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed, from_wire, to_wire
-from engine.executor.polling import POLL_WINDOW, PollPolicy, now, pollable
-from engine.executor.process import die_with_parent
+from engine.ipc import wire
+from engine.ipc.fast_socket import FastSocketStream
+from engine.ipc.polling import POLL_WINDOW, PollPolicy, now, pollable
+from engine.ipc.process import die_with_parent
+from engine.worker.messages import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed, from_wire, to_wire
 
 
 async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) -> None:

@@ -1,10 +1,10 @@
-"""The engine core in a process of its own: `open_engine_process`, and `CoreClient`, its side here.
+"""The client side of the engine process: `CoreClient`, what `AsyncEngine` drives in the server process.
 
-    async with open_engine_process(EngineConfig(model=path), observer=metrics) as engine:
-        ...  # the same AsyncEngine as open_engine's
+    async with engine.api.open_engine_process(EngineConfig(model=path), observer=metrics) as engine:
+        ...  # the same AsyncEngine as open_engine's, over a CoreClient
 
 The server process keeps what is per request and cheap (rendering, tokenizing, grammar compiling,
-building `Request`s) and the HTTP work; the engine process (`engine.api.engine_main`) runs the
+building `Request`s) and the HTTP work; the engine process (`engine.core.engine_main`) runs the
 scheduler, the executor and the model. The two share no GIL, so HTTP handling never waits for a
 step's Python work, nor a step for the HTTP work. `AsyncEngine` drives a `CoreClient` as it
 drives an in-process `EngineCore`: `submit`, `abort`, `stats()` and `dead`, all synchronous.
@@ -23,39 +23,30 @@ import contextlib
 import itertools
 import math
 import socket
-from collections.abc import AsyncGenerator, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import anyio
 import anyio.abc
 from anyio.abc import Process
 
-from engine.api.async_engine import AsyncEngine
-from engine.api.engine_spawn import ENGINE_COMMAND, SpawnedEngine, spawn_engine, terminate
-from engine.api.engine_wire import (
+from engine.core.engine_core import AddRequest, OutputSender, dead_error
+from engine.core.messages import (
     ABORT,
     ADD,
     SYNC,
     CoreSnapshot,
     EngineFailed,
-    EngineInit,
     EngineReady,
     EngineStartFailed,
     decode_output,
 )
-from engine.api.open import image_spec_for, resolve_chat_template, start_loop_lag_probe
-from engine.config import EngineConfig
-from engine.core.engine_core import AddRequest, OutputSender, dead_error
 from engine.core.output_processor import RequestPrompt
 from engine.core.stats import EngineStats, NullObserver, StatsObserver, replay
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
-from engine.executor import wire
-from engine.executor.fast_socket import STREAM_ENDED, FastSocketStream
-from engine.executor.process import describe_exit, stop_processes
-from engine.render.tokenizer import Tokenizer
+from engine.ipc import wire
+from engine.ipc.fast_socket import STREAM_ENDED, FastSocketStream
+from engine.ipc.process import describe_exit
 
 STARTUP_TIMEOUT = 600.0  # loading and compiling a model
 
@@ -243,53 +234,11 @@ class CoreClient:
         self._end_open_requests(dead_error(None))
 
 
-@asynccontextmanager
-async def open_engine_process(config: EngineConfig, *, observer: StatsObserver | None = None,
-                              command: Sequence[str] = ENGINE_COMMAND,
-                              spawned: SpawnedEngine | None = None) -> AsyncGenerator[AsyncEngine]:
-    """Start the engine core in a process of its own and yield an `AsyncEngine` over it.
+async def handshake(reader: wire.FrameReader, process: Process) -> EngineReady:
+    """The engine process's first message: `EngineReady`, or the start-up failure it reports (raised).
+    An engine process that exits first, or says nothing for `STARTUP_TIMEOUT`, fails the start too.
 
-    `spawned`: an engine process already started (`engine_process_started`), which this adopts
-    (and stops, as one it started) instead of starting one; `command` is then unused.
-
-    `observer` receives the engine process's metrics (and this process's loop-lag readings, with
-    `config.loop_lag_interval`). Start-up failures raise what `open_engine` would
-    (`ModelLoadError` naming the problem), with the process stopped. Leaving the block, or
-    cancelling the task inside it, stops the engine process (asked, then SIGTERM, then SIGKILL;
-    shielded and time limited); requests still open end with `EngineDeadError`. If the engine
-    process dies or its core fails, the failure is raised out of the block.
-    """
-    if spawned is None:
-        spawned = await spawn_engine(command)
-    process = spawned.process
-    stream = FastSocketStream(spawned.socket)
-    client: CoreClient | None = None
-    try:
-        await wire.send(stream, EngineInit(replace(config, loop_lag_interval=None)))
-        # Loaded here while the engine process imports torch and loads the model.
-        tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
-        reader = wire.FrameReader(stream)
-        ready = await _handshake(reader, process)
-        client = CoreClient(stream, reader, process, ready, observer)
-        image_spec = await anyio.to_thread.run_sync(image_spec_for, config, ready.info, tokenizer)
-        if config.chat_template is not None:
-            tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
-        async with anyio.create_task_group() as tg:
-            await tg.start(client.run)
-            loop_lag = await start_loop_lag_probe(tg, config, observer)
-            try:
-                yield AsyncEngine(config, ready.info, tokenizer, client, loop_lag,
-                                  sampling_defaults=ready.sampling_defaults, image_spec=image_spec)
-            finally:
-                await stop_processes([process], client.shut_down)
-                tg.cancel_scope.cancel()
-    finally:  # start-up failed or was cancelled, or the engine stopped: nothing is left running
-        await stop_processes([process], partial(terminate, process))
-        with anyio.CancelScope(shield=True):
-            await stream.aclose()
-
-
-async def _handshake(reader: wire.FrameReader, process: Process) -> EngineReady:
+    Cancellation stops waiting; the caller stops the process."""
     with anyio.fail_after(STARTUP_TIMEOUT):
         try:
             message = await reader.receive()

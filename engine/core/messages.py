@@ -1,6 +1,6 @@
 """The messages between the server process and the engine process, and the wire form of outputs.
 
-Both ends are our own processes over `engine.executor.wire` frames (pickle protocol 5, tensors out
+Both ends are our own processes over `engine.ipc.wire` frames (pickle protocol 5, tensors out
 of band). The frequent messages are plain tuples, as the executor's calls are (pickling a dataclass
 costs ~10x a tuple of builtins):
 
