@@ -13,9 +13,11 @@ core, scheduler and output path in milliseconds of wall time:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import anyio
 
+from engine.concurrency.to_the_end import run_to_the_end
 from engine.executor.base import Executor
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -43,9 +45,12 @@ class FakeExecutor(Executor):
         self.num_blocks = num_blocks
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: `step_time` virtual seconds, then the tokens of `token_fn`. Cancellation during
-        the sleep abandons the step (nothing was recorded).
+        """One step: `step_time` virtual seconds, then the tokens of `token_fn`. Cancellation waits
+        for the step to end (it is recorded), then raises, as every executor's does.
         """
+        return await run_to_the_end(partial(self._step, sched_out))
+
+    async def _step(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         await anyio.sleep(self.step_time)
         self.steps.append(sched_out)
         return ModelRunnerOutput(sampled_token_ids={

@@ -66,7 +66,8 @@ class Executor(ABC):
     @abstractmethod
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Cancellation waits for the step in flight to end (the worker's
-        state must stay consistent), then raises."""
+        state must stay consistent), then raises: implementations await the step through
+        `engine.concurrency.to_the_end.run_to_the_end` (tests/test_executor_contract.py checks each)."""
 
     async def eplb_stage_layer(self, plan: LayerPlan) -> None:
         """Stage one MoE layer's expert moves on every worker (`Worker.eplb_stage_layer`), ready for a

@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from engine.concurrency.to_the_end import run_to_the_end
 from engine.config import EngineConfig
 from engine.eplb.plan import LayerPlan
 from engine.executor.base import Executor
@@ -61,4 +62,6 @@ class InProcExecutor(Executor):
         await anyio.to_thread.run_sync(self.worker.eplb_stage_layer, plan, limiter=self._staging_limiter)
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        return await anyio.to_thread.run_sync(self.worker.execute_model, sched_out, limiter=self._limiter)
+        """The step in a worker thread. Cancellation waits for the thread to return, then raises."""
+        return await run_to_the_end(
+            partial(anyio.to_thread.run_sync, self.worker.execute_model, sched_out, limiter=self._limiter))

@@ -30,6 +30,7 @@ import anyio
 from anyio.abc import Process
 
 from engine.concurrency.gather import gather_first_failure
+from engine.concurrency.to_the_end import run_to_the_end
 from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor.base import Executor
@@ -195,10 +196,11 @@ class MultiprocExecutor(Executor):
         await self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        # Every rank runs the step; only rank 0 samples and replies. Cancelling this call
-        # abandons it: the workers still finish the step in order before any later call.
+        """Every rank runs the step; only rank 0 samples and replies. Cancellation waits for that
+        reply (the executor's contract), then raises; a worker that dies meanwhile fails the call."""
         try:
-            output: ModelRunnerOutput = await self.collective_rpc("execute_model", (sched_out,), unique_reply_rank=0)
+            output: ModelRunnerOutput = await run_to_the_end(
+                partial(self.collective_rpc, "execute_model", (sched_out,), unique_reply_rank=0))
             return output
         except WorkerError as exc:
             raise await self._root_cause(exc) from exc
