@@ -24,6 +24,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_embed(bench)
     _add_bench_fuzz(bench)
     _add_bench_keepalive(bench)
+    _add_bench_core_request(bench)
     _add_bench_prefix_hash(bench)
     _add_bench_eplb(bench)
     _add_bench_ec(bench)
@@ -128,6 +129,18 @@ def _bench_keepalive(args: argparse.Namespace) -> int:
     report = keepalive.run(args.url.rstrip("/"), args.api_key, args.requests, args.timeout, args.max_body_bytes)
     print(report.summary())
     return 1 if report.failures else 0
+
+
+def _add_bench_core_request(bench: Subcommands) -> None:
+    cr = bench.add_parser("core-request", help="one request on the engine process's wire: EngineCoreRequest against "
+                                               "the scheduler Requests sent before, pickle and msgspec")
+    cr.set_defaults(run=_bench_core_request)
+
+
+def _bench_core_request(args: argparse.Namespace) -> int:
+    from bench import core_request
+    print(core_request.run())
+    return 0
 
 
 def _add_bench_throughput(bench: Subcommands) -> None:

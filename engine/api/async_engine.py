@@ -23,6 +23,7 @@ import torch
 
 from engine.api.merge import merge_pending
 from engine.config import EngineConfig
+from engine.core.core_request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
 from engine.core.engine_core import AddRequest, CoreHandle, OutputItem
 from engine.core.stats import EngineStats, LoopLagReadings
 from engine.errors import EngineDeadError, InvalidRequestError
@@ -37,11 +38,9 @@ from engine.render.prompt_embeds import EmbedsLimits
 from engine.render.renderer import EngineInput, Prompt, Renderer
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.sched.request import Request
 
 # Placeholder sampling parameters: the scheduler reads them, a pooling request never samples.
 # One frozen instance for all (building and validating one per request showed in the server profile).
-POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1)
 
 
 class AsyncEngine:
@@ -178,10 +177,10 @@ class AsyncEngine:
         return await self.renderer.render(prompts)
 
     async def _run(self, prompts: Sequence[Prompt], request_ids: list[str],
-                   make_requests: Callable[[str, EngineInput], list[Request]],
+                   make_request: Callable[[str, EngineInput], EngineCoreRequest],
                    output_kind: RequestOutputKind) -> AsyncGenerator[tuple[int, Any]]:
         rendered = await self._render_all(prompts)
-        batches = [make_requests(rid, engine_input) for rid, engine_input in zip(request_ids, rendered, strict=True)]
+        requests = [make_request(rid, engine_input) for rid, engine_input in zip(request_ids, rendered, strict=True)]
         # One output stream for the whole batch: each request gets a clone of the send side,
         # so the outputs of every prompt arrive on one receive side without extra tasks.
         send, receive = anyio.create_memory_object_stream[OutputItem](math.inf)
@@ -190,9 +189,9 @@ class AsyncEngine:
         try:
             with receive:
                 with send:
-                    for rid, engine_input, children in zip(request_ids, rendered, batches, strict=True):
-                        self.core.submit(AddRequest(rid, engine_input.prompt, children, send.clone()))
-                        open_ids.add(rid)
+                    for request in requests:
+                        self.core.submit(AddRequest(request, send.clone()))
+                        open_ids.add(request.request_id)
                 async for item in receive:
                     for output in merge_pending(item, receive, output_kind):
                         if output.finished:
@@ -331,7 +330,7 @@ class AsyncEngine:
                  " (it does not declare Matryoshka support)"), param="dimensions")
 
     def _make_pooling_request(self, request_id: str, engine_input: EngineInput, params: PoolingParams,
-                              priority: int) -> list[Request]:
+                              priority: int) -> EngineCoreRequest:
         """One prefill-only request; its prompt must fit the context and one step (it is not chunked)."""
         length = len(engine_input.token_ids)
         limit = min(self.info.max_model_len, self.config.token_budget)
@@ -339,11 +338,12 @@ class AsyncEngine:
             raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your request "
                                       f"has {length} input tokens. Please reduce the length of the input prompt "
                                       "(or set truncate_prompt_tokens).", param="input")
-        return [Request(request_id, engine_input.token_ids, POOLING_SAMPLING_PARAMS,
-                        arrival_time=anyio.current_time(), priority=priority, max_tokens=1,
-                        prompt_embeds=engine_input.embeds, pooling_params=params,
-                        token_type_ids=engine_input.token_type_ids,
-                        cache_key=engine_input.cache_key(request_id))]
+        token_type_ids = engine_input.token_type_ids
+        return EngineCoreRequest(request_id, engine_input.prompt, tuple(engine_input.token_ids),
+                                 POOLING_SAMPLING_PARAMS, max_tokens=1, arrival_time=anyio.current_time(),
+                                 priority=priority, cache_key=engine_input.cache_key(request_id),
+                                 prompt_embeds=engine_input.embeds, pooling_params=params,
+                                 token_type_ids=None if token_type_ids is None else tuple(token_type_ids))
 
     def _check_against_model(self, params: SamplingParams, engine_input: EngineInput) -> None:
         """The bounds that depend on the model and the engine's limits (SamplingParams checks the rest)."""
@@ -383,23 +383,17 @@ class AsyncEngine:
         return engine_input
 
     def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
-                       priority: int) -> list[Request]:
+                       priority: int) -> EngineCoreRequest:
         engine_input = self._prepared(engine_input, params)
         token_ids = engine_input.token_ids
         if params.bad_words and not params.bad_words_token_ids:
             params = replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         params = params.with_eos(self.info.eos_token_ids)
         max_tokens = self.info.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
-        now = anyio.current_time()
-        if params.n == 1:
-            children = [(request_id, params)]
-        else:  # n samples: children "id-0", "id-1", ... with distinct seeds
-            children = [(f"{request_id}-{i}", params.for_child(i)) for i in range(params.n)]
-        cache_key = engine_input.cache_key(request_id)
-        return [Request(child_id, token_ids, child_params, arrival_time=now, priority=priority,
-                        max_tokens=max_tokens, cache_key=cache_key, prompt_embeds=engine_input.embeds,
-                        mm_features=engine_input.mm_features)
-                for child_id, child_params in children]
+        return EngineCoreRequest(request_id, engine_input.prompt, tuple(token_ids), params, max_tokens=max_tokens,
+                                 arrival_time=anyio.current_time(), priority=priority,
+                                 cache_key=engine_input.cache_key(request_id), prompt_embeds=engine_input.embeds,
+                                 mm_features=tuple(engine_input.mm_features))
 
 
 def _truncated(engine_input: EngineInput, keep: int | None) -> EngineInput:

@@ -92,9 +92,9 @@ class CoreClient:
             message.outputs.close()
             return
         self._streams[rid] = message.outputs
-        self._prompts[rid] = RequestPrompt.of(message.prompt, message.children)
+        self._prompts[rid] = RequestPrompt.of(message.request)
         self._adds_sent += 1
-        self._post((ADD, rid, message.prompt, message.children))
+        self._post((ADD, message.request))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op if it finished or the engine stopped); its outputs end here now."""

@@ -24,6 +24,7 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
+from engine.core.core_request import EngineCoreRequest
 from engine.core.eplb_driver import EplbDriver
 from engine.core.output_processor import RequestTracker
 from engine.core.reporting import RequestTimings
@@ -33,7 +34,7 @@ from engine.executor.base import Executor
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.render.tokenizer import Tokenizer
 from engine.sched.output import NewRequestData
-from engine.sched.request import Request, RequestStatus
+from engine.sched.request import RequestStatus
 from engine.sched.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,12 @@ class OutputSender(Protocol):
 
 @dataclass
 class AddRequest:
-    request_id: str
-    prompt: str | None
-    children: list[Request]  # one per sample (n)
+    request: EngineCoreRequest
     outputs: OutputSender
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass
@@ -200,12 +203,11 @@ class EngineCore:
             message.outputs.send_nowait(error)
             message.outputs.close()
             return
-        first = message.children[0]
-        tracker = RequestTracker(message.request_id, message.prompt, first.prompt_token_ids,
-                                 first.sampling_params, message.children, self.tokenizer, first.arrival_time)
+        children = message.request.scheduler_requests()
+        tracker = RequestTracker(message.request, children, self.tokenizer)
         self._trackers[message.request_id] = tracker
         self._streams[message.request_id] = message.outputs
-        for child in message.children:
+        for child in children:
             self._child_owner[child.request_id] = tracker
             self.scheduler.add_request(child)
 

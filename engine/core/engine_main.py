@@ -29,6 +29,7 @@ import anyio
 import anyio.abc
 import trio
 
+from engine.core.core_request import EngineCoreRequest
 from engine.core.engine_core import AddRequest, EngineCore, OutputItem
 from engine.core.gc_tuning import tune_collector_for_serving
 from engine.core.messages import (
@@ -153,10 +154,10 @@ async def _relay_requests(reader: wire.FrameReader, core: EngineCore, outbox: Ou
         for message in frame:
             kind = message[0]
             if kind == ADD:
-                _, request_id, prompt, children = message
+                request: EngineCoreRequest = message[1]
                 outbox.adds_received += 1
                 with contextlib.suppress(EngineDeadError):  # the core's failure is reported on its own
-                    core.submit(AddRequest(request_id, prompt, children, outbox.sink(request_id)))
+                    core.submit(AddRequest(request, outbox.sink(request.request_id)))
             elif kind == ABORT:
                 core.abort(message[1])
             elif kind == SYNC:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.core_request import EngineCoreRequest
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.render.detokenizer import IncrementalDetokenizer
 from engine.render.tokenizer import Tokenizer
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind
 from engine.sched.output import TokenLogprobs
 from engine.sched.request import Request
 
@@ -33,10 +34,9 @@ class RequestPrompt:
     num_prompt_tokens: int
 
     @classmethod
-    def of(cls, prompt: str | None, children: list[Request]) -> RequestPrompt:
-        first = children[0]
-        visible = [] if first.prompt_embeds is not None else first.prompt_token_ids
-        return cls(prompt, visible, len(first.prompt_token_ids))
+    def of(cls, request: EngineCoreRequest) -> RequestPrompt:
+        ids = list(request.prompt_token_ids)
+        return cls(request.prompt, [] if request.prompt_embeds is not None else ids, len(ids))
 
 
 @dataclass
@@ -57,12 +57,12 @@ class ChildSequence:
 
 
 class RequestTracker:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, children: list[Request], tokenizer: Tokenizer, arrival_time: float) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
+    def __init__(self, request: EngineCoreRequest, children: list[Request], tokenizer: Tokenizer) -> None:
+        """`children`: the scheduler's requests built from `request`, one per sample."""
+        self.request_id = request.request_id
+        self.prompt = request.prompt
+        self.prompt_token_ids = prompt_token_ids = children[0].prompt_token_ids
+        self.params = params = children[0].sampling_params
         self.tokenizer = tokenizer
         self.children = [ChildSequence(i, r, IncrementalDetokenizer(tokenizer, r.sampling_params),
                                        logprobs=[] if params.logprobs is not None else None,
@@ -71,8 +71,8 @@ class RequestTracker:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self._prompt_logprobs_sent = False
-        self.prompt_facts = RequestPrompt.of(prompt, children)
-        self.metrics = {"arrival_time": arrival_time}
+        self.prompt_facts = RequestPrompt.of(request)
+        self.metrics = {"arrival_time": request.arrival_time}
 
     @property
     def finished(self) -> bool:
