@@ -30,7 +30,7 @@ def _best_microseconds(fn: Callable[[], Any], reps: int = 2000) -> float:
 
 
 def _request(n: int, prompt_len: int) -> EngineCoreRequest:
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128, stop=["\n\n"], n=n).with_eos((2,))
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128, stop=("\n\n",), n=n).with_eos((2,))
     return EngineCoreRequest("cmpl-0123456789abcdef", "x" * (4 * prompt_len), tuple(range(prompt_len)), params,
                              max_tokens=128, arrival_time=123.4)
 
@@ -40,7 +40,8 @@ def _pickled(message: Any) -> tuple[int, float]:
 
 
 def run() -> str:
-    lines = ["case              | scheduler Requests (before) | EngineCoreRequest (pickle) | EngineCoreRequest (msgspec)"]
+    lines = ["case              | scheduler Requests (before) | EngineCoreRequest (pickle) | "
+             "EngineCoreRequest (msgspec)"]
     for n, prompt_len in CASES:
         request = _request(n, prompt_len)
         old_size, old_us = _pickled(("add", request.request_id, request.prompt, request.scheduler_requests()))
