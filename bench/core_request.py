@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.core.core_request import EngineCoreRequest
+from engine.core.engine_core import scheduler_requests
+from engine.core_request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 
 CASES = ((1, 128), (4, 128), (1, 2048))  # (n, prompt tokens)
@@ -44,7 +45,7 @@ def run() -> str:
              "EngineCoreRequest (msgspec)"]
     for n, prompt_len in CASES:
         request = _request(n, prompt_len)
-        old_size, old_us = _pickled(("add", request.request_id, request.prompt, request.scheduler_requests()))
+        old_size, old_us = _pickled(("add", request.request_id, request.prompt, scheduler_requests(request)))
         new_size, new_us = _pickled(("add", request))
         lines.append(f"n={n} prompt={prompt_len:<5}  | {old_size:6d} B {old_us:6.1f} us        | "
                      f"{new_size:6d} B {new_us:6.1f} us       | {_msgspec(request)}")

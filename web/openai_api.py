@@ -157,9 +157,7 @@ async def final_outputs(first: Any, outputs: AsyncIterator[Any], num_prompts: in
 def generation_engine(state: ServerState) -> AsyncEngine:
     """The engine, if its model can generate; a pooling model (BERT) answers 400 here."""
     engine = state.engine_for_request()
-    if engine.info.kind == "encoder":
-        raise bad_request(f"the model {state.model_name} is a pooling model ({engine.info.architecture}): it "
-                          "serves /v1/embeddings, /pooling, /score and /rerank, not generation", "model")
+    engine.processor.check_can_generate()  # the engine's own check and wording (a 400 naming `model`)
     return engine
 
 

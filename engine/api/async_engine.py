@@ -23,9 +23,9 @@ import torch
 
 from engine.api.merge import merge_pending
 from engine.config import EngineConfig
-from engine.core.core_request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
 from engine.core.engine_core import AddRequest, CoreHandle, OutputItem
 from engine.core.stats import EngineStats, LoopLagReadings
+from engine.core_request import EngineCoreRequest
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.ids import random_id
 from engine.model_info import ModelInfo
@@ -33,14 +33,12 @@ from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.render.chat import extract_images, render_chat
 from engine.render.grammar import GrammarCompiler
+from engine.render.input_processor import InputProcessor
 from engine.render.multimodal import ImageLimits, ImageSpec
 from engine.render.prompt_embeds import EmbedsLimits
 from engine.render.renderer import EngineInput, Prompt, Renderer
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
-
-# Placeholder sampling parameters: the scheduler reads them, a pooling request never samples.
-# One frozen instance for all (building and validating one per request showed in the server profile).
 
 
 class AsyncEngine:
@@ -63,6 +61,7 @@ class AsyncEngine:
         self.info = info
         self.tokenizer = tokenizer
         self.core = core
+        self.processor = InputProcessor(config, info, tokenizer)
         self._loop_lag = loop_lag or LoopLagReadings()
         self.render_limiter = anyio.CapacityLimiter(config.renderer_threads)
         embeds_limits = None
@@ -122,12 +121,12 @@ class AsyncEngine:
         are validated first. Cancellation aborts every unfinished one.
         """
         params = pooling_params or PoolingParams()
-        self._check_pooling(params)
-        self._check_priority(priority)
+        self.processor.check_pooling(params)
+        self.processor.check_priority(priority)
         request_id = request_id or random_id()
         request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         results: list[PoolingRequestOutput | None] = [None] * len(prompts)
-        build = partial(self._make_pooling_request, params=params, priority=priority)
+        build = partial(self._pooling_request, params=params, priority=priority)
         async with aclosing(self._run(prompts, request_ids, build, RequestOutputKind.FINAL_ONLY)) as outputs:
             async for index, output in outputs:
                 results[index] = output
@@ -137,12 +136,10 @@ class AsyncEngine:
 
     async def _generate(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
                         request_ids: list[str], priority: int) -> AsyncGenerator[tuple[int, RequestOutput]]:
-        if self.info.kind == "encoder":
-            raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
-                                      "generate; use embeddings, pooling, score or rerank", param="model")
-        self._check_priority(priority)
+        self.processor.check_can_generate()
+        self.processor.check_priority(priority)
         params = await self._with_grammar(sampling_params or SamplingParams())
-        build = partial(self._make_requests, params=params, priority=priority)
+        build = partial(self._generation_request, params=params, priority=priority)
         async with aclosing(self._run(prompts, request_ids, build, params.output_kind)) as outputs:
             async for item in outputs:
                 yield item
@@ -162,10 +159,16 @@ class AsyncEngine:
         with the same errors. Rendering runs in worker threads; cancellation drops their results
         once the threads return."""
         params = sampling_params or SamplingParams()
-        if self.info.kind == "encoder":
-            raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
-                                      "generate", param="model")
-        return [self._prepared(engine_input, params) for engine_input in await self._render_all(prompts)]
+        self.processor.check_can_generate()
+        return [self.processor.prepared(engine_input, params) for engine_input in await self._render_all(prompts)]
+
+    def _generation_request(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
+                            priority: int) -> EngineCoreRequest:
+        return self.processor.generation_request(request_id, engine_input, params, priority, anyio.current_time())
+
+    def _pooling_request(self, request_id: str, engine_input: EngineInput, params: PoolingParams,
+                         priority: int) -> EngineCoreRequest:
+        return self.processor.pooling_request(request_id, engine_input, params, priority, anyio.current_time())
 
     async def _render_all(self, prompts: Sequence[Prompt]) -> list[EngineInput]:
         if not prompts:
@@ -296,114 +299,6 @@ class AsyncEngine:
 
     def _check_token_ids(self, token_ids: Sequence[int], allow_empty: bool = False) -> list[int]:
         return self.renderer.check_token_ids(token_ids, allow_empty)
-
-    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""
-        sequences = set()
-        for word in words:
-            for text in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, False)
-                if ids:
-                    sequences.add(tuple(ids))
-        return tuple(sorted(sequences))
-
-    def _check_priority(self, priority: int) -> None:
-        """A priority only means something under the priority policy; elsewhere it is refused
-        rather than ignored (vLLM's rule and wording)."""
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
-                                      param="priority")
-
-    def _check_pooling(self, params: PoolingParams) -> None:
-        info = self.info
-        if params.task == "classify" and not info.num_labels:
-            raise InvalidRequestError(f"this model ({info.architecture}) has no classification head", param="task")
-        if params.task == "embed" and info.pooler.late_interaction:
-            raise InvalidRequestError(f"this model ({info.architecture}) is a late-interaction model: it gives "
-                                      "token embeddings (/pooling with task token_embed) and scores by MaxSim "
-                                      "(/score, /rerank), not a single embedding", param="task")
-        if params.dimensions is not None and not info.pooler.supports_dimensions(params.dimensions):
-            supported = info.pooler.matryoshka_dimensions
-            raise InvalidRequestError(
-                f"this model does not support dimensions={params.dimensions}" +
-                (f" (Matryoshka dimensions up to {max(supported)})" if supported else
-                 " (it does not declare Matryoshka support)"), param="dimensions")
-
-    def _make_pooling_request(self, request_id: str, engine_input: EngineInput, params: PoolingParams,
-                              priority: int) -> EngineCoreRequest:
-        """One prefill-only request; its prompt must fit the context and one step (it is not chunked)."""
-        length = len(engine_input.token_ids)
-        limit = min(self.info.max_model_len, self.config.token_budget)
-        if length > limit:
-            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your request "
-                                      f"has {length} input tokens. Please reduce the length of the input prompt "
-                                      "(or set truncate_prompt_tokens).", param="input")
-        token_type_ids = engine_input.token_type_ids
-        return EngineCoreRequest(request_id, engine_input.prompt, tuple(engine_input.token_ids),
-                                 POOLING_SAMPLING_PARAMS, max_tokens=1, arrival_time=anyio.current_time(),
-                                 priority=priority, cache_key=engine_input.cache_key(request_id),
-                                 prompt_embeds=engine_input.embeds, pooling_params=params,
-                                 token_type_ids=None if token_type_ids is None else tuple(token_type_ids))
-
-    def _check_against_model(self, params: SamplingParams, engine_input: EngineInput) -> None:
-        """The bounds that depend on the model and the engine's limits (SamplingParams checks the rest)."""
-        prompt_len, max_len = len(engine_input.token_ids), self.info.max_model_len
-        if prompt_len >= max_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {max_len} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input prompt.", param="prompt")
-        if params.max_tokens is not None and prompt_len + params.max_tokens > max_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion.", param="max_tokens")
-        if prompt_len + params.min_tokens > max_len:
-            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) does not fit the context: {prompt_len} "
-                                      f"prompt tokens of at most {max_len}", param="min_tokens")
-        limits = {"n": self.config.max_num_seqs, "top_k": self.info.vocab_size,
-                  "logprobs": self.config.max_logprobs, "prompt_logprobs": self.config.max_logprobs}
-        for name, limit in limits.items():
-            value = getattr(params, name)
-            if value is not None and value > limit:
-                raise InvalidRequestError(f"{name}={value} is more than the limit of {limit}", param=name)
-        if engine_input.embeds is not None and params.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt_logprobs is not supported for prompt embeddings (the prompt has no "
-                                      "tokens)", param="prompt_logprobs")
-        vocab = self.info.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequestError(f"{name} {bad[:8]} are out of vocabulary (size {vocab})", param=name)
-
-    def _prepared(self, engine_input: EngineInput, params: SamplingParams) -> EngineInput:
-        """The prompt as it will run: truncated as asked, and checked against the model."""
-        engine_input = _truncated(engine_input, params.truncate_prompt_tokens)
-        self._check_against_model(params, engine_input)
-        return engine_input
-
-    def _make_requests(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
-                       priority: int) -> EngineCoreRequest:
-        engine_input = self._prepared(engine_input, params)
-        token_ids = engine_input.token_ids
-        if params.bad_words and not params.bad_words_token_ids:
-            params = replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
-        params = params.with_eos(self.info.eos_token_ids)
-        max_tokens = self.info.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
-        return EngineCoreRequest(request_id, engine_input.prompt, tuple(token_ids), params, max_tokens=max_tokens,
-                                 arrival_time=anyio.current_time(), priority=priority,
-                                 cache_key=engine_input.cache_key(request_id), prompt_embeds=engine_input.embeds,
-                                 mm_features=tuple(engine_input.mm_features))
-
-
-def _truncated(engine_input: EngineInput, keep: int | None) -> EngineInput:
-    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (vLLM's left truncation)."""
-    if keep is None or len(engine_input.token_ids) <= keep:
-        return engine_input
-    if engine_input.embeds is not None or engine_input.mm_features:
-        raise InvalidRequestError("truncate_prompt_tokens is not supported with prompt embeddings or images",
-                                  param="truncate_prompt_tokens")
-    return replace(engine_input, token_ids=engine_input.token_ids[-keep:])
 
 
 def _cut_after_final_message(prompt: str, messages: list[dict[str, Any]]) -> str:

@@ -24,17 +24,17 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
-from engine.core.core_request import EngineCoreRequest
 from engine.core.eplb_driver import EplbDriver
 from engine.core.output_processor import RequestTracker
 from engine.core.reporting import RequestTimings
 from engine.core.stats import EngineStats, NullObserver, StatsObserver
+from engine.core_request import EngineCoreRequest
 from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.executor.base import Executor
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.render.tokenizer import Tokenizer
 from engine.sched.output import NewRequestData
-from engine.sched.request import RequestStatus
+from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,22 @@ class AddRequest:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+
+def scheduler_requests(request: EngineCoreRequest) -> list[Request]:
+    """The scheduler's requests for `request`: one, or with `n` samples the children "id-0", "id-1",
+    ... with distinct seeds. Built inside the core, which alone mutates them."""
+    params = request.sampling_params
+    if request.pooling_params is not None or params.n == 1:
+        children = [(request.request_id, params)]
+    else:
+        children = [(f"{request.request_id}-{i}", params.for_child(i)) for i in range(params.n)]
+    return [Request(child_id, list(request.prompt_token_ids), child_params, arrival_time=request.arrival_time,
+                    priority=request.priority, max_tokens=request.max_tokens, cache_key=request.cache_key,
+                    prompt_embeds=request.prompt_embeds, mm_features=list(request.mm_features),
+                    pooling_params=request.pooling_params,
+                    token_type_ids=None if request.token_type_ids is None else list(request.token_type_ids))
+            for child_id, child_params in children]
 
 
 @dataclass
@@ -203,7 +219,7 @@ class EngineCore:
             message.outputs.send_nowait(error)
             message.outputs.close()
             return
-        children = message.request.scheduler_requests()
+        children = scheduler_requests(message.request)
         tracker = RequestTracker(message.request, children, self.tokenizer)
         self._trackers[message.request_id] = tracker
         self._streams[message.request_id] = message.outputs

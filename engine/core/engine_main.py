@@ -29,7 +29,6 @@ import anyio
 import anyio.abc
 import trio
 
-from engine.core.core_request import EngineCoreRequest
 from engine.core.engine_core import AddRequest, EngineCore, OutputItem
 from engine.core.gc_tuning import tune_collector_for_serving
 from engine.core.messages import (
@@ -46,6 +45,7 @@ from engine.core.messages import (
 )
 from engine.core.open_core import open_core
 from engine.core.stats import RecordingObserver
+from engine.core_request import EngineCoreRequest
 from engine.cpu_binding import bind_this_thread
 from engine.errors import EngineDeadError
 from engine.ipc import wire

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.core_request import EngineCoreRequest
+from engine.core_request import EngineCoreRequest
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.render.detokenizer import IncrementalDetokenizer
 from engine.render.tokenizer import Tokenizer

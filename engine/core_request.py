@@ -1,4 +1,5 @@
-"""`EngineCoreRequest`: a request as the client states it to the engine core.
+"""`EngineCoreRequest`: a request as the client states it to the engine core (plain data, at the
+engine's root because the input processor in `engine.render` builds it and the core reads it).
 
 The server process (or `AsyncEngine` in process) renders, checks and resolves a request, then hands
 the core this frozen value, in process or pickled over the engine process's socket. The core builds
@@ -16,9 +17,10 @@ from typing import Any
 from engine.multimodal import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
-from engine.sched.request import Request
 
-POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1)  # a pooling request's prefill samples nothing
+# Placeholder sampling parameters: the scheduler reads them, a pooling request never samples. One
+# frozen instance for all (building and validating one per request showed in the server profile).
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1)
 
 
 @dataclass(frozen=True)
@@ -39,18 +41,3 @@ class EngineCoreRequest:
     mm_features: tuple[ImageFeature, ...] = ()
     pooling_params: PoolingParams | None = None
     token_type_ids: tuple[int, ...] | None = None
-
-    def scheduler_requests(self) -> list[Request]:
-        """The scheduler's requests: one, or with `n` samples the children "id-0", "id-1", ... with
-        distinct seeds. Built inside the core, which alone mutates them."""
-        params = self.sampling_params
-        if self.pooling_params is not None or params.n == 1:
-            children = [(self.request_id, params)]
-        else:
-            children = [(f"{self.request_id}-{i}", params.for_child(i)) for i in range(params.n)]
-        return [Request(child_id, list(self.prompt_token_ids), child_params, arrival_time=self.arrival_time,
-                        priority=self.priority, max_tokens=self.max_tokens, cache_key=self.cache_key,
-                        prompt_embeds=self.prompt_embeds, mm_features=list(self.mm_features),
-                        pooling_params=self.pooling_params,
-                        token_type_ids=None if self.token_type_ids is None else list(self.token_type_ids))
-                for child_id, child_params in children]

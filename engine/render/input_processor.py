@@ -1,0 +1,145 @@
+"""The input processor: a rendered prompt and its parameters, checked against the model and the
+engine's limits, become the `EngineCoreRequest` the core runs (as vLLM's `InputProcessor`).
+
+Every check that needs the model lives here, once, with one wording per error; `AsyncEngine` calls
+it after rendering, and the HTTP layer reaches the same checks through the engine (`AsyncEngine.
+processor`). Plain Python over the tokenizer: no event loop, so it is tested without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.config import EngineConfig
+from engine.core_request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
+from engine.errors import InvalidRequestError
+from engine.model_info import ModelInfo
+from engine.pooling_params import PoolingParams
+from engine.render.renderer import EngineInput
+from engine.render.tokenizer import Tokenizer
+from engine.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    """Checks requests against one model and builds their `EngineCoreRequest`s."""
+
+    def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.info = info
+        self.tokenizer = tokenizer
+
+    def check_can_generate(self) -> None:
+        """A pooling model (BERT and its kin) serves embeddings, pooling, score and rerank only."""
+        if self.info.kind == "encoder":
+            raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
+                                      "generate; use embeddings, pooling, score or rerank", param="model")
+
+    def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""
+        sequences = set()
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, False)
+                if ids:
+                    sequences.add(tuple(ids))
+        return tuple(sorted(sequences))
+
+    def check_priority(self, priority: int) -> None:
+        """A priority only means something under the priority policy; elsewhere it is refused
+        rather than ignored (vLLM's rule and wording)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
+                                      param="priority")
+
+    def check_pooling(self, params: PoolingParams) -> None:
+        info = self.info
+        if params.task == "classify" and not info.num_labels:
+            raise InvalidRequestError(f"this model ({info.architecture}) has no classification head", param="task")
+        if params.task == "embed" and info.pooler.late_interaction:
+            raise InvalidRequestError(f"this model ({info.architecture}) is a late-interaction model: it gives "
+                                      "token embeddings (/pooling with task token_embed) and scores by MaxSim "
+                                      "(/score, /rerank), not a single embedding", param="task")
+        if params.dimensions is not None and not info.pooler.supports_dimensions(params.dimensions):
+            supported = info.pooler.matryoshka_dimensions
+            raise InvalidRequestError(
+                f"this model does not support dimensions={params.dimensions}" +
+                (f" (Matryoshka dimensions up to {max(supported)})" if supported else
+                 " (it does not declare Matryoshka support)"), param="dimensions")
+
+    def pooling_request(self, request_id: str, engine_input: EngineInput, params: PoolingParams,
+                        priority: int, arrival_time: float) -> EngineCoreRequest:
+        """One prefill-only request; its prompt must fit the context and one step (it is not chunked)."""
+        length = len(engine_input.token_ids)
+        limit = min(self.info.max_model_len, self.config.token_budget)
+        if length > limit:
+            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your request "
+                                      f"has {length} input tokens. Please reduce the length of the input prompt "
+                                      "(or set truncate_prompt_tokens).", param="input")
+        token_type_ids = engine_input.token_type_ids
+        return EngineCoreRequest(request_id, engine_input.prompt, tuple(engine_input.token_ids),
+                                 POOLING_SAMPLING_PARAMS, max_tokens=1, arrival_time=arrival_time,
+                                 priority=priority, cache_key=engine_input.cache_key(request_id),
+                                 prompt_embeds=engine_input.embeds, pooling_params=params,
+                                 token_type_ids=None if token_type_ids is None else tuple(token_type_ids))
+
+    def _check_against_model(self, params: SamplingParams, engine_input: EngineInput) -> None:
+        """The bounds that depend on the model and the engine's limits (SamplingParams checks the rest)."""
+        prompt_len, max_len = len(engine_input.token_ids), self.info.max_model_len
+        if prompt_len >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input prompt.", param="prompt")
+        if params.max_tokens is not None and prompt_len + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.", param="max_tokens")
+        if prompt_len + params.min_tokens > max_len:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) does not fit the context: {prompt_len} "
+                                      f"prompt tokens of at most {max_len}", param="min_tokens")
+        limits = {"n": self.config.max_num_seqs, "top_k": self.info.vocab_size,
+                  "logprobs": self.config.max_logprobs, "prompt_logprobs": self.config.max_logprobs}
+        for name, limit in limits.items():
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise InvalidRequestError(f"{name}={value} is more than the limit of {limit}", param=name)
+        if engine_input.embeds is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported for prompt embeddings (the prompt has no "
+                                      "tokens)", param="prompt_logprobs")
+        vocab = self.info.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{name} {bad[:8]} are out of vocabulary (size {vocab})", param=name)
+
+    def prepared(self, engine_input: EngineInput, params: SamplingParams) -> EngineInput:
+        """The prompt as it will run: truncated as asked, and checked against the model."""
+        engine_input = _truncated(engine_input, params.truncate_prompt_tokens)
+        self._check_against_model(params, engine_input)
+        return engine_input
+
+    def generation_request(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
+                           priority: int, arrival_time: float) -> EngineCoreRequest:
+        """The request that runs `engine_input` (truncated and checked): EOS ids and bad words
+        resolved, `max_tokens` what the context leaves when the caller set none."""
+        engine_input = self.prepared(engine_input, params)
+        token_ids = engine_input.token_ids
+        if params.bad_words and not params.bad_words_token_ids:
+            params = replace(params, bad_words_token_ids=self.bad_word_ids(params.bad_words))
+        params = params.with_eos(self.info.eos_token_ids)
+        max_tokens = self.info.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
+        return EngineCoreRequest(request_id, engine_input.prompt, tuple(token_ids), params, max_tokens=max_tokens,
+                                 arrival_time=arrival_time, priority=priority,
+                                 cache_key=engine_input.cache_key(request_id), prompt_embeds=engine_input.embeds,
+                                 mm_features=tuple(engine_input.mm_features))
+
+
+def _truncated(engine_input: EngineInput, keep: int | None) -> EngineInput:
+    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (vLLM's left truncation)."""
+    if keep is None or len(engine_input.token_ids) <= keep:
+        return engine_input
+    if engine_input.embeds is not None or engine_input.mm_features:
+        raise InvalidRequestError("truncate_prompt_tokens is not supported with prompt embeddings or images",
+                                  param="truncate_prompt_tokens")
+    return replace(engine_input, token_ids=engine_input.token_ids[-keep:])
