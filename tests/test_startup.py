@@ -48,6 +48,7 @@ def _failures(tiny_model_dir, unknown_architecture, busy_port):
         ([tiny_model_dir, "--port", busy_port], 1, "choose another --port"),
         ([tiny_model_dir, "--trust-remote-code"], 2, "runs no code from model directories"),
         ([tiny_model_dir, "--gpu-memory-utilization", "0.9"], 2, "--kv-cache-memory-bytes"),
+        ([tiny_model_dir, "--eplb-config", '{"window_size": 10}'], 2, "only with --enable-eplb"),
     ]
 
 
@@ -67,6 +68,15 @@ def test_every_serve_option_has_help_and_shows_its_default():
     assert [a.option_strings for a in options if not a.help] == []
     text = serve.format_help()
     assert "(default: 256)" in text and "(default: sha256)" in text and "--no-enable-prefix-caching" in text
+    assert "(default: None)" not in text and text.count("(default: the embedded tiny model)") == 1
+
+
+def test_an_unknown_flag_is_refused_with_the_commands_own_usage(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "usage: trio-llm serve" in err and "unrecognized arguments: --no-such-flag" in err
+    assert "layer" not in _parser().format_help()  # the top-level help is for users, not the module's docstring
 
 
 def test_the_scheduling_policy_flag_reaches_the_engine_config():

@@ -32,8 +32,32 @@ COMMAND_GROUP = "trio_llm.commands"
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
+DESCRIPTION = ("trio-llm: an LLM inference and serving engine with vLLM's v1 architecture, on trio. "
+               "`trio-llm serve` serves the OpenAI-compatible HTTP API; `trio-llm COMMAND --help` describes each "
+               "command.")
+
+# What each make-model size means, for its --help.
+MODEL_SIZES = {"layers": "decoder layers", "hidden": "hidden size", "heads": "attention heads",
+               "kv_heads": "key/value heads (grouped-query attention)", "intermediate": "MLP intermediate size",
+               "vocab": "vocabulary size (rows of the embedding and the LM head)",
+               "max_positions": "context length (max_position_embeddings)", "seed": "seed of the random weights",
+               "experts": "experts per MoE layer (MoE architectures)",
+               "top_k": "experts each token is routed to (MoE architectures)"}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already says what its default
+    is, or there is none to tell (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trio-llm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="trio-llm", description=DESCRIPTION)
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -46,39 +70,39 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_serve(sub: Subcommands) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (hypercorn, trio worker)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=HelpFormatter)
     srv.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded tiny model)")
     options.add_server_options(srv)
     options.add_engine_options(srv)
-    srv.set_defaults(run=_serve)
+    srv.set_defaults(run=_serve, command_parser=srv)
 
 
 def _add_make_model(sub: Subcommands) -> None:
     mk = sub.add_parser("make-model", help="write a tiny random-weight HF checkpoint with a local BPE tokenizer",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=HelpFormatter)
     defaults = TinyModelSpec()
     mk.add_argument("dir", help="where to write it")
     mk.add_argument("--arch", default=defaults.arch, choices=sorted(ARCHITECTURES), help="the architecture")
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed",
                  "experts", "top_k"):
         mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
-                        help=f"the model's {name.replace('_', ' ')}")
+                        help=f"the model's {MODEL_SIZES[name]}")
     mk.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"],
                     help="the weights' dtype")
     mk.add_argument("--force", action="store_true", help="replace a directory that is not empty")
-    mk.set_defaults(run=_make_model)
+    mk.set_defaults(run=_make_model, command_parser=mk)
 
 
 def _add_generate(sub: Subcommands) -> None:
     gen = sub.add_parser("generate", help="generate text for prompts with the engine",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="*", default=["The engine says"])
     gen.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     options.add_engine_options(gen, seed=False)
-    gen.set_defaults(run=_generate)
+    gen.set_defaults(run=_generate, command_parser=gen)
 
 
 def model_dir(model: str | None) -> str:
@@ -147,7 +171,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, with its usage (not the top level's)
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level.upper())
     return int(args.run(args))
 

