@@ -70,7 +70,8 @@ class CompilationConfig:
     up at (`cudagraph_capture_sizes`; default powers of two up to 64, capped at max_num_seqs; the
     graph's batch is dynamic, so the largest is what counts: larger batches run eagerly), and
     where compiled artefacts are cached (`cache_dir`; default
-    ~/.cache/trio-llm/torch_compile, or TORCHINDUCTOR_CACHE_DIR if set)."""
+    $XDG_CACHE_HOME/trio-llm/torch_compile, by default ~/.cache/trio-llm/torch_compile, or
+    TORCHINDUCTOR_CACHE_DIR if set)."""
 
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     cache_dir: str | None = None

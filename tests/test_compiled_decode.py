@@ -285,15 +285,31 @@ print(graphs.loaded_from_disk, cache_dir, *(m in sys.modules for m in compiler))
 def test_a_warm_start_loads_the_graph_without_importing_the_compiler(tmp_path_factory, tmp_path):
     """What spares a warm start ~2 s: the saved package loads through torch's C++ loader, and
     neither dynamo nor inductor is imported. The first start compiles into our cache directory
-    (inductor would otherwise fix its own default, /tmp); a clean environment, HOME in tmp_path."""
+    under XDG_CACHE_HOME, where the default model lives too (inductor would otherwise fix its own
+    default, /tmp); neither start leaves the loader's unpacked package in TMPDIR."""
     llama, _ = _dense(tmp_path_factory)
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env.update(HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "xdg"), TMPDIR=str(scratch))
     runs = [subprocess.run([sys.executable, "-c", LOAD_SAVED_GRAPH, str(llama)], capture_output=True, text=True,
-                           timeout=300, check=True, env={**env, "HOME": str(tmp_path)}).stdout.split()
+                           timeout=300, check=True, env=env).stdout.split()
             for _ in range(2)]
-    ours = str(tmp_path / ".cache" / "trio-llm" / "torch_compile")
+    ours = str(tmp_path / "xdg" / "trio-llm" / "torch_compile")
     assert runs[0][:2] == ["False", ours] and runs[0][2:] != ["False", "False"]  # compiled: the compiler ran
     assert runs[1] == ["True", ours, "False", "False"]  # loaded, and no compiler imported
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("aotinductor")] == []
+
+
+def test_the_compile_cache_keeps_the_most_recently_used_packages(tmp_path):
+    for i in range(precompiled_graph.KEEP_PACKAGES + 3):
+        package = tmp_path / f"{i}.pt2"
+        package.write_bytes(b"")
+        os.utime(package, (1000 + i, 1000 + i))
+    os.utime(tmp_path / "0.pt2", (5000, 5000))  # the oldest, just loaded again
+    precompiled_graph.prune(tmp_path)
+    kept = {p.name for p in tmp_path.iterdir()}
+    assert len(kept) == precompiled_graph.KEEP_PACKAGES and "0.pt2" in kept and "1.pt2" not in kept
 
 
 def test_a_model_that_does_not_export_runs_on_torch_compile(tmp_path_factory, tmp_path, monkeypatch, caplog):

@@ -60,7 +60,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                         "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)")
     p.add_argument("--compilation-config", "-cc", default=None,
                    help='compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
-                        '64], "cache_dir": "~/.cache/trio-llm/torch_compile"}')
+                        '64], "cache_dir": "~/.cache/trio-llm/torch_compile"} (the cache follows XDG_CACHE_HOME)')
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="worker processes, one per rank")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts over the tensor-parallel ranks instead of sharding each")

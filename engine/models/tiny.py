@@ -8,6 +8,7 @@ default model, created on first use in the user cache directory.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engine.paths import cache_root
+
+logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -160,13 +165,14 @@ def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), ove
 
 
 def default_model_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "trio-llm" / "default-model-v1"
+    return cache_root() / "default-model-v1"
 
 
 def ensure_default_model() -> Path:
     """The embedded default model, created on first use. Blocking: run it off the event loop."""
     path = default_model_dir()
     if not (path / "model.safetensors").is_file():
+        logger.info("creating the embedded default model in %s (first use: a random-weight checkpoint and its "
+                    "tokenizer, a few seconds)", path)
         make_model(path, overwrite=False)
     return path

@@ -21,7 +21,7 @@ The graph of a dense model is exported and compiled ahead of time into an AOTInd
 the compiler (re-tracing took 2.3 s, dynamo's saved form 0.6 s plus 2.1 s of imports). An MoE model's graphs,
 broken around its eager experts, go through `torch.compile`, and inductor's on-disk caches spare
 a restart the compiling but not the tracing. Both live under `cache_dir` (default
-`~/.cache/trio-llm/torch_compile`).
+`$XDG_CACHE_HOME/trio-llm/torch_compile`, by default `~/.cache/trio-llm/torch_compile`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,11 @@ import torch
 
 from engine.models.attention import DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
+from engine.paths import default_compile_cache
 from engine.worker import precompiled_graph
 from engine.worker.precompiled_graph import DecodeStep
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "trio-llm" / "torch_compile"
-
 
 def use_compile_cache(cache_dir: str | None) -> Path:
     """Point inductor's on-disk caches at `cache_dir` (or ours), unless the user already has;
@@ -58,7 +56,7 @@ def use_compile_cache(cache_dir: str | None) -> Path:
     if cache_dir is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     else:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_compile_cache()))
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
@@ -146,8 +144,9 @@ class DecodeGraphs:
     def _compile_all(self, progress: Callable[[str], None]) -> float:
         start = time.perf_counter()
         if self._dynamo is None:
-            self._step = self._precompiled_step()
+            self._step = self._precompiled_step(progress)
             if self._step is None:
+                progress("compiling the decode graph with torch.compile (a few seconds)")
                 self._use_dynamo()
         sizes = sorted({MIN_ROWS, *self.capture_sizes}, reverse=True)
         # Traced first at TRACE_ROWS rows whatever the sizes (the saved graph too, in
@@ -164,7 +163,7 @@ class DecodeGraphs:
                          f"{time.perf_counter() - start:.1f} s")
         return time.perf_counter() - start
 
-    def _precompiled_step(self) -> DecodeStep | None:
+    def _precompiled_step(self, progress: Callable[[str], None]) -> DecodeStep | None:
         """The saved graph if there is one and it agrees with the eager model; else exported,
         compiled and saved; None when the model does not export or compile so (logged: it then
         runs on `torch.compile`)."""
@@ -181,6 +180,9 @@ class DecodeGraphs:
             settle_vector_isa(self.cache_dir)
         hidden, positions, *_ = self._scratch_rows(TRACE_ROWS, 8)
         meta = self._metadata(TRACE_ROWS, [], [], [], 8)
+        progress(f"compiling the decode graph with AOTInductor: the first start of this model here takes about "
+                 f"20 s on 2 cores, later ones load it from {self.cache_dir or 'a temporary directory'} "
+                 "(--enforce-eager skips compiling)")
         try:
             return precompiled_graph.compile_and_save(path, self.model, (hidden, positions, self.kv_caches, meta))
         except Exception as exc:  # noqa: BLE001 -- export refuses many things; torch.compile takes them

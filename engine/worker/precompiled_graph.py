@@ -21,18 +21,26 @@ are specialised on them), the vector ISA, and the source of the modeling code. A
 the key misses is caught at load: `DecodeGraphs` compares one step against the eager model and
 compiles again on a mismatch.
 
+The loader unpacks the package's shared library into a new `aotinductor_*` directory under TMPDIR
+and never removes it (1.9 MB a start); `load` unpacks into a directory of ours and removes it once
+the library is loaded (a loaded library needs no file). Packages are kept most recently used
+first, at most `KEEP_PACKAGES` of them (`prune`).
+
 Only a model that exports into one graph is compiled so; MoE models, whose experts run eagerly
 between graphs, keep `torch.compile`, and so does a model whose export fails (logged).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +57,10 @@ FORMAT = 2  # bump when what is saved, or how it is called, changes (1: dynamo's
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], DecodeMetadata], torch.Tensor]
 MAX_ROWS = 1 << 16  # the exported graph's bounds on the batch and the table's width (AOTI checks them)
 MAX_TABLE_WIDTH = 1 << 20
+KEEP_PACKAGES = 16  # compiled graphs kept on disk (one per model, dtype, cache shape, torch, ...)
+
+# torch 2.13's own pytree code warns when an exported program is pickled or loaded; not ours to fix.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
 def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
@@ -84,7 +96,9 @@ def load(path: Path, model: DecoderForCausalLM) -> DecodeStep | None:
     if not path.exists():
         return None
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        with _unpacked_in_a_directory_we_remove():
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        os.utime(path)  # most recently used: `prune` keeps it
         tensors = _model_tensors(model)
         # user_managed: the graph reads the model's tensors in place (no copy); a missing name raises.
         loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()}, False, True, True)
@@ -116,6 +130,7 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(partial), inductor_configs={"aot_inductor.package_constants_in_so": False})
             os.replace(partial, target)  # a reader sees the whole package or none
+            prune(target.parent)
         finally:
             partial.unlink(missing_ok=True)  # a failed compile leaves nothing behind
         step = load(target, model)
@@ -123,6 +138,30 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
             target.unlink(missing_ok=True)
             raise RuntimeError(f"the decode graph just compiled to {target} does not load")
     return step
+
+
+def prune(directory: Path, keep: int = KEEP_PACKAGES) -> None:
+    """Remove all but the `keep` most recently used packages in `directory`."""
+    packages = sorted(directory.glob("*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in packages[keep:]:
+        stale.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _unpacked_in_a_directory_we_remove() -> Iterator[None]:
+    """Point TMPDIR at a directory of ours while the C++ loader unpacks and loads the package
+    (`std::filesystem::temp_directory_path` reads it), then remove what it unpacked."""
+    scratch = tempfile.mkdtemp(prefix="trio-llm-aoti-")
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = scratch
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = previous
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 class _FlatDecodeStep(nn.Module):
