@@ -180,7 +180,7 @@ async def test_a_worker_killed_while_idle_fails_health_at_once(tiny_model_dir, l
     assert_gone(list(worker_pids))
 
 
-async def test_serve_stops_and_exits_1_when_the_engine_dies(tiny_model_dir):
+async def test_serve_stops_and_exits_1_when_the_engine_dies(tiny_model_dir, caplog):
     from web.serve import serve
     from web.settings import ServerSettings
     config = engine_config(tiny_model_dir, executor="mp")
@@ -197,3 +197,6 @@ async def test_serve_stops_and_exits_1_when_the_engine_dies(tiny_model_dir):
             assert (await request(url, "GET", "/health")).status == 200
             os.kill(executor.processes[0].pid, signal.SIGKILL)
     assert status == [1]  # serve returned by itself, with the status the CLI exits with
+    # One line naming how the engine ended, not a traceback of every task it passed through.
+    (death,) = [r for r in caplog.records if r.getMessage().startswith("the engine failed")]
+    assert "exited unexpectedly (killed by SIGKILL)" in death.getMessage() and death.exc_info is None

@@ -34,7 +34,7 @@ from web import admin_api, cors, openai_api, orca, pooling_api, render_api
 from web.errors import APIError
 from web.keepalive import KeepAliveGuard
 from web.settings import ServerSettings
-from web.startup import describe_engine, explain
+from web.startup import describe_engine, engine_death, explain
 from web.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,12 @@ async def run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyi
         if not started:
             raise
         state.engine_error = group
-        logger.error("the engine failed; the server now answers 503", exc_info=group)
+        death = engine_death(group)  # a process that exited: one line; anything else is a bug to show whole
+        if death is not None:
+            logger.error("the engine failed: %s; the server now answers 503", death)
+            logger.debug("how the engine failed", exc_info=group)
+        else:
+            logger.error("the engine failed; the server now answers 503", exc_info=group)
         if state.on_engine_failure is not None:
             state.on_engine_failure()
 

@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
+from engine.errors import EngineDeadError, ModelLoadError
 
 if TYPE_CHECKING:  # the CLI imports this module before torch (web/cli.py)
     from engine.api import AsyncEngine
@@ -66,6 +66,15 @@ def _causes(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for inner in exc.exceptions for leaf in _causes(inner)]
     return [exc]
+
+
+def engine_death(exc: BaseException) -> str | None:
+    """One line for an engine that died while serving (its process or a worker process exited):
+    the `EngineDeadError` that names how; None for anything else (a bug: show the traceback)."""
+    for cause in _causes(exc):
+        if isinstance(cause, EngineDeadError):
+            return str(cause)
+    return None
 
 
 def explain(exc: BaseException) -> str | None:
