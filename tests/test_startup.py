@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from engine import ModelLoadError
@@ -116,6 +118,36 @@ def test_hypercorns_app_factory_exits_1_when_the_engine_cannot_start(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert "the engine failed to start: cannot load the model: model directory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0(tiny_model_dir):
+    """The README's `hypercorn -w 0` form: start-up lines logged, and SIGTERM stops gracefully
+    (in-flight streams finish within --graceful-timeout), exit status 0, as `trio-llm serve` does."""
+    environment = {**os.environ, "TRIO_LLM_MODEL": tiny_model_dir}
+    command = [sys.executable, "-m", "hypercorn", "-w", "0", "-k", "trio", "-b", "127.0.0.1:0", "--graceful-timeout",
+               "30", "web.app:app_from_env()"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environment)
+    try:
+        assert server.stderr is not None
+        log = []
+        for line in server.stderr:
+            log.append(line)
+            if "Running on" in line:
+                break
+        assert any("engine ready in" in line for line in log), log
+        url = line.split("Running on ")[1].split()[0]
+        body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            events = response.iter_lines()
+            first = next(event for event in events if event)
+            server.send_signal(signal.SIGTERM)  # the stream is under way
+            rest = [event for event in events if event]
+        assert first.startswith("data: {") and rest[-1] == "data: [DONE]" and len(rest) > 100
+        assert server.wait(timeout=60) == 0
+        assert "received SIGTERM: shutting down gracefully" in server.stderr.read()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_the_kv_cache_size_follows_the_flag_then_vllm_cpus_variable():

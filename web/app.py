@@ -11,10 +11,13 @@ import hashlib
 import hmac
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 
 import anyio
+import trio
 from anyio.abc import TaskStatus
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -199,11 +202,53 @@ def app_from_env() -> QuartTrio:
     """App factory for `hypercorn -k trio 'web.app:app_from_env()'`.
 
     Reads TRIO_LLM_MODEL (default: the embedded model), TRIO_LLM_API_KEY,
-    TRIO_LLM_SERVED_MODEL_NAME and TRIO_LLM_MAX_NUM_SEQS.
+    TRIO_LLM_SERVED_MODEL_NAME and TRIO_LLM_MAX_NUM_SEQS. Logs as `trio-llm serve` does, and
+    makes SIGTERM the graceful stop SIGINT is there (in-flight requests get hypercorn's
+    `--graceful-timeout`).
     """
     from engine.api import ensure_default_model, tune_collector_for_serving
+    _log_to_stderr("web", "engine")  # the start-up lines; hypercorn configures only its own loggers
     model = os.environ.get("TRIO_LLM_MODEL") or str(ensure_default_model())
     engine_config = EngineConfig(model=model, max_num_seqs=int(os.environ.get("TRIO_LLM_MAX_NUM_SEQS", "256")))
     settings = ServerSettings(api_key=os.environ.get("TRIO_LLM_API_KEY"),
                               served_model_name=os.environ.get("TRIO_LLM_SERVED_MODEL_NAME"))
-    return create_app(engine_config, settings, on_ready=tune_collector_for_serving, exit_on_failed_start=True)
+    app = create_app(engine_config, settings, on_ready=tune_collector_for_serving, exit_on_failed_start=True)
+
+    @app.before_serving
+    async def stop_gracefully_on_sigterm() -> None:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL):
+            app.nursery.start_soon(_sigterm_as_sigint)
+
+    return app
+
+
+def _log_to_stderr(*names: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    for name in names:
+        named = logging.getLogger(name)
+        if not named.handlers:
+            named.addHandler(handler)
+            named.setLevel(logging.INFO)
+            named.propagate = False
+
+
+async def _sigterm_as_sigint() -> None:
+    """hypercorn's trio worker run in its own process (`-w 0`) stops gracefully on SIGINT, which
+    trio raises in its main task as KeyboardInterrupt, and not at all on SIGTERM, whose default
+    ends the process at once (exit 143, no grace period): turn the one into the other. (With a
+    supervisor, `-w 1` and more, the workers ignore SIGINT and the supervisor handles SIGTERM: this
+    is not installed there.) Runs until the app nursery is cancelled."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            logger.info("received SIGTERM: shutting down gracefully")
+            _interrupt_the_main_task()
+            return
+
+
+@trio.lowlevel.enable_ki_protection
+def _interrupt_the_main_task() -> None:
+    """SIGINT, raised where trio defers it: KeyboardInterrupt then reaches trio's main task
+    (hypercorn's `worker_serve`, which stops gracefully on it), not this app's task."""
+    signal.raise_signal(signal.SIGINT)
