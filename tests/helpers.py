@@ -1,5 +1,7 @@
 """Small helpers shared by the engine tests."""
 
+import subprocess
+
 from engine import SamplingParams
 from engine.outputs import RequestOutput
 
@@ -21,3 +23,15 @@ def sse_events(body: bytes) -> list[str]:
     for event in events:
         assert event.startswith("data: ") and "\n" not in event, event
     return [event[len("data: "):] for event in events]
+
+
+def log_until(process: subprocess.Popen[str], marker: str) -> list[str]:
+    """The lines a server process logs up to the first holding `marker` (it is listening); read
+    from its stderr as they come, no polling and no sleeps. RuntimeError if it exits first."""
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if marker in line:
+            return seen
+    raise RuntimeError("the server exited during start-up:\n" + "".join(seen[-30:]))

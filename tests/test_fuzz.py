@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from bench import fuzz, keepalive
+from tests.helpers import log_until
 
 MAX_MODEL_LEN = 64
 API_KEY = "fuzz-key"
@@ -38,7 +39,7 @@ def server_url(tiny_model_dir):
                "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "info"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_until_serving(process)
+        log_until(process, "Serving on")
         assert process.stderr is not None
         # Keep draining the log so the server never blocks on a full pipe.
         drain = threading.Thread(target=process.stderr.read, daemon=True)
@@ -47,17 +48,6 @@ def server_url(tiny_model_dir):
     finally:
         process.terminate()
         process.wait(timeout=30)
-
-
-def _wait_until_serving(process: subprocess.Popen[str]) -> None:
-    """Block on the server's log until it says it is listening (no polling, no sleeps)."""
-    assert process.stderr is not None
-    seen = []
-    for line in process.stderr:
-        seen.append(line)
-        if "Serving on" in line:
-            return
-    raise RuntimeError("the server exited during start-up:\n" + "".join(seen[-30:]))
 
 
 @pytest.fixture(scope="module")

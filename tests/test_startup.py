@@ -16,6 +16,7 @@ import pytest
 from engine import ModelLoadError
 from engine.executor.multiproc import check_tensor_parallel
 from tests.conftest import TEST_SPEC, engine_config
+from tests.helpers import log_until
 from web.cli import _parser, main
 
 
@@ -128,14 +129,9 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
                "30", "web.app:app_from_env()"]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environment)
     try:
-        assert server.stderr is not None
-        log = []
-        for line in server.stderr:
-            log.append(line)
-            if "Running on" in line:
-                break
+        log = log_until(server, "Running on")
         assert any("engine ready in" in line for line in log), log
-        url = line.split("Running on ")[1].split()[0]
+        url = log[-1].split("Running on ")[1].split()[0]
         body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             events = response.iter_lines()
@@ -144,7 +140,7 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
             rest = [event for event in events if event]
         assert first.startswith("data: {") and rest[-1] == "data: [DONE]" and len(rest) > 100
         assert server.wait(timeout=60) == 0
-        assert "received SIGTERM: shutting down gracefully" in server.stderr.read()
+        assert server.stderr is not None and "received SIGTERM: shutting down gracefully" in server.stderr.read()
     finally:
         server.kill()
         server.wait()
