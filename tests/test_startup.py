@@ -164,3 +164,18 @@ def test_the_command_line_starts_the_engine_process_before_importing_torch():
             "or m.startswith(('engine.core.', 'engine.worker', 'engine.executor', 'engine.sched'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "['engine.core.engine_spawn']"
+
+
+def test_make_model_takes_a_named_shape_and_size_options_over_it(tmp_path):
+    from engine.api import shaped_spec
+    spec = shaped_spec("qwen2.5-0.5b")
+    assert (spec.arch, spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.intermediate, spec.vocab) == \
+        ("qwen2", 24, 896, 14, 2, 4864, 151936)
+    with pytest.raises(ValueError, match="unknown shape 'gpt-5'; known: qwen2.5-0.5b"):
+        shaped_spec("gpt-5")
+    small = ["--layers", "1", "--hidden", "56", "--heads", "7", "--kv-heads", "1", "--intermediate", "64",
+             "--vocab", "600"]
+    assert main(["make-model", str(tmp_path / "m"), "--shape", "qwen2.5-0.5b", *small]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["model_type"], config["rope_theta"], config["num_hidden_layers"], config["vocab_size"]) == \
+        ("qwen2", 1000000.0, 1, 600)

@@ -20,7 +20,7 @@ from typing import TypeAlias
 
 import trio
 
-from engine.api import ARCHITECTURES, SpawnedEngine, TinyModelSpec, engine_process_started
+from engine.api import ARCHITECTURES, SHAPES, SpawnedEngine, TinyModelSpec, engine_process_started, shaped_spec
 from engine.config import EngineConfig
 from engine.cpu_binding import bind_this_thread
 from web import options
@@ -82,13 +82,16 @@ def _add_make_model(sub: Subcommands) -> None:
                         formatter_class=HelpFormatter)
     defaults = TinyModelSpec()
     mk.add_argument("dir", help="where to write it")
-    mk.add_argument("--arch", default=defaults.arch, choices=sorted(ARCHITECTURES), help="the architecture")
+    mk.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                    help="a real model's sizes (random weights); the size options below override it")
+    mk.add_argument("--arch", default=None, choices=sorted(ARCHITECTURES),
+                    help=f"the architecture (default: {defaults.arch}, or the shape's)")
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed",
                  "experts", "top_k"):
-        mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
-                        help=f"the model's {MODEL_SIZES[name]}")
-    mk.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"],
-                    help="the weights' dtype")
+        mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                        help=f"the model's {MODEL_SIZES[name]} (default: {getattr(defaults, name)}, or the shape's)")
+    mk.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help=f"the weights' dtype (default: {defaults.dtype})")
     mk.add_argument("--force", action="store_true", help="replace a directory that is not empty")
     mk.set_defaults(run=_make_model, command_parser=mk)
 
@@ -146,10 +149,10 @@ async def _serve_engine_first(engine_config: EngineConfig, settings: ServerSetti
 def _make_model(args: argparse.Namespace) -> int:
     from engine.api import make_model
     try:
-        spec = TinyModelSpec(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
-                             max_positions=args.max_positions, dtype=args.dtype, seed=args.seed,
-                             experts=args.experts, top_k=args.top_k)
+        spec = shaped_spec(args.shape, arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                           kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
+                           max_positions=args.max_positions, dtype=args.dtype, seed=args.seed,
+                           experts=args.experts, top_k=args.top_k)
     except ValueError as exc:
         print(f"trio-llm make-model: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
     from engine.executor.base import Executor
     from engine.model_info import ModelInfo, PoolerConfig
-    from engine.models.tiny import ARCHITECTURES, TinyModelSpec, ensure_default_model, make_model
+    from engine.models.tiny import ARCHITECTURES, SHAPES, TinyModelSpec, ensure_default_model, make_model, shaped_spec
     from engine.outputs import CompletionOutput, Logprob, PoolingRequestOutput, PositionLogprobs, RequestOutput
     from engine.pooling_params import PoolingParams
     from engine.render.renderer import EngineInput
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "ARCHITECTURES": "engine.models.tiny",
+    "SHAPES": "engine.models.tiny",
+    "shaped_spec": "engine.models.tiny",
     "AsyncEngine": "engine.api.async_engine",
     "CompletionOutput": "engine.outputs",
     "EngineConfig": "engine.config",
@@ -71,13 +73,12 @@ _WHERE = {
 }
 
 __all__ = [
-    "ARCHITECTURES", "LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "EngineInput",
-    "EngineStats",
-    "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError", "PoolerConfig",
-    "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError", "RequestOutput", "RequestRecord",
-    "RequestOutputKind",
-    "SamplingParams", "StatsObserver", "Tokenizer", "TinyModelSpec", "ensure_default_model", "make_model",
-    "open_engine", "open_engine_process", "SpawnedEngine", "engine_process_started", "tune_collector_for_serving",
+    "ARCHITECTURES", "LLM", "SHAPES", "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError",
+    "EngineInput", "EngineStats", "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError",
+    "PoolerConfig", "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError",
+    "RequestOutput", "RequestOutputKind", "RequestRecord", "SamplingParams", "SpawnedEngine", "StatsObserver",
+    "TinyModelSpec", "Tokenizer", "engine_process_started", "ensure_default_model", "make_model", "open_engine",
+    "open_engine_process", "shaped_spec", "tune_collector_for_serving",
 ]
 
 

@@ -49,6 +49,7 @@ class TinyModelSpec:
     seed: int = 0
     experts: int = 8  # MoE architectures: experts per layer, each token routed to top_k of them
     top_k: int = 2
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -59,6 +60,24 @@ class TinyModelSpec:
             raise ValueError("top_k must be between 1 and experts")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+
+# Named shapes (`make-model --shape NAME`): a real model's sizes with random weights, for
+# benchmarks at the sizes people serve. The tokenizer is still the small local one; the embedding
+# and LM head have the model's full vocabulary.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": {"arch": "qwen2", "layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864,
+                     "vocab": 151936, "max_positions": 32768, "rope_theta": 1000000.0},
+}
+
+
+def shaped_spec(shape: str | None, **given: Any) -> TinyModelSpec:
+    """A spec of the named shape (none: the tiny default), with the `given` fields that are not None
+    over it. ValueError naming the shapes for an unknown one."""
+    if shape is not None and shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(sorted(SHAPES))}")
+    fields = {**(SHAPES[shape] if shape else {}), **{k: v for k, v in given.items() if v is not None}}
+    return TinyModelSpec(**fields)
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
@@ -106,7 +125,7 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_positions,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rope_theta": spec.rope_theta,
         "tie_word_embeddings": True,
         "attention_bias": False,
         "torch_dtype": spec.dtype,

@@ -1,0 +1,31 @@
+"""The side-by-side against vLLM-CPU compares like with like: one dtype for both servers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.side_by_side import check_same_dtype, trio_llm_command, vllm_command, vllm_default_dtype
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"torch_dtype": "bfloat16"}, "bfloat16"),
+    ({"dtype": "float32"}, "float32"),  # transformers 5 writes "dtype"
+    ({"torch_dtype": "float16"}, "bfloat16"),  # vLLM-CPU does not compute in float16
+    ({}, "float32"),
+])
+def test_the_default_dtype_is_the_one_vllm_cpu_picks(tmp_path, config, expected):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert vllm_default_dtype(str(tmp_path)) == expected
+
+
+def test_both_servers_get_the_same_dtype_and_a_mismatch_is_refused():
+    ours = trio_llm_command("m", 8000, "float32", ["--dtype", "float32", "--cpu-threads-bind", "auto"])
+    theirs = vllm_command("python", "m", 8001, "float32")
+    assert ours[ours.index("--dtype") + 1] == theirs[theirs.index("--dtype") + 1] == "float32"
+    assert ours.count("--dtype") == 1 and ours.count("float32") == 1 and ours[-2:] == ["--cpu-threads-bind", "auto"]
+    check_same_dtype("float32", ["--dtype", "float32", "--enforce-eager"])  # the same: accepted
+    for args in (["--dtype", "bfloat16"], ["--dtype=bfloat16"]):
+        with pytest.raises(ValueError, match="not like for like"):
+            check_same_dtype("float32", args)
