@@ -89,9 +89,9 @@ def vllm_command(python: str, model: str, port: int, dtype: str) -> list[str]:
 
 # What each server's log says about how it runs (the first match of each, in order).
 SETTINGS_PATTERNS = {
-    "trio-llm": [r"dtype (\w+), context", r"CPUs: ([^\n]+)", r"(torch threads: \d+)"],
-    "vLLM-CPU": [r"dtype=(torch\.\w+)", r"(OMP threads binding[^\n]*)", r"(auto thread-binding list[^\n]*)",
-                 r"(OMP_NUM_THREADS[^\n]*)"],
+    "trio-llm": [r"dtype (\w+), context", r"CPUs: ([^\n]+)"],
+    "vLLM-CPU": [r"dtype=(torch\.\w+)", r"(VLLM_CPU_OMP_THREADS_BIND='[^']*')", r"(reserve_cpu_num=\d+)",
+                 r"(core ids=\[[^\]]*\])"],
 }
 
 

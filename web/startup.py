@@ -44,7 +44,7 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
             f"context {info.max_model_len} tokens",
             f"engine core: {core}; executor: {layout}, device {config.device}",
             "CPUs: " + (config.cpu_layout.describe() if config.cpu_layout is not None else
-                        "not bound (--cpu-threads-bind none)"),
+                        f"not bound (--cpu-threads-bind none), {_default_threads()} compute threads (torch's default)"),
             f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "
             f"({info.num_kv_blocks * config.block_size} tokens)",
             f"engine ready in {load_seconds:.1f} s"] + (
@@ -99,3 +99,10 @@ def startup_failure(exc: BaseException, *, debug: bool = False) -> int:
     if line is not None:
         print(f"trio-llm serve: {line}", file=sys.stderr)
     return 1
+
+
+def _default_threads() -> int:
+    """torch's intra-op threads in a process that binds nothing (the engine process's too: same
+    machine, same environment). torch is loaded by now: the engine is up."""
+    import torch
+    return torch.get_num_threads()
