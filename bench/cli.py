@@ -19,6 +19,7 @@ def add_bench_command(sub: Subcommands) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_bench_throughput(bench)
     _add_bench_forward(bench)
+    _add_bench_roofline(bench)
     _add_bench_serve(bench)
     _add_bench_loop_lag(bench)
     _add_bench_rpc(bench)
@@ -167,6 +168,27 @@ def _add_bench_forward(bench: Subcommands) -> None:
     fw.add_argument("--profile", type=int, default=None, metavar="BATCH",
                     help="also print a torch.profiler table of decode steps at this batch size, both ways")
     fw.set_defaults(run=_bench_forward)
+
+
+def _add_bench_roofline(bench: Subcommands) -> None:
+    rl = bench.add_parser("roofline", help="memory bandwidth and matmul peak, and each decode step's floor beside "
+                                           "the measured step")
+    rl.add_argument("--model", default=None)
+    rl.add_argument("--batch", default="1,16,64", help="comma-separated batch sizes")
+    rl.add_argument("--context", type=int, default=192, help="cached tokens per sequence")
+    rl.add_argument("--repeats", type=int, default=30, help="steps per timed round")
+    rl.set_defaults(run=_bench_roofline)
+
+
+def _bench_roofline(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench import forward, roofline
+    batches = [int(b) for b in args.batch.split(",")]
+    bench = forward.DecodeBench(model_dir(args.model), batches, args.context)
+    print(f"compiled the decode graph in {bench.compile():.1f} s")
+    print(roofline.report(roofline.floors(bench, batches, args.repeats), torch.get_num_threads()))
+    return 0
 
 
 def _bench_forward(args: argparse.Namespace) -> int:

@@ -1,0 +1,89 @@
+"""`trio-llm bench roofline`: this machine's memory bandwidth and matmul peak, and each decode
+step's floor beside the measured step.
+
+A decode step reads every weight once and every cached key and value of its sequences; it does
+about two FLOPs per weight per sequence (plus attention's). Its floor is the larger of bytes /
+read bandwidth and FLOPs / peak; at small batches the bytes decide. The measured step is the
+compiled decode graph plus the LM head, as `trio-llm bench forward` times it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bench.forward import DecodeBench
+
+BANDWIDTH_BYTES = 512 << 20  # far past the last-level cache
+MATMUL_SIZE = 2048
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int, rounds: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
+
+
+def read_bandwidth() -> float:
+    """Bytes/s a reduction over a tensor larger than the caches reads."""
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    return BANDWIDTH_BYTES / _best_seconds(data.sum, 5)
+
+
+def matmul_peak(dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a large square matmul."""
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
+    return 2 * MATMUL_SIZE ** 3 / _best_seconds(lambda: a @ b, 3)
+
+
+@dataclass
+class StepFloor:
+    batch: int
+    weight_bytes: int
+    kv_bytes: int
+    flops: float
+    measured_ms: float
+    bandwidth: float
+    peak: float
+
+    @property
+    def floor_ms(self) -> float:
+        return 1000 * max((self.weight_bytes + self.kv_bytes) / self.bandwidth, self.flops / self.peak)
+
+
+def floors(bench: DecodeBench, batches: list[int], repeats: int) -> list[StepFloor]:
+    bandwidth, peak = read_bandwidth(), matmul_peak()
+    model = bench.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    params = sum(p.numel() for p in model.parameters())
+    k_cache, _ = bench.runner.kv_caches[0]
+    per_token_kv = 2 * len(bench.runner.kv_caches) * k_cache[0, 0].numel() * k_cache.element_size()
+    results = []
+    for batch in batches:
+        measured = bench.time_steps(batch, repeats).compiled_ms
+        results.append(StepFloor(batch, weight_bytes, batch * bench.context * per_token_kv, 2.0 * params * batch,
+                                 measured, bandwidth, peak))
+    return results
+
+
+def report(rows: list[StepFloor], threads: int) -> str:
+    first = rows[0]
+    lines = [f"read bandwidth {first.bandwidth / 1e9:.1f} GB/s, float32 matmul peak {first.peak / 1e9:.1f} GFLOP/s "
+             f"({threads} threads); weights {first.weight_bytes / 1e6:.1f} MB",
+             "batch | KV read MB | floor ms (bytes / bandwidth, FLOPs / peak) | measured ms | measured / floor"]
+    for row in rows:
+        by_bytes = 1000 * (row.weight_bytes + row.kv_bytes) / row.bandwidth
+        by_flops = 1000 * row.flops / row.peak
+        floor = f"{row.floor_ms:.2f} ({by_bytes:.2f}, {by_flops:.2f})"
+        lines.append(f"{row.batch:>5} | {row.kv_bytes / 1e6:>10.1f} | {floor:<43} | {row.measured_ms:>11.2f} | "
+                     f"{row.measured_ms / row.floor_ms:>6.2f}x")
+    return "\n".join(lines)
