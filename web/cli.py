@@ -86,8 +86,7 @@ def _add_make_model(sub: Subcommands) -> None:
                     help="a real model's sizes (random weights); the size options below override it")
     mk.add_argument("--arch", default=None, choices=sorted(ARCHITECTURES),
                     help=f"the architecture (default: {defaults.arch}, or the shape's)")
-    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_positions", "seed",
-                 "experts", "top_k"):
+    for name in MODEL_SIZES:
         mk.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                         help=f"the model's {MODEL_SIZES[name]} (default: {getattr(defaults, name)}, or the shape's)")
     mk.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -149,10 +148,8 @@ async def _serve_engine_first(engine_config: EngineConfig, settings: ServerSetti
 def _make_model(args: argparse.Namespace) -> int:
     from engine.api import make_model
     try:
-        spec = shaped_spec(args.shape, arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                           kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
-                           max_positions=args.max_positions, dtype=args.dtype, seed=args.seed,
-                           experts=args.experts, top_k=args.top_k)
+        given = {name: getattr(args, name) for name in (*MODEL_SIZES, "arch", "dtype")}
+        spec = shaped_spec(args.shape, **given)
     except ValueError as exc:
         print(f"trio-llm make-model: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@
         ...  # the same AsyncEngine as open_engine's, over a CoreClient
 
 The server process keeps what is per request and cheap (rendering, tokenizing, grammar compiling,
-building `Request`s) and the HTTP work; the engine process (`engine.core.engine_main`) runs the
+building `EngineCoreRequest`s) and the HTTP work; the engine process (`engine.core.engine_main`) runs the
 scheduler, the executor and the model. The two share no GIL, so HTTP handling never waits for a
 step's Python work, nor a step for the HTTP work. `AsyncEngine` drives a `CoreClient` as it
 drives an in-process `EngineCore`: `submit`, `abort`, `stats()` and `dead`, all synchronous.

@@ -4,8 +4,8 @@ Both ends are our own processes over `engine.ipc.wire` frames (pickle protocol 5
 of band). The frequent messages are plain tuples, as the executor's calls are (pickling a dataclass
 costs ~10x a tuple of builtins):
 
-- server -> engine, one frame per batch of posted messages: a list of `(ADD, request_id, prompt,
-  children)`, `(ABORT, request_id)` and `(SYNC, token)`. The end of the stream stops the engine.
+- server -> engine, one frame per batch of posted messages: a list of `(ADD, EngineCoreRequest)`,
+  `(ABORT, request_id)` and `(SYNC, token)`. The end of the stream stops the engine.
 - engine -> server, one frame per step: a `StepReport` tuple (every request's outputs of the step,
   the observer calls the step made, a snapshot of the core, and the syncs done).
 
