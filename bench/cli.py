@@ -187,7 +187,7 @@ def _bench_roofline(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     bench = forward.DecodeBench(model_dir(args.model), batches, args.context)
     print(f"compiled the decode graph in {bench.compile():.1f} s")
-    print(roofline.report(roofline.floors(bench, batches, args.repeats), torch.get_num_threads()))
+    print(roofline.report(roofline.floors(bench, batches, args.repeats), torch.get_num_threads(), bench.model.dtype))
     return 0
 
 

@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig
+from engine.models import packed_linear
 from engine.models.attention import (
     DecodeMetadata,
     SequenceChunk,
@@ -71,7 +72,16 @@ async def engine_greedy(config: EngineConfig, prompts: list[list[int]], max_toke
     return [got[i] for i in range(len(prompts))], steps
 
 
-async def test_compiled_and_eager_give_transformers_greedy_tokens(checkpoint):
+@pytest.fixture(params=["stored", "packed"])
+def weights(request, monkeypatch):
+    """How the linears hold their weights: as stored (the tiny models' own: too small to pack), or
+    every one packed for oneDNN, as a real model's are (engine/models/packed_linear.py)."""
+    if request.param == "packed":
+        monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    return request.param
+
+
+async def test_compiled_and_eager_give_transformers_greedy_tokens(checkpoint, weights):
     path, hf_model = checkpoint
     rng = random.Random(2)
     prompts = [rng.choices(range(3, VOCAB), k=n) for n in (3, 11, 17, 29, 40)]

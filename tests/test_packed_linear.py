@@ -1,26 +1,81 @@
-"""The LM head's oneDNN-packed weight computes what `F.linear` does."""
+"""oneDNN-packed linears compute what `F.linear` does, eager and inside a compiled graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.models.packed_linear import PackedLinear
+from engine.models.layers import Linear, RowParallelLinear
+from engine.models.packed_linear import PACK_MIN_ELEMENTS, can_pack, pack_weight, packed_linear
+from engine.models.parallel import TensorParallel
+
+
+def _filled(linear: Linear, seed: int) -> Linear:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator))
+        if linear.bias is not None:
+            linear.bias.copy_(torch.randn(linear.bias.shape, generator=generator))
+    return linear
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 3])
-def test_the_packed_linear_equals_f_linear(rows):
-    generator = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(1000, 64, generator=generator), torch.randn(1000, generator=generator)
-    x = torch.randn(rows, 64, generator=generator)
-    packed = PackedLinear.pack(weight)
-    if packed is None:
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_equals_f_linear(rows, bias):
+    linear = _filled(Linear(256, 1024, bias=bias), rows)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(7))
+    expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    if not linear.pack():
         pytest.fail("oneDNN packing is expected on the CPU build of torch the project pins")
-    torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
-    with_bias = PackedLinear.pack(weight, bias)
-    assert with_bias is not None
-    torch.testing.assert_close(with_bias(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert linear.weight.device.type == "meta", "the stored weight is dropped once packed"
+    assert linear.weight.shape == (1024, 256)
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_only_float32_weights_are_packed():
-    assert PackedLinear.pack(torch.randn(8, 4, dtype=torch.bfloat16)) is None
+def test_a_row_parallel_linear_adds_its_bias_after_the_packed_product():
+    linear = _filled(RowParallelLinear(512, 256, bias=True, tp=TensorParallel()), 1)
+    x = torch.randn(5, 512)
+    expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    assert linear.pack()
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_keep_weight_leaves_a_tied_weight_in_place():
+    linear = _filled(Linear(256, 1024, bias=False), 2)
+    stored = linear.weight
+    assert linear.pack(keep_weight=True)
+    assert linear.weight is stored and linear.packed is not None
+
+
+def test_small_weights_and_unsupported_dtypes_keep_f_linear():
+    small = Linear(64, 64, bias=False)
+    assert small.weight.numel() < PACK_MIN_ELEMENTS
+    assert not small.pack() and small.packed is None and small.weight.device.type == "cpu"
+    assert not can_pack(torch.empty(1024, 256, dtype=torch.float64))
+    assert pack_weight(torch.empty(1024, 256, dtype=torch.int8)) is None
+
+
+def test_the_packed_linear_compiles_into_a_graph_that_takes_the_packed_weight_as_an_input(tmp_path, monkeypatch):
+    """The lowering passes the opaque weight through untouched (a copy of it would be garbage)."""
+    from engine.models.packed_linear import register_inductor_lowering
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the package's library is unpacked
+
+    register_inductor_lowering()
+    weight, bias = torch.randn(1024, 256), torch.randn(1024)
+    packed = pack_weight(weight)
+    assert packed is not None
+
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.relu(packed_linear(x, w, b))
+
+    rows = torch.export.Dim("rows", min=2, max=256)
+    x = torch.randn(4, 256)
+    program = torch.export.export(Step(), (x, packed, bias), dynamic_shapes=({0: rows}, None, None), strict=False)
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "step.pt2"))
+    step = torch._inductor.aoti_load_package(path)
+    for n in (2, 9):
+        x = torch.randn(n, 256)
+        torch.testing.assert_close(step(x, packed, bias), torch.relu(torch.nn.functional.linear(x, weight, bias)),
+                                   rtol=1e-5, atol=1e-4)

@@ -20,7 +20,6 @@ from engine.models.attention import AttentionMetadata, DecodeMetadata, paged_att
 from engine.models.hf_config import DecoderConfig
 from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
-from engine.models.packed_linear import PackedLinear
 from engine.models.parallel import TensorParallel
 from engine.models.rope import RotaryEmbedding
 from engine.models.weights import checked_copy, load_named_weights
@@ -103,7 +102,6 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
         self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False, **factory)
         self.rope: RotaryEmbedding | None = None
-        self.packed_lm_head: PackedLinear | None = None  # set by `pack_lm_head` once the weights are loaded
 
     def setup_rope(self, max_positions: int) -> None:
         cfg = self.config
@@ -145,15 +143,21 @@ class DecoderForCausalLM(nn.Module):
     def num_local_kv_heads(self) -> int:
         return self.first_layer.num_kv_heads
 
-    def pack_lm_head(self) -> None:
-        """Lay the LM head's weight out for oneDNN (engine/models/packed_linear.py): the logits of a
-        decode step then cost a tenth at one sequence. Call once the weights are final."""
-        self.packed_lm_head = PackedLinear.pack(self.lm_head.weight)
+    def pack_linears(self) -> None:
+        """Lay every large linear weight out for oneDNN (engine/models/packed_linear.py): a decode
+        step's matmuls then run near memory speed. Call once, when the weights are final."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+
+    @property
+    def packed_linears(self) -> list[tuple[str, Linear]]:
+        """The packed linear layers by name, in module order (the compiled graph's extra inputs)."""
+        return [(name, m) for name, m in self.named_modules() if isinstance(m, Linear) and m.packed is not None]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (gathered from every rank: a collective, so all ranks call it)."""
-        head = self.packed_lm_head or self.lm_head
-        return self.tp.all_gather_last_dim(head(hidden)).float()
+        return self.tp.all_gather_last_dim(self.lm_head(hidden)).float()
 
     # ---- weight loading ---------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

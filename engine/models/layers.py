@@ -1,5 +1,5 @@
-"""The building blocks the decoders share: uninitialised linear layers (plain, row-parallel), the
-vocab-parallel embedding, RMSNorm and the SwiGLU MLP."""
+"""The building blocks the decoders share: uninitialised linear layers (plain, row-parallel; their
+weights packed for oneDNN once loaded), the vocab-parallel embedding, RMSNorm and the SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
 
 
@@ -22,9 +23,30 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        # The weight in oneDNN's layout once `pack` ran (engine/models/packed_linear.py). A plain
+        # attribute, not a buffer: the compiled decode graph takes it as an input.
+        self.packed: torch.Tensor | None = None
+
+    def pack(self, keep_weight: bool = False) -> bool:
+        """Lay the weight out for oneDNN, where that applies (`packed_linear.can_pack`); returns
+        whether it did. The stored weight is then dropped (a meta tensor keeps its shape) unless
+        `keep_weight` (a tied LM head: the embedding still reads it). Call once the weights are
+        final: loading into a packed layer is an error."""
+        packed = pack_weight(self.weight)
+        if packed is None:
+            return False
+        self.packed = packed
+        if not keep_weight:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+        return True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -38,7 +60,7 @@ class RowParallelLinear(Linear):
         self.reduce = reduce  # False: leave the partial sum for the caller's one all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._matmul(x, None)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -80,7 +80,7 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     with torch.no_grad():
         model.load_weights(iterate_weights(files))
     model.setup_rope(max_positions or cfg.max_position_embeddings)
-    model.pack_lm_head()
+    model.pack_linears()
     return model.eval()
 
 
@@ -106,7 +106,7 @@ def load_llava(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
         decoder.load_weights(text_weights)
         vision.load_weights(vision_weights, "LlavaForConditionalGeneration")
     decoder.setup_rope(max_positions or cfg.text.max_position_embeddings)
-    decoder.pack_lm_head()
+    decoder.pack_linears()
     return decoder.eval(), vision.eval(), cfg
 
 

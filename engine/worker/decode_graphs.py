@@ -39,6 +39,7 @@ import torch
 
 from engine.models.attention import DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
+from engine.models.packed_linear import register_inductor_lowering
 from engine.paths import default_compile_cache
 from engine.worker import precompiled_graph
 from engine.worker.precompiled_graph import DecodeStep
@@ -128,6 +129,7 @@ class DecodeGraphs:
             settle_vector_isa(self.cache_dir)
         # Each model compiled in one process (tests open many) adds an entry to forward's cache.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+        register_inductor_lowering()
         self._dynamo = torch.compile(self.model, dynamic=False, fullgraph=False)
 
     @property

@@ -12,7 +12,9 @@ Loading it is torch's C++ loader (`torch._C._aoti.AOTIModelPackageLoader`, what
 
 The package holds no weights (`package_constants_in_so=False`): at load the model's own
 parameters and buffers are handed to it by name, without copying (`user_managed`), so the file
-stays small and the graph computes with the tensors the eager path uses.
+stays small and the graph computes with the tensors the eager path uses. The linears' oneDNN-packed
+weights (engine/models/packed_linear.py) are opaque tensors AOTInductor cannot hold as constants:
+the graph takes them as inputs after the step's own, in `model.packed_linears` order.
 
 The package keeps no guards. What they would have checked goes into the file's name instead
 (`artefact_path`): torch and Python, the model's configuration, parameter shapes and dtypes, the
@@ -50,6 +52,7 @@ from torch import nn
 import engine.models
 from engine.models.attention import DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
+from engine.models.packed_linear import register_inductor_lowering
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KV
         repr(model.config), str(model.dtype), block_size, trace_rows,
         [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()],
         [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()],
+        [name for name, _ in model.packed_linears],
         tuple(model.rope.cos.shape), [(tuple(k.shape), str(k.dtype), str(k.device)) for k, _ in kv_caches],
         _modeling_source_digest(),
     )
@@ -106,7 +110,7 @@ def load(path: Path, model: DecoderForCausalLM) -> DecodeStep | None:
         logger.warning("could not load the compiled decode graph %s (%s: %s); compiling it again",
                        path, type(exc).__name__, exc)
         return None
-    return _bind(loader)
+    return _bind(loader, [linear.packed for _, linear in model.packed_linears])
 
 
 def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tuple[Any, ...]) -> DecodeStep:
@@ -116,11 +120,13 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
     hidden, positions, kv_caches, meta = example
     batch = torch.export.Dim("batch", min=2, max=MAX_ROWS)
     width = torch.export.Dim("table_width", min=2, max=MAX_TABLE_WIDTH)
+    packed = [linear.packed for _, linear in model.packed_linears]
+    register_inductor_lowering()
     program = torch.export.export(
         _FlatDecodeStep(model, meta.block_size),
-        (hidden, positions, kv_caches, meta.slot_mapping, meta.block_table, meta.seq_lens),
+        (hidden, positions, kv_caches, meta.slot_mapping, meta.block_table, meta.seq_lens, packed),
         dynamic_shapes=({0: batch}, {0: batch}, [(None, None)] * len(kv_caches), {0: batch},
-                        {0: batch, 1: width}, {0: batch}),
+                        {0: batch, 1: width}, {0: batch}, [None] * len(packed)),
         strict=False)
     with tempfile.TemporaryDirectory() as scratch:
         target = path if path is not None else Path(scratch) / "decode.pt2"
@@ -165,7 +171,8 @@ def _unpacked_in_a_directory_we_remove() -> Iterator[None]:
 
 
 class _FlatDecodeStep(nn.Module):
-    """The decode forward over plain tensors (export takes no dataclass of ours)."""
+    """The decode forward over plain tensors (export takes no dataclass of ours), the packed
+    weights among its inputs."""
 
     def __init__(self, model: DecoderForCausalLM, block_size: int) -> None:
         super().__init__()
@@ -173,9 +180,20 @@ class _FlatDecodeStep(nn.Module):
         self.block_size = block_size
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                packed: list[torch.Tensor]) -> torch.Tensor:
         meta = DecodeMetadata(slot_mapping, block_table, seq_lens, self.block_size)
-        out: torch.Tensor = self.model(hidden, positions, kv_caches, meta)
+        linears = [linear for _, linear in self.model.packed_linears]
+        own = [linear.packed for linear in linears]
+        # While tracing, each layer reads its packed weight from the inputs, so the graph holds
+        # none of them as a constant.
+        for linear, given in zip(linears, packed, strict=True):
+            linear.packed = given
+        try:
+            out: torch.Tensor = self.model(hidden, positions, kv_caches, meta)
+        finally:
+            for linear, weight in zip(linears, own, strict=True):
+                linear.packed = weight
         return out
 
 
@@ -187,11 +205,11 @@ def _model_tensors(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _bind(loader: Any) -> DecodeStep:
+def _bind(loader: Any, packed: list[torch.Tensor | None]) -> DecodeStep:
     def step(hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
              meta: DecodeMetadata) -> torch.Tensor:
         flat = [hidden, positions, *(t for pair in kv_caches for t in pair), meta.slot_mapping, meta.block_table,
-                meta.seq_lens]
+                meta.seq_lens, *packed]
         out: torch.Tensor = loader.run(flat)[0]
         return out
 
