@@ -21,6 +21,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_forward(bench)
     _add_bench_roofline(bench)
     _add_bench_serve(bench)
+    _add_bench_neighbour(bench)
     _add_bench_loop_lag(bench)
     _add_bench_rpc(bench)
     _add_bench_embed(bench)
@@ -229,6 +230,37 @@ def _add_bench_serve(bench: Subcommands) -> None:
     sv.add_argument("--repeats", type=int, default=3,
                     help="--side-by-side: rounds, alternating which server goes first; medians are reported")
     sv.set_defaults(run=_bench_serve)
+
+
+def _add_bench_neighbour(bench: Subcommands) -> None:
+    nb = bench.add_parser("neighbour", help="served tok/s quiet against a busy loop on one CPU, per CPU layout")
+    nb.add_argument("model", help="model directory")
+    nb.add_argument("--layouts", default="none,auto,adaptive", help="comma-separated: none, auto, adaptive")
+    nb.add_argument("--concurrency", default="1,16", help="comma-separated levels")
+    nb.add_argument("--num-requests", type=int, default=32)
+    nb.add_argument("--input-len", type=int, default=128)
+    nb.add_argument("--output-len", type=int, default=128)
+    nb.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
+    nb.add_argument("--busy-cpu", type=int, default=None, help="the CPU the busy loop takes (default: the last)")
+    nb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    nb.add_argument("--repeats", type=int, default=3, help="rounds, alternating quiet and busy first")
+    nb.set_defaults(run=_bench_neighbour)
+
+
+def _bench_neighbour(args: argparse.Namespace) -> int:
+    from bench import neighbour
+    from engine.cpu_binding import available_cpus
+    layouts = args.layouts.split(",")
+    unknown = sorted(set(layouts) - set(neighbour.LAYOUTS))
+    if unknown:
+        print(f"trio-llm bench neighbour: unknown layouts {unknown}; choose from {sorted(neighbour.LAYOUTS)}",
+              file=sys.stderr)
+        return 2
+    busy_cpu = args.busy_cpu if args.busy_cpu is not None else available_cpus()[-1]
+    print(trio.run(partial(neighbour.run, model_dir(args.model), layouts, [int(c) for c in args.concurrency.split(",")],
+                           args.num_requests, args.input_len, args.output_len, args.vocab, busy_cpu, args.dtype,
+                           args.repeats)))
+    return 0
 
 
 def _add_bench_loop_lag(bench: Subcommands) -> None:

@@ -14,6 +14,7 @@ interpreter).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,11 +112,12 @@ async def _healthy(url: str) -> bool:
         return False
 
 
-async def serve_and_load(name: str, command: list[str], port: int, levels: list[int], num_requests: int,
-                         input_len: int, output_len: int, vocab: int, log_path: str,
-                         start_timeout: float = 600.0) -> ServerRun:
-    """Start `command`, wait for /health (polling an external process: there is nothing to await),
-    run every level, stop it with SIGINT (then SIGKILL after 30 s)."""
+@contextlib.asynccontextmanager
+async def served(name: str, command: list[str], port: int, log_path: str,
+                 start_timeout: float = 600.0) -> AsyncIterator[tuple[str, float]]:
+    """Start `command` (its output to `log_path`), wait for /health (polling an external process:
+    there is nothing to await), yield its URL and the seconds it took to get healthy; on exit stop
+    it with SIGINT (then SIGKILL after 30 s)."""
     url = f"http://127.0.0.1:{port}"
     log = await trio.open_file(log_path, "wb")
     async with log:
@@ -127,16 +130,32 @@ async def serve_and_load(name: str, command: list[str], port: int, levels: list[
                     if process.poll() is not None:
                         raise RuntimeError(f"{name} exited with {process.returncode} before serving; see {log_path}")
                     await trio.sleep(0.25)
-            run = ServerRun(name, time.perf_counter() - started)
-            await run_level(url, SERVED_NAME, 4, 4, input_len, 4, vocab, 120.0, None, seed=99)  # warm-up
-            for concurrency in levels:
-                requests = max(num_requests, concurrency) if concurrency > 1 else max(4, num_requests // 8)
-                run.levels[concurrency] = await run_level(url, SERVED_NAME, concurrency, requests, input_len,
-                                                          output_len, vocab, 300.0, None)
-            return run
+            yield url, time.perf_counter() - started
         finally:
             with trio.CancelScope(shield=True):
                 await _stop(process)
+
+
+async def warm_up(url: str, input_len: int, vocab: int) -> None:
+    await run_level(url, SERVED_NAME, 4, 4, input_len, 4, vocab, 120.0, None, seed=99)
+
+
+def requests_for(concurrency: int, num_requests: int) -> int:
+    """Requests at one level: at least one per stream; one stream gets an eighth (it is slow)."""
+    return max(num_requests, concurrency) if concurrency > 1 else max(4, num_requests // 8)
+
+
+async def serve_and_load(name: str, command: list[str], port: int, levels: list[int], num_requests: int,
+                         input_len: int, output_len: int, vocab: int, log_path: str) -> ServerRun:
+    """Start `command`, run every level against it, stop it."""
+    async with served(name, command, port, log_path) as (url, startup_seconds):
+        run = ServerRun(name, startup_seconds)
+        await warm_up(url, input_len, vocab)
+        for concurrency in levels:
+            run.levels[concurrency] = await run_level(url, SERVED_NAME, concurrency,
+                                                      requests_for(concurrency, num_requests), input_len,
+                                                      output_len, vocab, 300.0, None)
+        return run
 
 
 async def _stop(process: trio.Process) -> None:
@@ -151,7 +170,7 @@ async def _stop(process: trio.Process) -> None:
     await process.wait()
 
 
-def _rate(level: LevelResult) -> float:
+def rate(level: LevelResult) -> float:
     return level.output_tokens / level.elapsed if level.elapsed else 0.0
 
 
@@ -168,11 +187,11 @@ def table(ours: list[ServerRun], theirs: list[ServerRun]) -> str:
     for level in ours[0].levels:
         a = [r.levels[level] for r in ours]
         b = [r.levels[level] for r in theirs]
-        ratios = [_rate(x) / _rate(y) if _rate(y) else float("nan") for x, y in zip(a, b, strict=True)]
+        ratios = [rate(x) / rate(y) if rate(y) else float("nan") for x, y in zip(a, b, strict=True)]
         ttft = [med(_percentile(x.ttft, .5) for x in side) * ms for side in (a, b)]
         itl = [med(_percentile(x.itl, .5) for x in side) * ms for side in (a, b)]
         lines.append(
-            f"{level:>11} | {med(map(_rate, a)):>14.1f} | {med(map(_rate, b)):>10.1f} | "
+            f"{level:>11} | {med(map(rate, a)):>14.1f} | {med(map(rate, b)):>10.1f} | "
             f"{med(ratios):>4.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
             f"{ttft[0]:>20.1f} | {ttft[1]:>16.1f} | {itl[0]:>19.1f} | {itl[1]:>15.1f}")
     return "\n".join(lines)

@@ -166,6 +166,10 @@ class EngineConfig:
     # --cpu-threads-bind: the forward pass's CPUs and the event loop's (None: no binding, torch's
     # default thread count)
     cpu_layout: CpuLayout | None = None
+    # Let each step's intra-op thread count move within 1..the compute CPUs, to whichever steps
+    # fastest now (engine/worker/thread_tuner.py): fewer when a neighbour takes a core. False: the
+    # count stays where the layout (or torch's default) puts it. CPU only.
+    adaptive_cpu_threads: bool = True
     # Decode steps run a torch.compile'd graph with a dynamic batch (engine.worker.decode_graphs);
     # True keeps every step on the eager model (vLLM's --enforce-eager). None: compile, unless
     # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).

@@ -55,6 +55,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="CPUs of the forward pass: auto (all but the first, which the event loop keeps), none "
                         "(no binding, torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's "
                         "VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument("--adaptive-cpu-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="let each forward pass use between 1 thread and one per compute CPU, whichever steps "
+                        "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "
+                        "one per compute CPU")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run every step on the eager model (default: decode steps run one graph compiled at "
                         "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)")
@@ -106,6 +110,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_chunked_prefill": args.enable_chunked_prefill, "scheduling_policy": args.scheduling_policy,
             "cpu_layout": parse_cpu_threads_bind(args.cpu_threads_bind, available_cpus()),
+            "adaptive_cpu_threads": args.adaptive_cpu_threads,
             "enforce_eager": args.enforce_eager,
             "compilation_config": CompilationConfig.from_json(args.compilation_config or "{}"),
             "enable_prompt_embeds": args.enable_prompt_embeds,

@@ -130,7 +130,8 @@ class DecodeGraphs:
         # Each model compiled in one process (tests open many) adds an entry to forward's cache.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         register_inductor_lowering()
-        self._dynamo = torch.compile(self.model, dynamic=False, fullgraph=False)
+        self._dynamo = torch.compile(self.model, dynamic=False, fullgraph=False,
+                                     options={"cpp.dynamic_threads": True})
 
     @property
     def max_batch(self) -> int:

@@ -18,8 +18,9 @@ the graph takes them as inputs after the step's own, in `model.packed_linears` o
 
 The package keeps no guards. What they would have checked goes into the file's name instead
 (`artefact_path`): torch and Python, the model's configuration, parameter shapes and dtypes, the
-rotary tables, the KV cache's shape, the block size, the compute threads (inductor's C++ loops
-are specialised on them), the vector ISA, and the source of the modeling code. A stale package
+rotary tables, the KV cache's shape, the block size, the vector ISA, and the source of the
+modeling code. (Not the thread count: the graph's C++ loops read it at each call,
+`cpp.dynamic_threads`.) A stale package
 the key misses is caught at load: `DecodeGraphs` compares one step against the eager model and
 compiles again on a mismatch.
 
@@ -56,10 +57,14 @@ from engine.models.packed_linear import register_inductor_lowering
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile)
+FORMAT = 3  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile; 2: fixed threads)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], DecodeMetadata], torch.Tensor]
 MAX_ROWS = 1 << 16  # the exported graph's bounds on the batch and the table's width (AOTI checks them)
 MAX_TABLE_WIDTH = 1 << 20
+# No weights in the package (see the module doc), and C++ loops that use as many threads as torch
+# has at each call rather than those it had when compiled: the worker changes the count while
+# serving (engine/worker/thread_tuner.py).
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "cpp.dynamic_threads": True}
 KEEP_PACKAGES = 16  # compiled graphs kept on disk (one per model, dtype, cache shape, torch, ...)
 
 # torch 2.13's own pytree code warns when an exported program is pickled or loaded; not ours to fix.
@@ -72,7 +77,7 @@ def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KV
     digest of everything the compiled code depends on (see the module doc)."""
     assert model.rope is not None, "setup_rope() before compiling"
     parts = (
-        FORMAT, torch.__version__, sys.version, torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(),
+        FORMAT, torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
         os.environ.get("TORCHINDUCTOR_VEC_ISA_OK"),
         repr(model.config), str(model.dtype), block_size, trace_rows,
         [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()],
@@ -134,7 +139,7 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
         partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.pt2")  # AOTI wants the suffix
         try:
             torch._inductor.aoti_compile_and_package(
-                program, package_path=str(partial), inductor_configs={"aot_inductor.package_constants_in_so": False})
+                program, package_path=str(partial), inductor_configs=INDUCTOR_CONFIGS)
             os.replace(partial, target)  # a reader sees the whole package or none
             prune(target.parent)
         finally:

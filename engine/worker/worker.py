@@ -6,6 +6,8 @@ arguments and results are plain picklable data.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_binding import bound_to
+from engine.cpu_binding import CpuLayout, bound_to
 from engine.ec.storage import save_rows
 from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
@@ -34,6 +36,15 @@ from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.expert_mover import ExpertMover
 from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.model_runner import ModelRunner
+from engine.worker.thread_tuner import ThreadTuner
+
+logger = logging.getLogger(__name__)
+
+
+def max_compute_threads(layout: CpuLayout | None, torch_threads: int) -> int:
+    """The most intra-op threads a step may use: one per compute CPU of the layout, or torch's
+    own count (its default, or OMP_NUM_THREADS) when nothing is bound."""
+    return len(layout.compute) if layout is not None else torch_threads
 
 
 class Worker:
@@ -52,6 +63,10 @@ class Worker:
         self.compute_cpus = config.cpu_layout.compute if config.cpu_layout is not None else None
         if self.compute_cpus is not None:
             torch.set_num_threads(len(self.compute_cpus))
+        # Each step's thread count, measured (one rank only: tensor-parallel ranks step together).
+        self.thread_tuner: ThreadTuner | None = None
+        if config.adaptive_cpu_threads and self.device.type == "cpu" and world_size == 1:
+            self.thread_tuner = ThreadTuner(max_compute_threads(config.cpu_layout, torch.get_num_threads()))
         if world_size > 1:
             if distributed_init_method is None:
                 raise ValueError("tensor parallelism needs a distributed_init_method")
@@ -160,7 +175,24 @@ class Worker:
         with bound_to(self.compute_cpus):  # a syscall or two per step
             if sched_out.eplb_commit is not None:
                 self.eplb_commit_layer(sched_out.eplb_commit)
-            return self.runner.execute(sched_out)
+            if self.thread_tuner is None:
+                return self.runner.execute(sched_out)
+            return self._execute_tuned(sched_out, self.thread_tuner)
+
+    def _execute_tuned(self, sched_out: SchedulerOutput, tuner: ThreadTuner) -> ModelRunnerOutput:
+        """The step on the thread count the tuner picks, timed for it."""
+        assert self.runner is not None
+        threads = tuner.next_threads()
+        if torch.get_num_threads() != threads:  # per thread: a pool may hand us another one
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        output = self.runner.execute(sched_out)
+        before = tuner.threads
+        tuner.record(threads, sched_out.total_num_tokens, time.perf_counter() - started)
+        if tuner.threads != before:
+            logger.info("compute threads %d -> %d: steps took %.2fx the time with %d", before, tuner.threads,
+                        tuner.last_probe[1] or 0.0, tuner.threads)
+        return output
 
     def eplb_stage_layer(self, plan: LayerPlan, first: int = 0, count: int | None = None) -> int:
         """Stage one MoE layer's moving experts, or the part `plan.moves[first:first + count]` of them

@@ -1,0 +1,127 @@
+"""The thread tuner (engine/worker/thread_tuner.py) on fake step timings: it keeps the count that
+steps fastest, moves when a busy neighbour changes which that is, and probes less on a steady
+machine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from engine.cpu_binding import parse_cpu_threads_bind
+from engine.worker.thread_tuner import ThreadTuner
+from engine.worker.worker import max_compute_threads
+
+
+def run_steps(tuner: ThreadTuner, steps: int, seconds: Callable[[int], float], shape: int = 16) -> list[int]:
+    """Run `steps` steps whose time depends on the thread count; the counts used, in order."""
+    used = []
+    for _ in range(steps):
+        threads = tuner.next_threads()
+        used.append(threads)
+        tuner.record(threads, shape, seconds(threads))
+    return used
+
+
+def quiet(threads: int) -> float:  # two cores, nothing else running: two threads are faster
+    return {1: 0.058, 2: 0.035}[threads]
+
+
+def busy(threads: int) -> float:  # a busy loop on one of the two cores: one thread is faster
+    return {1: 0.060, 2: 0.148}[threads]
+
+
+def test_on_a_quiet_machine_it_keeps_every_thread_and_probes_ever_less_often():
+    tuner = ThreadTuner(2)
+    used = run_steps(tuner, 2000, quiet)
+    assert tuner.threads == 2 and tuner.switches == 0
+    probes = used.count(1)
+    assert 0 < probes <= 4 * (2000 // 256 + 4)  # probes back off to one every 256 steps
+    assert tuner.interval == tuner.max_interval
+
+
+def test_a_busy_neighbour_moves_it_to_fewer_threads_and_back_when_it_leaves():
+    tuner = ThreadTuner(2)
+    run_steps(tuner, 100, quiet)
+    assert tuner.threads == 2
+    used = run_steps(tuner, 300, busy)
+    assert tuner.threads == 1
+    assert used[-100:].count(1) >= 90  # the slow count only in an occasional probe
+    run_steps(tuner, 600, quiet)
+    assert tuner.threads == 2 and tuner.switches == 2
+
+
+def test_small_differences_within_the_margin_do_not_move_it():
+    tuner = ThreadTuner(2)
+    run_steps(tuner, 1000, lambda threads: 0.050 if threads == 1 else 0.051)
+    assert tuner.threads == 2 and tuner.switches == 0
+
+
+def test_probes_are_compared_only_with_steps_of_the_same_shape():
+    """A probe of prompt steps (many tokens, slow whatever the count) says nothing against decode
+    steps of another shape: no move."""
+    tuner = ThreadTuner(2)
+    run_steps(tuner, 40, quiet, shape=16)
+    for _ in range(100):
+        threads = tuner.next_threads()
+        shape = 16 if threads == 2 else 512
+        tuner.record(threads, shape, 0.001 if threads == 1 else 0.035)
+    assert tuner.threads == 2 and tuner.switches == 0
+
+
+def test_on_many_cores_it_walks_down_one_thread_at_a_time_while_that_pays():
+    tuner = ThreadTuner(8)
+    # Four of the eight cores are busy: four threads step fastest, more or fewer lose.
+    run_steps(tuner, 2000, lambda threads: 0.010 * (1 + abs(threads - 4) / 2))
+    assert tuner.threads == 4
+
+
+def test_one_thread_is_never_probed_against_another():
+    tuner = ThreadTuner(1)
+    assert set(run_steps(tuner, 500, lambda threads: 0.01)) == {1}
+    with pytest.raises(ValueError, match="at least 1"):
+        ThreadTuner(0)
+
+
+@pytest.mark.parametrize(("bind", "cpus", "torch_threads", "expected"), [
+    ("none", (0, 1), 2, 2),  # unbound: torch's default count
+    ("none", tuple(range(16)), 16, 16),
+    ("auto", (0, 1), 2, 1),  # CPU 0 kept for the server, one compute CPU
+    ("auto", tuple(range(16)), 16, 15),
+    ("auto", (0,), 1, 1),  # one CPU: nothing bound
+    ("2-3,7", tuple(range(8)), 8, 3),  # a list: one thread per listed CPU
+    ("none", (0, 1, 2, 3), 3, 3),  # OMP_NUM_THREADS=3 (torch's count) on four CPUs
+])
+def test_the_most_threads_a_step_may_use_on_each_layout(bind, cpus, torch_threads, expected):
+    layout = parse_cpu_threads_bind(bind, cpus)
+    assert max_compute_threads(layout, torch_threads) == expected
+
+
+def test_a_hopeless_probe_ends_after_one_step_and_the_next_waits_until_its_cost_is_small():
+    """Two threads beside a busy neighbour can be 100x slower (an OpenMP barrier waits out the
+    neighbour's time slice): once on one thread, probing two may cost at most a few per cent."""
+    def seconds(threads: int) -> float:
+        return {1: 0.003, 2: 0.300}[threads]
+
+    tuner = ThreadTuner(2)
+    run_steps(tuner, 40, seconds)
+    assert tuner.threads == 1
+    used = run_steps(tuner, 20000, seconds)
+    probe_time = used.count(2) * seconds(2)
+    assert 0 < used.count(2) <= 10
+    assert probe_time / sum(map(seconds, used)) < 0.05
+
+
+def test_a_neighbour_arriving_after_a_long_quiet_spell_is_answered_within_a_few_steps():
+    """Probes have backed off to one every 256 steps; the first steps that run several times
+    slower bring the next probe forward."""
+    tuner = ThreadTuner(2)
+    run_steps(tuner, 3000, quiet)
+    assert tuner.interval == tuner.max_interval
+
+    def busy_and_hopeless(threads: int) -> float:
+        return {1: 0.003, 2: 0.300}[threads]
+
+    used = run_steps(tuner, 20, busy_and_hopeless)
+    assert tuner.threads == 1
+    assert used[:3].count(2) >= 1 and used.count(2) <= 2
