@@ -79,3 +79,17 @@ def test_the_packed_linear_compiles_into_a_graph_that_takes_the_packed_weight_as
         x = torch.randn(n, 256)
         torch.testing.assert_close(step(x, packed, bias), torch.relu(torch.nn.functional.linear(x, weight, bias)),
                                    rtol=1e-5, atol=1e-4)
+
+
+def test_a_reduced_dtype_slower_than_float32_is_named_with_its_figures(monkeypatch):
+    from engine.models import packed_linear as module
+
+    assert module.slower_than_float32(torch.float32) is None
+    timings = iter([100e-6, 400e-6, 300e-6, 420e-6])  # float32 at 1 and 16 rows, then bfloat16
+    monkeypatch.setattr(module, "_best_of", lambda fn, repeats=5: next(timings))
+    message = module.slower_than_float32(torch.bfloat16, size=64)
+    assert message is not None
+    assert message.startswith("bfloat16 matmuls run slower than float32 on this CPU (300 against 100 us at 1 row)")
+    assert "--dtype float32" in message
+    timings = iter([100e-6, 400e-6, 105e-6, 380e-6])  # within the margin: not reported
+    assert module.slower_than_float32(torch.bfloat16, size=64) is None

@@ -125,3 +125,31 @@ def test_a_neighbour_arriving_after_a_long_quiet_spell_is_answered_within_a_few_
     used = run_steps(tuner, 20, busy_and_hopeless)
     assert tuner.threads == 1
     assert used[:3].count(2) >= 1 and used.count(2) <= 2
+
+
+@pytest.mark.parametrize(("options", "line"), [
+    ({}, "not bound (--cpu-threads-bind none); each step 1-N compute threads, whichever steps fastest"),
+    ({"adaptive_cpu_threads": False}, "not bound (--cpu-threads-bind none), N compute threads (torch's default)"),
+    ({"adaptive_cpu_threads": False, "cpu_layout": parse_cpu_threads_bind("auto", (0, 1))},
+     "compute threads on CPUs 1, event loop on CPUs 0, 1 compute threads (one per compute CPU)"),
+])
+def test_the_start_up_line_says_how_many_threads_a_step_gets(options, line):
+    import torch
+
+    from engine.config import EngineConfig
+    from web.startup import _cpus_line
+
+    assert _cpus_line(EngineConfig(model="m", **options)).startswith(line.replace("N", str(torch.get_num_threads())))
+
+
+def test_serve_defaults_to_vllm_cpus_layout_with_adaptive_threads_and_both_can_be_turned_off():
+    from engine.cpu_binding import available_cpus
+    from web.cli import _parser
+    from web.options import engine_config
+
+    default = engine_config("m", _parser().parse_args(["serve", "m"]))
+    assert default.cpu_layout == parse_cpu_threads_bind("auto", available_cpus())
+    assert default.adaptive_cpu_threads is True
+    fixed = engine_config("m", _parser().parse_args(["serve", "m", "--cpu-threads-bind", "none",
+                                                     "--no-adaptive-cpu-threads"]))
+    assert fixed.cpu_layout is None and fixed.adaptive_cpu_threads is False

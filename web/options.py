@@ -51,10 +51,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="the waiting queue's order: arrival, or each request's `priority` (lower first; ties by "
                         "arrival)")
-    p.add_argument("--cpu-threads-bind", default="none",
-                   help="CPUs of the forward pass: auto (all but the first, which the event loop keeps), none "
-                        "(no binding, torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's "
-                        "VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument("--cpu-threads-bind", default="auto",
+                   help="CPUs of the forward pass: auto (the default, as vLLM-CPU's: all but the first, which the "
+                        "HTTP server keeps; it survives a busy neighbour, docs/benchmarks.md), none (no binding, "
+                        "torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND)")
     p.add_argument("--adaptive-cpu-threads", action=argparse.BooleanOptionalAction, default=True,
                    help="let each forward pass use between 1 thread and one per compute CPU, whichever steps "
                         "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "

@@ -43,8 +43,7 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
             f"model {config.model} ({info.architecture or info.kind}), dtype {info.dtype}, "
             f"context {info.max_model_len} tokens",
             f"engine core: {core}; executor: {layout}, device {config.device}",
-            "CPUs: " + (config.cpu_layout.describe() if config.cpu_layout is not None else
-                        f"not bound (--cpu-threads-bind none), {_default_threads()} compute threads (torch's default)"),
+            "CPUs: " + _cpus_line(config),
             f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "
             f"({info.num_kv_blocks * config.block_size} tokens)",
             f"engine ready in {load_seconds:.1f} s"] + (
@@ -99,6 +98,16 @@ def startup_failure(exc: BaseException, *, debug: bool = False) -> int:
     if line is not None:
         print(f"trio-llm serve: {line}", file=sys.stderr)
     return 1
+
+
+def _cpus_line(config: EngineConfig) -> str:
+    layout = config.cpu_layout
+    threads = len(layout.compute) if layout is not None else _default_threads()
+    where = layout.describe() if layout is not None else "not bound (--cpu-threads-bind none)"
+    source = "one per compute CPU" if layout is not None else "torch's default"
+    if config.adaptive_cpu_threads and config.device == "cpu" and config.tensor_parallel_size == 1:
+        return f"{where}; each step 1-{threads} compute threads, whichever steps fastest (--adaptive-cpu-threads)"
+    return f"{where}, {threads} compute threads ({source})"
 
 
 def _default_threads() -> int:

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 BATCH_HINT = 64
 # Weights smaller than this (out x in elements) keep F.linear: oneDNN's cost per call wins there.
 PACK_MIN_ELEMENTS = 512 * 256
+SLOWER = 1.1  # a reduced dtype this much slower than float32 is reported at start-up (not noise)
 
 
 @torch.library.custom_op("trio_llm::packed_linear", mutates_args=())
@@ -113,3 +114,48 @@ def register_inductor_lowering() -> None:
         logger.warning("packed linears in the compiled graph call back into Python (%s: %s): torch's "
                        "inductor internals differ from the ones this was written for", type(exc).__name__, exc)
     _lowering_registered = True
+
+
+def slower_than_float32(dtype: torch.dtype, rows: tuple[int, ...] = (1, 16), size: int = 2048) -> str | None:
+    """Why `dtype`'s matmuls are slower than float32's on this CPU, measured, or None when they
+    are not (or `dtype` is float32). Measures the product a decode step makes: a [size, size]
+    weight, packed where `pack_weight` would pack it, at each of `rows`, best of five (a few
+    milliseconds in all). A CPU without native bfloat16 converts every weight as it reads it."""
+    if dtype == torch.float32:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(size, size, generator=generator)
+    timings = {}
+    for candidate in (torch.float32, dtype):
+        w = weight.to(candidate)
+        packed = pack_weight(w)
+        for n in rows:
+            x = torch.randn(n, size, generator=generator).to(candidate)
+            timings[candidate, n] = _best_of(lambda: packed_linear(x, packed, None) if packed is not None  # noqa: B023
+                                             else torch.nn.functional.linear(x, w))  # noqa: B023
+    slower = [n for n in rows if timings[dtype, n] > SLOWER * timings[torch.float32, n]]
+    if not slower:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    figures = ", ".join(f"{timings[dtype, n] * 1e6:.0f} against {timings[torch.float32, n] * 1e6:.0f} us at "
+                        f"{n} row{'s' if n > 1 else ''}" for n in slower)
+    return (f"{name} matmuls run slower than float32 on this CPU ({figures}); --dtype float32 may serve faster "
+            f"(oneDNN native {name}: {_native(dtype)})")
+
+
+def _native(dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def _best_of(fn: Any, repeats: int = 5) -> float:
+    import time
+
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -26,6 +26,7 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.hf_config import is_llava_config, parse_decoder_config, read_config_json
 from engine.models.loader import load_decoder, load_encoder, load_llava
 from engine.models.moe import expert_layout_for
+from engine.models.packed_linear import slower_than_float32
 from engine.models.parallel import TensorParallel, init_distributed
 from engine.models.pooler import read_pooler_config
 from engine.models.vision import LlavaVision
@@ -95,11 +96,21 @@ class Worker:
                                   layout)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
+        self._warn_if_reduced_precision_is_slower()
         info = self._decoder_info()
         if layout is None:
             return info
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
+
+    def _warn_if_reduced_precision_is_slower(self) -> None:
+        """bfloat16 / float16 on a CPU that runs them slower than float32 (measured: a few ms) is
+        said at start-up, once, by the first rank."""
+        assert isinstance(self.model, DecoderForCausalLM)
+        if self.device.type == "cpu" and self.rank == 0 and self.model.dtype != torch.float32:
+            slower = slower_than_float32(self.model.dtype)
+            if slower is not None:
+                logger.warning(slower)
 
     def _load_llava(self) -> ModelInfo:
         self.model, self.vision, cfg = load_llava(self.config.model, self.config.dtype, self.config.device,
