@@ -153,3 +153,18 @@ def test_serve_defaults_to_vllm_cpus_layout_with_adaptive_threads_and_both_can_b
     fixed = engine_config("m", _parser().parse_args(["serve", "m", "--cpu-threads-bind", "none",
                                                      "--no-adaptive-cpu-threads"]))
     assert fixed.cpu_layout is None and fixed.adaptive_cpu_threads is False
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+async def test_the_worker_times_every_step_for_its_tuner_unless_the_count_is_fixed(tiny_model_dir, adaptive):
+    from engine import open_engine
+    from tests.conftest import engine_config
+    from tests.helpers import final_output, greedy
+
+    async with open_engine(engine_config(tiny_model_dir, adaptive_cpu_threads=adaptive)) as engine:
+        await final_output(engine, [5, 6, 7], greedy(20, ignore_eos=True))
+        tuner = engine.core.executor.worker.thread_tuner
+    if adaptive:
+        assert tuner is not None and tuner.steps >= 20
+    else:
+        assert tuner is None

@@ -48,6 +48,7 @@ class ThreadTuner:
         self.probe_budget = probe_budget  # the share of step time a losing probe may cost
         self.interval = min_interval
         self.switches = 0  # how often the current count changed (logged, tests)
+        self.steps = 0  # steps recorded
         self.last_probe: tuple[int, float | None] = (max_threads, None)  # (count, its time / the current's)
         self._until_probe = min_interval
         self._probing: int | None = None  # the count being probed
@@ -64,6 +65,7 @@ class ThreadTuner:
 
     def record(self, threads: int, shape: int, seconds: float) -> None:
         """A step of `shape` (its tokens) ran `seconds` with `threads`."""
+        self.steps += 1
         if self._probing is not None and threads == self._probing:
             self._probe_times.setdefault(shape, []).append(seconds)
             recent = self._recent.get(shape)
