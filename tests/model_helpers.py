@@ -40,3 +40,15 @@ def decoder_logits(decoder, hidden: torch.Tensor) -> torch.Tensor:
     meta = build_metadata([SequenceChunk(0, length, list(range(4)))], 16, torch.device("cpu"))
     with torch.no_grad():
         return decoder.compute_logits(decoder(hidden, torch.arange(length), kv, meta))
+
+
+def decided_prefix(model, prompt: list[int], tokens: list[int], margin: float) -> int:
+    """How many of `tokens` (`model`'s own greedy continuation of `prompt`) it chose by more than
+    `margin` (a fraction of the largest logit at that position) between its top two logits,
+    counted up to the first near tie. Past a near tie, a reduced dtype's rounding (any
+    implementation's) may pick either token, and the sequences part."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    top2 = logits.topk(2, dim=-1).values
+    ties = ((top2[:, 0] - top2[:, 1]) <= margin * logits.abs().amax(-1)).nonzero()
+    return int(ties[0]) if len(ties) else len(tokens)

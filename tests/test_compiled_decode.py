@@ -6,6 +6,7 @@ compile one graph per checkpoint (batch sizes up to 8 at most) to keep the suite
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import shutil
@@ -32,15 +33,19 @@ from engine.worker import precompiled_graph
 from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs
 from engine.worker.worker import Worker
 from tests.helpers import final_output, greedy
-from tests.model_helpers import save_hf_checkpoint, transformers_greedy
+from tests.model_helpers import decided_prefix, save_hf_checkpoint, transformers_greedy
 from tests.test_moe_eplb import FAMILIES as MOE_FAMILIES
 from tests.test_moe_eplb import hf_moe
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
 
 
+BF16_TIE = 0.02  # top two logits within 2% of the largest are a tie in bfloat16 (8 significant bits)
+
+
 def compiled_config(path, sizes=(2, 8), **options) -> EngineConfig:
     options = {"enforce_eager": False, **options}
-    return EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48,
+    options = {"dtype": "float32", **options}
+    return EngineConfig(model=str(path), num_kv_blocks=128, max_num_batched_tokens=48,
                         compilation_config=CompilationConfig(cudagraph_capture_sizes=sizes), **options)
 
 
@@ -91,6 +96,28 @@ async def test_compiled_and_eager_give_transformers_greedy_tokens(checkpoint, we
     assert compiled == expected
     assert eager == expected
     assert compiled_steps >= 20 and eager_steps == 0  # the decode steps did run compiled
+
+
+async def test_bfloat16_compiled_and_eager_give_transformers_bfloat16_greedy_tokens(checkpoint, monkeypatch):
+    """In bfloat16, every linear packed (oneDNN's bfloat16 path where the CPU has one). Tokens are
+    compared up to transformers' first near tie (top two logits within BF16_TIE): there bfloat16
+    rounding decides, in transformers as in us (qwen3's eager path parted at token 10 of 16 from
+    transformers with weights as stored, at a tie of this size). The test asks for a third of the
+    tokens decided, so it cannot pass by deciding nothing."""
+    path, hf_model = checkpoint
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    rng = random.Random(3)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (5, 19, 33)]
+    expected = transformers_greedy(hf_bf16, prompts, 16)
+    decided = [decided_prefix(hf_bf16, p, e, BF16_TIE) for p, e in zip(prompts, expected, strict=True)]
+    assert sum(decided) >= 16 * len(prompts) // 3
+    compiled, compiled_steps = await engine_greedy(compiled_config(path, dtype="bfloat16"), prompts, 16)
+    eager, _ = await engine_greedy(compiled_config(path, dtype="bfloat16", enforce_eager=True), prompts, 16)
+    for got in (compiled, eager):
+        assert [g[:n] for g, n in zip(got, decided, strict=True)] == [e[:n] for e, n in zip(expected, decided,
+                                                                                            strict=True)]
+    assert compiled_steps >= 12
 
 
 async def test_a_batch_of_three_equals_three_batches_of_one(tmp_path_factory):
