@@ -38,7 +38,6 @@ from tests.test_moe_eplb import FAMILIES as MOE_FAMILIES
 from tests.test_moe_eplb import hf_moe
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
 
-
 BF16_TIE = 0.02  # top two logits within 2% of the largest are a tie in bfloat16 (8 significant bits)
 
 
