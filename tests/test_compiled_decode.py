@@ -411,3 +411,24 @@ def test_decode_attention_equals_the_eager_attention_over_ragged_sequences(dtype
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[:-1].float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_one_fresh_prompt_attends_causally_without_a_mask_and_matches_the_masked_path():
+    """A single sequence from position 0 takes SDPA's causal path (no mask built); beside a second
+    fresh sequence it takes the masked path. Both give the same rows."""
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, block_size = 4, 2, 16, 4
+    lengths = (9, 6)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, generator=generator)
+    k = torch.randn(total, kv_heads, dim, generator=generator)
+    v = torch.randn(total, kv_heads, dim, generator=generator)
+    cache = torch.zeros(32 * block_size, kv_heads, dim)
+    chunks = [SequenceChunk(0, lengths[0], list(range(0, 3))), SequenceChunk(0, lengths[1], list(range(3, 5)))]
+    alone = build_metadata(chunks[:1], block_size, torch.device("cpu"))
+    assert alone.groups[0].mask is None
+    together = build_metadata(chunks, block_size, torch.device("cpu"))
+    assert together.groups[0].mask is not None
+    one = paged_attention(q[:9], k[:9], v[:9], cache, cache, alone, dim ** -0.5)
+    both = paged_attention(q, k, v, cache, cache, together, dim ** -0.5)
+    torch.testing.assert_close(one, both[:9], rtol=1e-5, atol=1e-5)

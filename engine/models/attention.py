@@ -40,7 +40,10 @@ class AttentionGroup:
     # A group whose chunks all start at position 0 attends only to its own new keys and values,
     # so they are taken from the step's k/v by q_index instead of gathered back from the cache.
     num_seqs: int
-    mask: torch.Tensor  # [B, 1, Lq, nb * block_size] additive: 0 where attention is allowed, -inf elsewhere
+    # [B, 1, Lq, nb * block_size] additive: 0 where attention is allowed, -inf elsewhere; None for
+    # one fresh sequence, which attends causally to its own tokens (SDPA's `is_causal`, which
+    # skips the masked half: 27 against 49 ms at 2,048 tokens, one thread, 4 heads)
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -95,6 +98,8 @@ def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int,
            device: torch.device, dtype: torch.dtype, single_query: bool) -> AttentionGroup:
     max_len = max(c.start_position + c.num_tokens for c in chunks)
     fresh = not single_query and all(c.start_position == 0 for c in chunks)
+    if fresh and len(chunks) == 1:
+        return AttentionGroup(token_start, token_start + chunks[0].num_tokens, None, None, None, 1, None)
     block_table = None
     if fresh:
         pos = torch.arange(max_len)
@@ -150,6 +155,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     outputs = []
     for g in meta.groups:
         window = slice(g.token_start, g.token_end)
+        if g.mask is None:  # one fresh sequence: causal over its own tokens
+            q_seq, k_seq, v_seq = (t[window].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
+            out = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=True)
+            outputs.append(out[0].transpose(0, 1))
+            continue
         q_batch = q[window].unsqueeze(1) if g.q_index is None else q[window][g.q_index]
         if g.block_table is None:
             k_batch = k[window][g.q_index].transpose(1, 2)
