@@ -128,10 +128,11 @@ def test_a_neighbour_arriving_after_a_long_quiet_spell_is_answered_within_a_few_
 
 
 @pytest.mark.parametrize(("options", "line"), [
-    ({}, "not bound (--cpu-threads-bind none); each step 1-N compute threads, whichever steps fastest"),
-    ({"adaptive_cpu_threads": False}, "not bound (--cpu-threads-bind none), N compute threads (torch's default)"),
-    ({"adaptive_cpu_threads": False, "cpu_layout": parse_cpu_threads_bind("auto", (0, 1))},
+    ({"cpu_layout": parse_cpu_threads_bind("1-2", (0, 1, 2))},
+     "compute threads on CPUs 1,2, event loop on CPUs 0; each step 1-2 compute threads, whichever steps fastest"),
+    ({"cpu_layout": parse_cpu_threads_bind("auto", (0, 1))},  # one compute CPU: nothing to choose
      "compute threads on CPUs 1, event loop on CPUs 0, 1 compute threads (one per compute CPU)"),
+    ({"adaptive_cpu_threads": False}, "not bound (--cpu-threads-bind none), N compute threads (torch's default)"),
 ])
 def test_the_start_up_line_says_how_many_threads_a_step_gets(options, line):
     import torch
