@@ -8,8 +8,10 @@ order alternates (quiet first in even rounds). The table gives the median tok/s 
 median of the rounds' busy/quiet ratios, with their spread.
 
 Layouts: `none` (nothing bound, every thread every step: `--no-adaptive-cpu-threads`), `auto`
-(vLLM-CPU's: the first CPU left to the server, compute on the rest, fixed count), `adaptive` (the
-default: nothing bound, each step's thread count measured, engine/worker/thread_tuner.py).
+(vLLM-CPU's: the first CPU left to the server, compute on the rest, fixed count), `adaptive`
+(nothing bound, each step's thread count measured, engine/worker/thread_tuner.py). `serve`'s
+default is `auto` with the count measured inside it; on two CPUs that is one compute thread, the
+same as `auto` here.
 """
 
 from __future__ import annotations

@@ -247,6 +247,12 @@ class EngineConfig:
         return self.tokenizer or self.model
 
     @property
+    def tunes_cpu_threads(self) -> bool:
+        """Whether each step's thread count is measured (`adaptive_cpu_threads`): on a CPU, with one
+        rank (tensor-parallel ranks step together, and one rank's choice would stall the others)."""
+        return self.adaptive_cpu_threads and self.device.split(":")[0] == "cpu" and self.tensor_parallel_size == 1
+
+    @property
     def eager(self) -> bool:
         """Whether every step runs the eager model (no compiled decode graphs)."""
         return eager_by_default() if self.enforce_eager is None else self.enforce_eager

@@ -105,7 +105,7 @@ def _cpus_line(config: EngineConfig) -> str:
     threads = len(layout.compute) if layout is not None else _default_threads()
     where = layout.describe() if layout is not None else "not bound (--cpu-threads-bind none)"
     source = "one per compute CPU" if layout is not None else "torch's default"
-    if threads > 1 and config.adaptive_cpu_threads and config.device == "cpu" and config.tensor_parallel_size == 1:
+    if threads > 1 and config.tunes_cpu_threads:
         return f"{where}; each step 1-{threads} compute threads, whichever steps fastest (--adaptive-cpu-threads)"
     return f"{where}, {threads} compute threads ({source})"
 

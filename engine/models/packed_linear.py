@@ -26,6 +26,7 @@ to the embedding table, which still needs its rows.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -56,13 +57,17 @@ def can_pack(weight: torch.Tensor) -> bool:
     bfloat16 / float16 where oneDNN supports them on this CPU)."""
     if weight.device.type != "cpu" or weight.numel() < PACK_MIN_ELEMENTS or weight.dim() != 2:
         return False
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return False
-    if weight.dtype == torch.bfloat16:
+    return bool(torch.backends.mkldnn.is_available()) and _onednn_runs(weight.dtype)  # type: ignore[no-untyped-call]
+
+
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has kernels for `dtype` on this CPU (float32 always; the reduced dtypes where
+    the CPU supports them)."""
+    if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if weight.dtype == torch.float16:
+    if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return weight.dtype == torch.float32
+    return dtype == torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -140,18 +145,10 @@ def slower_than_float32(dtype: torch.dtype, rows: tuple[int, ...] = (1, 16), siz
     figures = ", ".join(f"{timings[dtype, n] * 1e6:.0f} against {timings[torch.float32, n] * 1e6:.0f} us at "
                         f"{n} row{'s' if n > 1 else ''}" for n in slower)
     return (f"{name} matmuls run slower than float32 on this CPU ({figures}); --dtype float32 may serve faster "
-            f"(oneDNN native {name}: {_native(dtype)})")
-
-
-def _native(dtype: torch.dtype) -> bool:
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+            f"(oneDNN native {name}: {_onednn_runs(dtype)})")
 
 
 def _best_of(fn: Any, repeats: int = 5) -> float:
-    import time
-
     fn()
     best = float("inf")
     for _ in range(repeats):

@@ -64,9 +64,9 @@ class Worker:
         self.compute_cpus = config.cpu_layout.compute if config.cpu_layout is not None else None
         if self.compute_cpus is not None:
             torch.set_num_threads(len(self.compute_cpus))
-        # Each step's thread count, measured (one rank only: tensor-parallel ranks step together).
+        # Each step's thread count, measured (EngineConfig.tunes_cpu_threads says where).
         self.thread_tuner: ThreadTuner | None = None
-        if config.adaptive_cpu_threads and self.device.type == "cpu" and world_size == 1:
+        if config.tunes_cpu_threads:
             self.thread_tuner = ThreadTuner(max_compute_threads(config.cpu_layout, torch.get_num_threads()))
         if world_size > 1:
             if distributed_init_method is None:
