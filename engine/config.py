@@ -71,10 +71,13 @@ class CompilationConfig:
     graph's batch is dynamic, so the largest is what counts: larger batches run eagerly), and
     where compiled artefacts are cached (`cache_dir`; default
     $XDG_CACHE_HOME/trio-llm/torch_compile, by default ~/.cache/trio-llm/torch_compile, or
-    TORCHINDUCTOR_CACHE_DIR if set)."""
+    TORCHINDUCTOR_CACHE_DIR if set). `compile_prompts` (ours; default true): prompt chunks and
+    the other steps the decode graph does not take run a compiled graph too, attention eager
+    inside it (engine/worker/step_graph.py); false keeps them eager."""
 
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     cache_dir: str | None = None
+    compile_prompts: bool = True
 
     def __post_init__(self) -> None:
         sizes = self.cudagraph_capture_sizes
@@ -86,6 +89,8 @@ class CompilationConfig:
             object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
             raise ValueError(f"compilation_config.cache_dir must be a directory, got {self.cache_dir!r}")
+        if not isinstance(self.compile_prompts, bool):
+            raise ValueError(f"compilation_config.compile_prompts must be true or false, got {self.compile_prompts!r}")
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> CompilationConfig:

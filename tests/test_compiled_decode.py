@@ -31,6 +31,7 @@ from engine.models.attention import (
 )
 from engine.worker import precompiled_graph
 from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs
+from engine.worker.step_graph import StepGraph
 from engine.worker.worker import Worker
 from tests.helpers import final_output, greedy
 from tests.model_helpers import decided_prefix, save_hf_checkpoint, transformers_greedy
@@ -41,11 +42,13 @@ from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
 BF16_TIE = 0.02  # top two logits within 2% of the largest are a tie in bfloat16 (8 significant bits)
 
 
-def compiled_config(path, sizes=(2, 8), **options) -> EngineConfig:
+def compiled_config(path, sizes=(2, 8), compile_prompts=False, **options) -> EngineConfig:
+    """Compiled decodes; prompts on the step graph only where a test asks (each is ~10 s to compile)."""
     options = {"enforce_eager": False, **options}
     options = {"dtype": "float32", **options}
+    compilation = CompilationConfig(cudagraph_capture_sizes=sizes, compile_prompts=compile_prompts)
     return EngineConfig(model=str(path), num_kv_blocks=128, max_num_batched_tokens=48,
-                        compilation_config=CompilationConfig(cudagraph_capture_sizes=sizes), **options)
+                        compilation_config=compilation, **options)
 
 
 @pytest.fixture(scope="module", params=[*sorted(FAMILIES), "mixtral"])
@@ -57,8 +60,10 @@ def checkpoint(request, tmp_path_factory):
     return save_hf_checkpoint(tmp_path_factory, request.param, config_cls, model_cls, {**COMMON, **extra})
 
 
-async def engine_greedy(config: EngineConfig, prompts: list[list[int]], max_tokens: int, together: bool = True):
-    """Greedy tokens per prompt (all at once, or one after another), and the compiled steps run."""
+async def engine_greedy(config: EngineConfig, prompts: list[list[int]], max_tokens: int, together: bool = True,
+                        prompt_steps: list[int] | None = None):
+    """Greedy tokens per prompt (all at once, or one after another), and the compiled decode steps
+    run (the steps the step graph ran are appended to `prompt_steps`, if given)."""
     got: dict[int, list[int]] = {}
     async with open_engine(config) as engine:
         async def run(i):
@@ -71,8 +76,10 @@ async def engine_greedy(config: EngineConfig, prompts: list[list[int]], max_toke
         else:
             for i in range(len(prompts)):
                 await run(i)
-        graphs = engine.core.executor.worker.runner.decode_graphs
-        steps = graphs.steps_run if graphs is not None else 0
+        runner = engine.core.executor.worker.runner
+        steps = runner.decode_graphs.steps_run if runner.decode_graphs is not None else 0
+        if prompt_steps is not None:
+            prompt_steps.append(runner.step_graph.steps_run if runner.step_graph is not None else 0)
     return [got[i] for i in range(len(prompts))], steps
 
 
@@ -86,15 +93,21 @@ def weights(request, monkeypatch):
 
 
 async def test_compiled_and_eager_give_transformers_greedy_tokens(checkpoint, weights):
+    """With every linear packed, as a real model's are, the prompts run on the step graph too
+    (a dense model's: an MoE model's prompts stay eager)."""
     path, hf_model = checkpoint
     rng = random.Random(2)
     prompts = [rng.choices(range(3, VOCAB), k=n) for n in (3, 11, 17, 29, 40)]
     expected = transformers_greedy(hf_model, prompts, 24)
-    compiled, compiled_steps = await engine_greedy(compiled_config(path), prompts, 24)
+    prompt_steps: list[int] = []
+    config = compiled_config(path, compile_prompts=weights == "packed")
+    compiled, compiled_steps = await engine_greedy(config, prompts, 24, prompt_steps=prompt_steps)
     eager, eager_steps = await engine_greedy(compiled_config(path, enforce_eager=True), prompts, 24)
     assert compiled == expected
     assert eager == expected
     assert compiled_steps >= 20 and eager_steps == 0  # the decode steps did run compiled
+    dense = "mixtral" not in str(path)
+    assert (prompt_steps[0] > 0) == (weights == "packed" and dense)
 
 
 async def test_bfloat16_compiled_and_eager_give_transformers_bfloat16_greedy_tokens(checkpoint, monkeypatch):
@@ -150,14 +163,16 @@ async def test_every_batch_size_runs_the_one_graph_compiled_at_start_up(tmp_path
     assert steps_run >= 30  # the decodes did run compiled, at sizes 6 down to 1
 
 
-async def test_decodes_of_mixed_steps_run_compiled_beside_the_eager_prompt_chunks(tmp_path_factory):
+@pytest.mark.parametrize("compile_prompts", [False, True])
+async def test_decodes_of_mixed_steps_run_compiled_beside_the_prompt_chunks(tmp_path_factory, compile_prompts):
     """A long prompt arrives while another request decodes: its chunks (48 tokens a step) run
-    eager, the decode beside them on its graph, and both requests get transformers' tokens."""
+    eager or on the step graph, the decode beside them on its graph, and both requests get
+    transformers' tokens."""
     path, hf_model = _dense(tmp_path_factory)
     rng = random.Random(9)
     short, long = rng.choices(range(3, VOCAB), k=3), rng.choices(range(3, VOCAB), k=130)
     expected = transformers_greedy(hf_model, [short, long], 20)
-    async with open_engine(compiled_config(path, sizes=(1, 2))) as engine:
+    async with open_engine(compiled_config(path, sizes=(1, 2), compile_prompts=compile_prompts)) as engine:
         got = {}
         started = trio.Event()
 
@@ -170,10 +185,13 @@ async def test_decodes_of_mixed_steps_run_compiled_beside_the_eager_prompt_chunk
             nursery.start_soon(run, "short", short)
             await started.wait()  # decoding when the long prompt comes
             nursery.start_soon(run, "long", long)
-        graphs = engine.core.executor.worker.runner.decode_graphs
-        steps, compiled = engine.core.num_steps, graphs.steps_run
+        runner = engine.core.executor.worker.runner
+        steps, compiled = engine.core.num_steps, runner.decode_graphs.steps_run
+        prompt_steps = runner.step_graph.steps_run if compile_prompts else 0
     assert [got["short"], got["long"]] == expected
     assert compiled == steps - 1  # every step but the short prompt's own ran its decodes compiled
+    # the short prompt, and the long one's three chunks (130 tokens, 48 a step)
+    assert prompt_steps == (4 if compile_prompts else 0)
 
 
 def decode_graphs(path, cache_dir) -> DecodeGraphs:
@@ -245,6 +263,46 @@ def test_a_restart_loads_the_saved_graph_and_an_unreadable_or_wrong_one_is_compi
     shutil.copy(saved, own)
     fourth.compile_all()
     assert not fourth.loaded_from_disk and "disagrees with the model" in caplog.text
+
+
+def step_graph(path, cache_dir) -> StepGraph:
+    """The step graph of the checkpoint at `path` over a small KV cache, saved under `cache_dir`;
+    not yet compiled."""
+    config = EngineConfig(model=str(path), dtype="float32", enforce_eager=True, num_kv_blocks=16)
+    worker = Worker(config)
+    worker.load_model()
+    worker.initialize_kv_cache(17)  # the last: the graph's scratch block
+    runner = worker.runner
+    return StepGraph(runner.model, runner.kv_caches, config.block_size, 16, cache_dir)
+
+
+def test_the_step_graph_equals_the_eager_model_on_a_mixed_batch_and_a_restart_loads_it(tmp_path_factory, tmp_path):
+    """One graph for any batch: a decode over a cached context, a prompt chunk continuing a cached
+    sequence and a fresh prompt, in one step, compute what the eager model does (attention runs
+    eagerly inside the graph, on the step's metadata). The next start loads the saved graph."""
+    llama, _ = _dense(tmp_path_factory)
+    first = step_graph(llama, tmp_path)
+    first.compile()
+    second = step_graph(llama, tmp_path)
+    traced_before = counters["stats"]["unique_graphs"]
+    second.compile()
+    assert (first.loaded_from_disk, second.loaded_from_disk) == (False, True)
+    assert counters["stats"]["unique_graphs"] == traced_before
+    size = second.block_size
+    chunks = [SequenceChunk(20, 1, [0, 1]), SequenceChunk(size, 9, [2, 3]), SequenceChunk(0, 7, [4])]
+    generator = torch.Generator().manual_seed(4)
+    for k_cache, v_cache in second.kv_caches:  # cached contexts that are not zeros
+        k_cache.normal_(generator=generator)
+        v_cache.normal_(generator=generator)
+    hidden = torch.randn(17, second.model.config.hidden_size, generator=generator)
+    positions = torch.tensor([p for c in chunks for p in range(c.start_position, c.start_position + c.num_tokens)])
+    meta = build_metadata(chunks, size, torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        want = second.model(hidden, positions, second.kv_caches, meta)
+        got = second.run(hidden, positions, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert second.steps_run == 1
+    assert not second.takes(1) and second.takes(2)  # one token is a size export specialises: eager
 
 
 def _dense(tmp_path_factory):

@@ -23,7 +23,8 @@ it is for compiled graphs only).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,52 @@ class DecodeMetadata:
     block_table: torch.Tensor  # [B, nb] block ids per sequence, padded with the scratch block
     seq_lens: torch.Tensor  # [B] tokens each sequence attends to (its cached ones plus the new one)
     block_size: int
+
+
+@dataclass(frozen=True)
+class GraphedAttention:
+    """The metadata a compiled step graph sees (`engine.worker.step_graph`): none. Its layers call
+    `step_attention`, an opaque op that finds the step's `AttentionMetadata` and the KV caches where
+    `attention_step` put them, so one graph with a dynamic token count serves every mix of prompt
+    chunks and decodes (vLLM's piecewise graph keeps attention out of the graph the same way)."""
+
+
+GRAPHED = GraphedAttention()
+
+
+@dataclass
+class _Step:
+    meta: AttentionMetadata
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+_current: list[_Step] = []  # the step a compiled graph is running (one at a time per worker)
+
+
+@contextlib.contextmanager
+def attention_step(meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Make `meta` and `kv_caches` the ones `step_attention` uses while a compiled graph runs."""
+    _current.append(_Step(meta, kv_caches))
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+@torch.library.custom_op("trio_llm::step_attention", mutates_args=())
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """Layer `layer`'s attention for the step `attention_step` set: writes this step's keys and
+    values to that layer's cache, then attends (`paged_attention`). The cache is state outside
+    the graph, which is why the graph never sees it."""
+    step = _current[-1]
+    k_cache, v_cache = step.kv_caches[layer]
+    write_kv(k_cache, v_cache, step.meta.slot_mapping, k, v)
+    return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale).contiguous()
+
+
+@step_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.attention import AttentionMetadata, DecodeMetadata, paged_attention, paged_decode_attention, write_kv
+from engine.models.attention import (
+    AttentionMetadata,
+    DecodeMetadata,
+    GraphedAttention,
+    paged_attention,
+    paged_decode_attention,
+    step_attention,
+    write_kv,
+)
 from engine.models.hf_config import DecoderConfig
 from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
@@ -34,6 +42,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, index: int, tp: TensorParallel, experts: ExpertLayout | None,
                  **factory: Any) -> None:
         super().__init__()
+        self.index = index
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
@@ -59,7 +68,7 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata | GraphedAttention) -> torch.Tensor:
         x = x + self._attention(self.input_layernorm(x), positions, rope, kv_cache, meta)
         h = self.mlp(self.post_attention_layernorm(x))
         if isinstance(self.mlp, SparseMoeBlock):  # partial sums of this rank's experts
@@ -67,7 +76,7 @@ class DecoderLayer(nn.Module):
         return x + h
 
     def _attention(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                   kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
+                   kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata | GraphedAttention) -> torch.Tensor:
         T = h.shape[0]
         q, k, v = self.qkv_proj(h).split(self.split, dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -76,6 +85,8 @@ class DecoderLayer(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.rotate(positions, q, k)
+        if isinstance(meta, GraphedAttention):  # a compiled step graph: attention is opaque to it
+            return self.o_proj(step_attention(q, k, v, self.index, self.scale).reshape(T, -1))
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
         if isinstance(meta, DecodeMetadata):  # a compiled decode graph
             out = paged_decode_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -116,9 +127,10 @@ class DecoderForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | DecodeMetadata | GraphedAttention) -> torch.Tensor:
         """hidden: input embeddings [T, H] of the flat batch -> final hidden states [T, H].
-        With `DecodeMetadata` (one token per sequence) it is the graph `torch.compile` takes."""
+        With `DecodeMetadata` (one token per sequence) it is the decode graph `torch.compile`
+        takes; with `GRAPHED`, the step graph's (attention read from `attention_step`)."""
         assert self.rope is not None, "setup_rope() must run before forward()"
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.rope, kv_cache, meta)

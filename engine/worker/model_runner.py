@@ -26,6 +26,7 @@ from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequ
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.sampler import SamplingRow, sample, top_logprobs
+from engine.worker.step_graph import StepGraph
 
 
 @dataclass
@@ -63,8 +64,9 @@ class ModelRunner:
                  vision: LlavaVision | None = None,
                  save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None,
                  grammar: GrammarMasks | None = None, decode_graphs: DecodeGraphs | None = None,
-                 num_blocks: int | None = None) -> None:
-        """`decode_graphs`: compiled graphs that decode-only steps run on (None: all eager).
+                 step_graph: StepGraph | None = None, num_blocks: int | None = None) -> None:
+        """`decode_graphs`: compiled graphs that decode-only steps run on (None: all eager);
+        `step_graph`: the compiled graph the other steps run on (None: eager).
         `num_blocks`: the scheduler's blocks (default: all the cache holds)."""
         self.model = model
         self.kv_caches = kv_caches
@@ -72,6 +74,7 @@ class ModelRunner:
         self.num_blocks = num_blocks if num_blocks is not None else \
             (kv_caches[0][0].shape[0] // block_size if kv_caches else 0)
         self.decode_graphs = decode_graphs
+        self.step_graph = step_graph
         self.device = device
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=device)
@@ -191,15 +194,18 @@ class ModelRunner:
         decoded = self._decode_compiled(graphs, batch[:num_decodes], embeds[:num_decodes], pos[:num_decodes])
         if num_decodes == len(batch):
             return decoded
-        # A mixed step: the decodes on their graph, the prompt chunks eager. Two calls on disjoint
+        # A mixed step: the decodes on their graph, the prompt chunks on theirs. Two calls on disjoint
         # sequences (each writes and reads only its own KV blocks); under load most steps are mixed,
-        # and running them all eager cost the compiled graphs their gain (docs/benchmarks.md).
+        # and running them all on one cost the decode graph its gain (docs/benchmarks.md).
         prompts = self._forward_eager(batch[num_decodes:], embeds[num_decodes:], pos[num_decodes:])
         return torch.cat([decoded, prompts])
 
     def _forward_eager(self, batch: list[ScheduledRequest], embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Any batch, on the step graph if there is one (attention eager inside it), else eager."""
         chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
         meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
+        if self.step_graph is not None and self.step_graph.takes(embeds.shape[0]):
+            return self.step_graph.run(embeds, pos, meta)
         hidden: torch.Tensor = self.model(embeds, pos, self.kv_caches, meta)
         return hidden
 

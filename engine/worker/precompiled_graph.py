@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 import engine.models
-from engine.models.attention import DecodeMetadata
+from engine.models.attention import GRAPHED, DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.packed_linear import register_inductor_lowering
 
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 3  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile; 2: fixed threads)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], DecodeMetadata], torch.Tensor]
+GraphedStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, positions) inside `attention_step`
 MAX_ROWS = 1 << 16  # the exported graph's bounds on the batch and the table's width (AOTI checks them)
 MAX_TABLE_WIDTH = 1 << 20
 # No weights in the package (see the module doc), and C++ loops that use as many threads as torch
@@ -72,12 +73,12 @@ warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` i
 
 
 def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
-                  trace_rows: int) -> Path:
-    """Where the decode graph of `model` over caches shaped as `kv_caches` is kept: its name is a
-    digest of everything the compiled code depends on (see the module doc)."""
+                  trace_rows: int, kind: str = "decode") -> Path:
+    """Where the `kind` graph ("decode" or "step") of `model` over caches shaped as `kv_caches` is
+    kept: its name is a digest of everything the compiled code depends on (see the module doc)."""
     assert model.rope is not None, "setup_rope() before compiling"
     parts = (
-        FORMAT, torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
+        FORMAT, kind, torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
         os.environ.get("TORCHINDUCTOR_VEC_ISA_OK"),
         repr(model.config), str(model.dtype), block_size, trace_rows,
         [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()],
@@ -86,7 +87,7 @@ def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KV
         tuple(model.rope.cos.shape), [(tuple(k.shape), str(k.dtype), str(k.device)) for k, _ in kv_caches],
         _modeling_source_digest(),
     )
-    return cache_dir / "decode-graphs" / f"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}.pt2"
+    return cache_dir / f"{kind}-graphs" / f"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}.pt2"
 
 
 def _modeling_source_digest() -> str:
@@ -99,9 +100,10 @@ def _modeling_source_digest() -> str:
     return digest.hexdigest()
 
 
-def load(path: Path, model: DecoderForCausalLM) -> DecodeStep | None:
-    """The decode step packaged at `path`, over `model`'s own tensors; None when there is none or
-    it cannot be loaded (why is logged; the caller compiles again and overwrites it)."""
+def load(path: Path, model: DecoderForCausalLM, kind: str = "decode") -> Any:
+    """The `kind` step packaged at `path` (a `DecodeStep` or a `GraphedStep`), over `model`'s own
+    tensors; None when there is none or it cannot be loaded (why is logged; the caller compiles
+    again and overwrites it)."""
     if not path.exists():
         return None
     try:
@@ -112,10 +114,11 @@ def load(path: Path, model: DecoderForCausalLM) -> DecodeStep | None:
         # user_managed: the graph reads the model's tensors in place (no copy); a missing name raises.
         loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()}, False, True, True)
     except Exception as exc:  # noqa: BLE001 -- any unreadable or foreign package: compile again
-        logger.warning("could not load the compiled decode graph %s (%s: %s); compiling it again",
-                       path, type(exc).__name__, exc)
+        logger.warning("could not load the compiled %s graph %s (%s: %s); compiling it again",
+                       kind, path, type(exc).__name__, exc)
         return None
-    return _bind(loader, [linear.packed for _, linear in model.packed_linears])
+    packed = [linear.packed for _, linear in model.packed_linears]
+    return _bind(loader, packed) if kind == "decode" else _bind_graphed(loader, packed)
 
 
 def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tuple[Any, ...]) -> DecodeStep:
@@ -133,8 +136,28 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
         dynamic_shapes=({0: batch}, {0: batch}, [(None, None)] * len(kv_caches), {0: batch},
                         {0: batch, 1: width}, {0: batch}, [None] * len(packed)),
         strict=False)
+    step: DecodeStep = _package_and_load(program, path, model, "decode")
+    return step
+
+
+def compile_and_save_graphed(path: Path | None, model: DecoderForCausalLM, hidden: torch.Tensor,
+                             positions: torch.Tensor) -> GraphedStep:
+    """Export the step graph of `model` (any tokens: attention is the opaque `step_attention`,
+    engine/models/attention.py) on `hidden` and `positions`, the token count dynamic; compile,
+    package and load it as `compile_and_save` does."""
+    tokens = torch.export.Dim("tokens", min=2, max=MAX_ROWS)
+    packed = [linear.packed for _, linear in model.packed_linears]
+    register_inductor_lowering()
+    program = torch.export.export(_FlatGraphedStep(model), (hidden, positions, packed),
+                                  dynamic_shapes=({0: tokens}, {0: tokens}, [None] * len(packed)), strict=False)
+    step: GraphedStep = _package_and_load(program, path, model, "step")
+    return step
+
+
+def _package_and_load(program: torch.export.ExportedProgram, path: Path | None, model: DecoderForCausalLM,
+                      kind: str) -> Any:
     with tempfile.TemporaryDirectory() as scratch:
-        target = path if path is not None else Path(scratch) / "decode.pt2"
+        target = path if path is not None else Path(scratch) / f"{kind}.pt2"
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.pt2")  # AOTI wants the suffix
         try:
@@ -144,10 +167,10 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
             prune(target.parent)
         finally:
             partial.unlink(missing_ok=True)  # a failed compile leaves nothing behind
-        step = load(target, model)
+        step = load(target, model, kind)
         if step is None:
             target.unlink(missing_ok=True)
-            raise RuntimeError(f"the decode graph just compiled to {target} does not load")
+            raise RuntimeError(f"the {kind} graph just compiled to {target} does not load")
     return step
 
 
@@ -175,6 +198,21 @@ def _unpacked_in_a_directory_we_remove() -> Iterator[None]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _packed_weights_from(model: DecoderForCausalLM, packed: list[torch.Tensor]) -> Iterator[None]:
+    """While tracing, each layer reads its packed weight from the graph's inputs, so the graph
+    holds none of them as a constant."""
+    linears = [linear for _, linear in model.packed_linears]
+    own = [linear.packed for linear in linears]
+    for linear, given in zip(linears, packed, strict=True):
+        linear.packed = given
+    try:
+        yield
+    finally:
+        for linear, weight in zip(linears, own, strict=True):
+            linear.packed = weight
+
+
 class _FlatDecodeStep(nn.Module):
     """The decode forward over plain tensors (export takes no dataclass of ours), the packed
     weights among its inputs."""
@@ -188,17 +226,24 @@ class _FlatDecodeStep(nn.Module):
                 slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 packed: list[torch.Tensor]) -> torch.Tensor:
         meta = DecodeMetadata(slot_mapping, block_table, seq_lens, self.block_size)
-        linears = [linear for _, linear in self.model.packed_linears]
-        own = [linear.packed for linear in linears]
-        # While tracing, each layer reads its packed weight from the inputs, so the graph holds
-        # none of them as a constant.
-        for linear, given in zip(linears, packed, strict=True):
-            linear.packed = given
-        try:
+        with _packed_weights_from(self.model, packed):
             out: torch.Tensor = self.model(hidden, positions, kv_caches, meta)
-        finally:
-            for linear, weight in zip(linears, own, strict=True):
-                linear.packed = weight
+        return out
+
+
+class _FlatGraphedStep(nn.Module):
+    """Any step's forward with attention left opaque: no cache or metadata among its inputs (the
+    op finds them, `attention_step`), the packed weights among them."""
+
+    def __init__(self, model: DecoderForCausalLM) -> None:
+        super().__init__()
+        self.model = model
+        nothing = torch.empty(0)
+        self.no_caches = [(nothing, nothing)] * len(model.layers)  # the graphed layers read none
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, packed: list[torch.Tensor]) -> torch.Tensor:
+        with _packed_weights_from(self.model, packed):
+            out: torch.Tensor = self.model(hidden, positions, self.no_caches, GRAPHED)
         return out
 
 
@@ -216,6 +261,14 @@ def _bind(loader: Any, packed: list[torch.Tensor | None]) -> DecodeStep:
         flat = [hidden, positions, *(t for pair in kv_caches for t in pair), meta.slot_mapping, meta.block_table,
                 meta.seq_lens, *packed]
         out: torch.Tensor = loader.run(flat)[0]
+        return out
+
+    return step
+
+
+def _bind_graphed(loader: Any, packed: list[torch.Tensor | None]) -> GraphedStep:
+    def step(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = loader.run([hidden, positions, *packed])[0]
         return out
 
     return step

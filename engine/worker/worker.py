@@ -37,6 +37,7 @@ from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.expert_mover import ExpertMover
 from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step_graph import StepGraph
 from engine.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
@@ -159,20 +160,25 @@ class Worker:
         caches = [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
                    torch.zeros(shape, dtype=self.model.dtype, device=self.device))
                   for _ in range(cfg.num_layers)]
-        graphs = None
+        graphs = step_graph = None
         if compiled:
             cache_dir = use_compile_cache(self.config.compilation_config.cache_dir)
             graphs = DecodeGraphs(self.model, caches, self.config.block_size, num_blocks,
                                   self.config.decode_batch_sizes, cache_dir)
+            # Experts run eagerly: an MoE model exports no one graph.
+            if self.config.compilation_config.compile_prompts and not self.model.moe_layers:
+                step_graph = StepGraph(self.model, caches, self.config.block_size, num_blocks, cache_dir)
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
                                   is_driver=self.rank == 0, pooler=self.pooler,
                                   report_expert_load=self.config.enable_eplb, vision=self.vision,
                                   save_encoder_output=self._ec_saver(),
                                   grammar=GrammarMasks(self.config.tokenizer_path, cfg.vocab_size),
-                                  decode_graphs=graphs, num_blocks=num_blocks)
-        if graphs is not None:
-            with bound_to(self.compute_cpus), torch.inference_mode():
+                                  decode_graphs=graphs, step_graph=step_graph, num_blocks=num_blocks)
+        with bound_to(self.compute_cpus), torch.inference_mode():
+            if graphs is not None:
                 graphs.compile_all()
+            if step_graph is not None:
+                step_graph.compile()
 
     def _compiles(self) -> bool:
         """Whether decode steps run compiled graphs: unless --enforce-eager, for a decoder on one
