@@ -164,6 +164,8 @@ def _add_bench_forward(bench: Subcommands) -> None:
     fw.add_argument("--model", default=None)
     fw.add_argument("--batch", default="1,16,64", help="comma-separated batch sizes")
     fw.add_argument("--context", type=int, default=192, help="cached tokens per sequence")
+    fw.add_argument("--prompt-len", default="", help="comma-separated prompt lengths: also time one fresh prompt "
+                                                     "of each, eager against the step graph")
     fw.add_argument("--repeats", type=int, default=50, help="steps per timed round")
     fw.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     fw.add_argument("--profile", type=int, default=None, metavar="BATCH",
@@ -199,11 +201,15 @@ def _bench_forward(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
+    prompt_lens = [int(n) for n in args.prompt_len.split(",") if n]
     bench = forward.DecodeBench(model_dir(args.model), sorted({*batches, *([args.profile] if args.profile else [])}),
-                                args.context)
-    print(f"compiled the decode graph in {bench.compile():.1f} s")
+                                args.context, prompt_lens)
+    print(f"compiled the graphs in {bench.compile():.1f} s")
     times = [bench.time_steps(b, args.repeats) for b in batches]
     print(forward.report(times, args.context))
+    if prompt_lens:
+        prompt_times = [bench.time_steps(n, max(3, args.repeats // 10), prompt=True) for n in prompt_lens]
+        print(forward.report_prompts(prompt_times))
     if args.profile:
         print(bench.profile(args.profile))
     return 0

@@ -1,16 +1,19 @@
-"""`trio-llm bench forward`: one decode step of the model, eager against compiled, per batch size.
+"""`trio-llm bench forward`: one decode step of the model, eager against compiled, per batch size;
+with `--prompt-len`, one fresh prompt too, eager against the step graph.
 
 Both run the same model over the same KV cache in one process: the eager forward (gathered
-blocks, SDPA: the path of prefill and of --enforce-eager) and the compiled decode graph
-(`engine.worker.decode_graphs`). Each sequence has `context` cached tokens. With `--profile`, a
-torch.profiler table of a few steps of each is printed too: where a decode step's time goes.
+blocks, SDPA: the path of --enforce-eager) and the compiled decode graph
+(`engine.worker.decode_graphs`), or for a prompt the step graph (`engine.worker.step_graph`:
+attention eager inside it). Each decoding sequence has `context` cached tokens. With
+`--profile`, a torch.profiler table of a few steps of each is printed too: where a decode step's
+time goes.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,7 @@ from engine.config import EngineConfig
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.worker.decode_graphs import DecodeGraphs, use_compile_cache
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step_graph import StepGraph
 from engine.worker.worker import Worker
 
 
@@ -34,10 +38,10 @@ class StepTimes:
 
 
 class DecodeBench:
-    def __init__(self, model_dir: str, batches: list[int], context: int) -> None:
+    def __init__(self, model_dir: str, batches: list[int], context: int, prompt_lens: Sequence[int] = ()) -> None:
         self.block_size = 16
         self.blocks_per_seq = math.ceil((context + 1) / self.block_size)
-        num_blocks = max(batches) * self.blocks_per_seq
+        num_blocks = max(max(batches) * self.blocks_per_seq, *(math.ceil(n / self.block_size) for n in prompt_lens))
         config = EngineConfig(model=model_dir, enforce_eager=True, num_kv_blocks=num_blocks,
                               block_size=self.block_size, max_num_seqs=max(batches))
         self.worker = Worker(config)
@@ -50,13 +54,36 @@ class DecodeBench:
         self.context = context
         cache_dir = use_compile_cache(None)
         self.graphs = DecodeGraphs(self.model, runner.kv_caches, self.block_size, num_blocks, batches, cache_dir)
+        self.step_graph = StepGraph(self.model, runner.kv_caches, self.block_size, num_blocks, cache_dir) \
+            if prompt_lens else None
         for k_cache, v_cache in runner.kv_caches:  # cached keys and values: any finite numbers do
             k_cache.normal_()
             v_cache.normal_()
 
     def compile(self) -> float:
         with torch.inference_mode():
-            return self.graphs.compile_all(progress=print)
+            seconds = self.graphs.compile_all(progress=print)
+        if self.step_graph is not None:
+            seconds += self.step_graph.compile(progress=print)
+        return seconds
+
+    def prompt_steps(self, tokens: int) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+        """(eager, step graph) prefill of one fresh prompt of `tokens` tokens, each returning the
+        greedy next token."""
+        assert self.step_graph is not None, "prompt_lens given to the constructor"
+        graph, model = self.step_graph, self.model
+        ids = torch.arange(tokens) % model.config.vocab_size
+        positions = torch.arange(tokens)
+        blocks = list(range(math.ceil(tokens / self.block_size)))
+
+        def prefill(run: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+            def step() -> torch.Tensor:
+                meta = build_metadata([SequenceChunk(0, tokens, blocks)], self.block_size, self.runner.device,
+                                      model.dtype)
+                return model.compute_logits(run(model.embed(ids), positions, meta)[-1:]).argmax(-1)
+            return step
+
+        return (prefill(lambda h, p, meta: model(h, p, self.runner.kv_caches, meta)), prefill(graph.run))
 
     def steps(self, batch: int) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
         """(eager step, compiled step) for `batch` sequences, each returning greedy next tokens."""
@@ -78,11 +105,12 @@ class DecodeBench:
 
         return eager, compiled
 
-    def time_steps(self, batch: int, repeats: int, rounds: int = 3) -> StepTimes:
-        """Best of `rounds` alternating rounds of `repeats` steps each (this machine drifts)."""
+    def time_steps(self, batch: int, repeats: int, rounds: int = 3, prompt: bool = False) -> StepTimes:
+        """Best of `rounds` alternating rounds of `repeats` steps each (this machine drifts); with
+        `prompt`, of a fresh prompt of `batch` tokens instead of a decode step of `batch` sequences."""
         best = [math.inf, math.inf]
         with torch.inference_mode():  # the inputs too: the graphs were compiled for inference tensors
-            eager, compiled = self.steps(batch)
+            eager, compiled = self.prompt_steps(batch) if prompt else self.steps(batch)
             assert torch.equal(eager(), compiled()), "eager and compiled disagree on greedy tokens"
             for _ in range(rounds):
                 for i, step in enumerate((eager, compiled)):
@@ -105,6 +133,14 @@ class DecodeBench:
                 table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8)
                 tables.append(f"{name} decode, batch {batch}, {steps} steps:\n{table}")
         return "\n".join(tables)
+
+
+def report_prompts(times: list[StepTimes]) -> str:
+    lines = [f"one fresh prompt, torch threads {torch.get_num_threads()} (best of 3 rounds)",
+             "prompt tokens | eager ms | step graph ms | step graph speed-up",
+             "--- | --- | --- | ---"]
+    lines += [f"{t.batch} | {t.eager_ms:.2f} | {t.compiled_ms:.2f} | {t.speedup:.2f}x" for t in times]
+    return "\n".join(lines)
 
 
 def report(times: list[StepTimes], context: int) -> str:

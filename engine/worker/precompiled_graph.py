@@ -29,6 +29,8 @@ and never removes it (1.9 MB a start); `load` unpacks into a directory of ours a
 the library is loaded (a loaded library needs no file). Packages are kept most recently used
 first, at most `KEEP_PACKAGES` of them (`prune`).
 
+The step graph (engine/worker/step_graph.py) is packaged the same way, under `step-graphs/`.
+
 Only a model that exports into one graph is compiled so; MoE models, whose experts run eagerly
 between graphs, keep `torch.compile`, and so does a model whose export fails (logged).
 """
