@@ -32,6 +32,32 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_eplb(bench)
     _add_bench_ec(bench)
     _add_bench_structured(bench)
+    _add_bench_lora(bench)
+
+
+def _add_bench_lora(bench: Subcommands) -> None:
+    lr = bench.add_parser("lora", help="streams over 1/4/16 LoRA adapters against the base model alone, and "
+                                       "one adapter's read time")
+    lr.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    lr.add_argument("--adapters", default="1,4,16", help="comma-separated adapter counts")
+    lr.add_argument("--ranks", default="8,64", help="comma-separated LoRA ranks")
+    lr.add_argument("--streams", type=int, default=16)
+    lr.add_argument("--input-len", type=int, default=32)
+    lr.add_argument("--output-len", type=int, default=64)
+    lr.add_argument("--repeats", type=int, default=3)
+    lr.set_defaults(run=_bench_lora)
+
+
+def _bench_lora(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from bench import lora
+    with tempfile.TemporaryDirectory() as scratch:
+        print(lora.run(model_dir(args.model), [int(n) for n in args.adapters.split(",")],
+                       [int(r) for r in args.ranks.split(",")], args.streams, args.input_len, args.output_len,
+                       args.repeats, Path(scratch)))
+    return 0
 
 
 def _add_bench_structured(bench: Subcommands) -> None:

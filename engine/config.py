@@ -150,6 +150,41 @@ class ECTransferConfig:
 
 
 @dataclass(frozen=True)
+class LoRAModule:
+    """One adapter the engine serves: `name` is what requests ask for (the `model` field), `path`
+    its PEFT directory; `base_model_name` (vLLM's JSON form) is the model /v1/models lists as its
+    parent (default: the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModule:
+        """vLLM's `--lora-modules` forms: `name=path`, or a JSON object with `name`, `path` and
+        optionally `base_model_name`; `ValueError` naming the problem."""
+        if text.lstrip().startswith("{"):
+            try:
+                spec = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--lora-modules: not valid JSON: {exc}") from None
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) \
+                    or not isinstance(spec.get("path"), str):
+                raise ValueError(f"--lora-modules: a JSON module needs string name and path, got {text!r}")
+            unknown = set(spec) - {"name", "path", "base_model_name"}
+            if unknown:
+                raise ValueError(f"--lora-modules: unknown keys {sorted(unknown)}")
+            base = spec.get("base_model_name")
+            if base is not None and not isinstance(base, str):
+                raise ValueError(f"--lora-modules: base_model_name must be a string, got {base!r}")
+            return cls(spec["name"], spec["path"], base)
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path or a JSON object, got {text!r}")
+        return cls(name, path)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to open an engine. `model` is a local HF-format directory."""
 
@@ -207,6 +242,14 @@ class EngineConfig:
     # Seconds between wake-ups of the event-loop lag probe (`AsyncEngine.stats()`, the observer's
     # `on_loop_lag`); None runs no probe. The server sets it from its own settings.
     loop_lag_interval: float | None = None
+    # LoRA adapters (engine/lora): vLLM's --enable-lora, --lora-modules (name -> PEFT directory),
+    # --max-loras (adapters in one batch), --max-cpu-loras (held in memory; default max_loras,
+    # least recently used evicted and read again when used), --max-lora-rank.
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -246,6 +289,26 @@ class EngineConfig:
             raise ValueError(f"limit_images_per_prompt must be non-negative, got {self.limit_images_per_prompt}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must be distinct, got {names}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are served on one rank only for now (tensor_parallel_size 1)")
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """Adapters held in memory at once (--max-cpu-loras, default --max-loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def tokenizer_path(self) -> str:

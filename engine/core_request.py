@@ -41,3 +41,4 @@ class EngineCoreRequest:
     mm_features: tuple[ImageFeature, ...] = ()
     pooling_params: PoolingParams | None = None
     token_type_ids: tuple[int, ...] | None = None
+    lora_name: str | None = None  # the LoRA adapter to run with (None: the base model)

@@ -52,7 +52,11 @@ def register(app: QuartTrio, state: ServerState) -> None:
         max_len = state.engine.info.max_model_len if state.engine else None
         card = {"id": state.model_name, "object": "model", "created": _STARTED, "owned_by": "trio-llm",
                 "root": state.engine_config.model, "parent": None, "max_model_len": max_len}
-        return _json({"object": "list", "data": [card]})
+        # Each LoRA adapter is a model of its own whose parent is the base, as vLLM lists them.
+        adapters = [{"id": m.name, "object": "model", "created": _STARTED, "owned_by": "trio-llm", "root": m.path,
+                     "parent": m.base_model_name or state.model_name, "max_model_len": max_len}
+                    for m in state.engine_config.lora_modules]
+        return _json({"object": "list", "data": [card, *adapters]})
 
     @app.post("/tokenize")
     async def tokenize() -> Response:

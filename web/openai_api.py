@@ -172,12 +172,13 @@ async def create_completion(state: ServerState) -> Response:
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt")
     params = completion_sampling_params(engine, req)
+    model_name = state.response_model(req.model)
     response_id, created = f"cmpl-{random_id()}", int(time.time())
     outputs = engine.generate_batch([req.salted(p) for p in prompts], params, request_id=response_id,
-                                    priority=req.priority)
+                                    priority=req.priority, lora_request=state.lora_request(req.model))
     first = await first_item(outputs)
     if req.stream:
-        stream = CompletionStream(response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None,
+        stream = CompletionStream(response_id, created, model_name, req.n, req.echo, req.logprobs is not None,
                                   token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[0], item[1], req.continuous_usage),
                                  lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
@@ -186,7 +187,7 @@ async def create_completion(state: ServerState) -> Response:
     finals = await final_outputs(first, outputs, len(prompts))
     tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return await json_response(state, lambda: completion_response(
-        response_id, created, state.model_name, req.n, req.echo, req.logprobs is not None, finals,
+        response_id, created, model_name, req.n, req.echo, req.logprobs is not None, finals,
         req.prompt_logprobs is not None, req.return_token_ids, req.return_tokens_as_token_ids), tokens)
 
 
@@ -255,12 +256,13 @@ async def create_chat_completion(state: ServerState) -> Response:
     params = await chat_sampling_params(state, engine, req, tools)
     tool_plan = tools if tools is not None and tools.makes_calls else None
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
+    model_name = state.response_model(req.model)
     outputs = engine.generate_batch([req.salted(prompt_input)], params, priority=req.priority,
-                                    request_id=response_id)
+                                    request_id=response_id, lora_request=state.lora_request(req.model))
     first = await first_item(outputs)
     top = params.logprobs if req.logprobs else None
     if req.stream:
-        stream = ChatStream(response_id, created, state.model_name, top, tool_plan=tool_plan,
+        stream = ChatStream(response_id, created, model_name, top, tool_plan=tool_plan,
                             reasoning_parser=state.settings.reasoning_parser, echo=req.echoed_text(),
                             token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1], req.continuous_usage),
@@ -270,7 +272,7 @@ async def create_chat_completion(state: ServerState) -> Response:
                         headers=sse.HEADERS)
     (final,) = await final_outputs(first, outputs, 1)
     tokens = sum(len(c.token_ids) for c in final.outputs)
-    return await json_response(state, lambda: chat_response(response_id, created, state.model_name, final, top,
+    return await json_response(state, lambda: chat_response(response_id, created, model_name, final, top,
                                                             tool_plan, state.settings.reasoning_parser,
                                                             req.echoed_text(), req.prompt_logprobs is not None,
                                                             req.return_token_ids, req.return_tokens_as_token_ids),
@@ -293,12 +295,14 @@ async def create_batch_chat_completion(state: ServerState) -> Response:
                for conversation in req.messages]
     params = await chat_sampling_params(state, engine, req, None)  # stream is refused: FINAL_ONLY
     response_id, created = f"chatcmpl-{random_id()}", int(time.time())
-    outputs = engine.generate_batch(prompts, params, priority=req.priority, request_id=response_id)
+    model_name = state.response_model(req.model)
+    outputs = engine.generate_batch(prompts, params, priority=req.priority, request_id=response_id,
+                                    lora_request=state.lora_request(req.model))
     finals = await final_outputs(await first_item(outputs), outputs, len(prompts))
     top = params.logprobs if req.logprobs else None
 
     def build() -> dict[str, Any]:
-        bodies = [chat_response(response_id, created, state.model_name, final, top, None,
+        bodies = [chat_response(response_id, created, model_name, final, top, None,
                                 state.settings.reasoning_parser, echoed_text(conversation, req.echo),
                                 token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
                   for final, conversation in zip(finals, req.messages, strict=True)]

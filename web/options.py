@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import CompilationConfig, ECTransferConfig, EngineConfig, EplbConfig
+from engine.config import CompilationConfig, ECTransferConfig, EngineConfig, EplbConfig, LoRAModule
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from web.cors import CorsSettings
 from web.settings import ServerSettings
@@ -97,6 +97,14 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="refused: trio-llm runs no code from model directories")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help='LoRA adapters (PEFT directories) as name=path, or JSON {"name": ..., "path": ..., '
+                        '"base_model_name": ...}; a request names one in its model field')
+    p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters in one batch")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters held in memory (default --max-loras; least recently used are evicted)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,7 +131,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "allowed_media_domains": tuple(args.allowed_media_domains),
             "ec_transfer_config": ECTransferConfig.from_json(args.ec_transfer_config) if args.ec_transfer_config
             else None,
-            "ec_defer_timeout": args.ec_defer_timeout}
+            "ec_defer_timeout": args.ec_defer_timeout,
+            "enable_lora": args.enable_lora,
+            "lora_modules": tuple(LoRAModule.parse(text) for text in args.lora_modules),
+            "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "max_lora_rank": args.max_lora_rank}
 
 
 def images_per_prompt(value: Any) -> int:

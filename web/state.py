@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from engine.api import AsyncEngine, EngineConfig, Executor, SpawnedEngine
+from engine.lora_request import LoRARequest
 from web.errors import APIError
 from web.metrics import ServerMetrics
 from web.settings import ServerSettings
@@ -39,7 +40,21 @@ class ServerState:
 
     @property
     def accepted_model_names(self) -> set[str]:
-        return {self.model_name, self.engine_config.model}
+        return {self.model_name, self.engine_config.model, *self.lora_names}
+
+    @property
+    def lora_names(self) -> list[str]:
+        return [m.name for m in self.engine_config.lora_modules]
+
+    def lora_request(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        if requested is None or requested not in self.lora_names:
+            return None
+        return LoRARequest(requested, self.lora_names.index(requested) + 1)
+
+    def response_model(self, requested: str | None) -> str:
+        """The `model` a response names: the adapter asked for, else the served model."""
+        return requested if requested is not None and requested in self.lora_names else self.model_name
 
     @property
     def engine_alive(self) -> bool:

@@ -21,12 +21,13 @@ if TYPE_CHECKING:
     from engine.api.async_engine import AsyncEngine
     from engine.api.llm import LLM
     from engine.api.open import open_engine, open_engine_process
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, LoRAModule
     from engine.core.engine_spawn import SpawnedEngine, engine_process_started
     from engine.core.gc_tuning import tune_collector_for_serving
     from engine.core.stats import EngineStats, RequestRecord, StatsObserver
     from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
     from engine.executor.base import Executor
+    from engine.lora_request import LoRARequest
     from engine.model_info import ModelInfo, PoolerConfig
     from engine.models.tiny import ARCHITECTURES, SHAPES, TinyModelSpec, ensure_default_model, make_model, shaped_spec
     from engine.outputs import CompletionOutput, Logprob, PoolingRequestOutput, PositionLogprobs, RequestOutput
@@ -49,6 +50,8 @@ _WHERE = {
     "Executor": "engine.executor.base",
     "InvalidRequestError": "engine.errors",
     "LLM": "engine.api.llm",
+    "LoRARequest": "engine.lora_request",
+    "LoRAModule": "engine.config",
     "Logprob": "engine.outputs",
     "make_model": "engine.models.tiny",
     "ModelInfo": "engine.model_info",
@@ -73,7 +76,8 @@ _WHERE = {
 }
 
 __all__ = [
-    "ARCHITECTURES", "LLM", "SHAPES", "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError",
+    "ARCHITECTURES", "LLM", "SHAPES", "LoRAModule", "LoRARequest",
+    "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError",
     "EngineInput", "EngineStats", "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError",
     "PoolerConfig", "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError",
     "RequestOutput", "RequestOutputKind", "RequestRecord", "SamplingParams", "SpawnedEngine", "StatsObserver",

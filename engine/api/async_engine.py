@@ -28,6 +28,7 @@ from engine.core.stats import EngineStats, LoopLagReadings
 from engine.core_request import EngineCoreRequest
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.ids import random_id
+from engine.lora_request import LoRARequest
 from engine.model_info import ModelInfo
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -77,7 +78,8 @@ class AsyncEngine:
 
     # ---- the main entry points -------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput]:
+                       request_id: str | None = None, *, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput]:
         """Generate for one prompt, yielding `RequestOutput`s as tokens arrive.
 
         `prompt` is text, a list of token ids, a tensor of prompt embeddings
@@ -85,6 +87,7 @@ class AsyncEngine:
         `enable_prompt_embeds`), or a mapping with `prompt`, `prompt_token_ids`
         or `prompt_embeds` (a tensor, or base64 of a `torch.save` file).
         Invalid input raises `InvalidRequestError` before anything runs.
+        `lora_request` names one of the engine's LoRA adapters (`lora_modules`).
         Cancelling the consuming task, or closing the generator
         (`aclose()`, or leaving an `aclosing()` block early), aborts the
         request: it is dropped between two steps and its KV blocks are freed.
@@ -93,13 +96,14 @@ class AsyncEngine:
         request_id = request_id or random_id()
         # aclosing: closing this generator closes the inner one at once, so its abort is sent now
         # rather than whenever the garbage collector finalizes it.
-        async with aclosing(self._generate([prompt], sampling_params, [request_id], priority)) as outputs:
+        async with aclosing(self._generate([prompt], sampling_params, [request_id], priority,
+                                           lora_request)) as outputs:
             async for _, output in outputs:
                 yield output
 
     async def generate_batch(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None,
-                             request_id: str | None = None, *,
-                             priority: int = 0) -> AsyncGenerator[tuple[int, RequestOutput]]:
+                             request_id: str | None = None, *, priority: int = 0,
+                             lora_request: LoRARequest | None = None) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """Generate for several prompts at once, yielding `(prompt index, output)` as outputs arrive.
 
         All prompts are validated before any is queued; one bad prompt fails
@@ -108,7 +112,8 @@ class AsyncEngine:
         """
         request_id = request_id or random_id()
         request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        async with aclosing(self._generate(prompts, sampling_params, request_ids, priority)) as outputs:
+        async with aclosing(self._generate(prompts, sampling_params, request_ids, priority,
+                                           lora_request)) as outputs:
             async for item in outputs:
                 yield item
 
@@ -135,11 +140,13 @@ class AsyncEngine:
         return results  # type: ignore[return-value]
 
     async def _generate(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
-                        request_ids: list[str], priority: int) -> AsyncGenerator[tuple[int, RequestOutput]]:
+                        request_ids: list[str], priority: int, lora_request: LoRARequest | None = None
+                        ) -> AsyncGenerator[tuple[int, RequestOutput]]:
         self.processor.check_can_generate()
         self.processor.check_priority(priority)
+        self.processor.lora_name(lora_request)  # an unknown adapter fails before rendering
         params = await self._with_grammar(sampling_params or SamplingParams())
-        build = partial(self._generation_request, params=params, priority=priority)
+        build = partial(self._generation_request, params=params, priority=priority, lora_request=lora_request)
         async with aclosing(self._run(prompts, request_ids, build, params.output_kind)) as outputs:
             async for item in outputs:
                 yield item
@@ -163,8 +170,9 @@ class AsyncEngine:
         return [self.processor.prepared(engine_input, params) for engine_input in await self._render_all(prompts)]
 
     def _generation_request(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
-                            priority: int) -> EngineCoreRequest:
-        return self.processor.generation_request(request_id, engine_input, params, priority, anyio.current_time())
+                            priority: int, lora_request: LoRARequest | None = None) -> EngineCoreRequest:
+        return self.processor.generation_request(request_id, engine_input, params, priority, anyio.current_time(),
+                                                 lora_request)
 
     def _pooling_request(self, request_id: str, engine_input: EngineInput, params: PoolingParams,
                          priority: int) -> EngineCoreRequest:

@@ -20,6 +20,7 @@ from engine.api.async_engine import AsyncEngine
 from engine.api.open import open_engine
 from engine.config import EngineConfig
 from engine.executor.inproc import InProcExecutor
+from engine.lora_request import LoRARequest
 from engine.models.tiny import ensure_default_model
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -44,18 +45,28 @@ class LLM:
         self._tokenizer = Tokenizer(self.config.tokenizer_path)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One finished `RequestOutput` per prompt, in prompt order."""
+                 *, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """One finished `RequestOutput` per prompt, in prompt order. `lora_request`: one of the
+        engine's adapters (`lora_modules`) for every prompt, or one (or None) per prompt."""
         batch = _as_batch(prompts)
         params = sampling_params or SamplingParams()
-        return anyio.run(self._run_batch, [("generate", p) for p in batch], params, use_tqdm, backend="trio")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(batch)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(batch):
+                raise ValueError(f"{len(loras)} lora_requests for {len(batch)} prompts")
+        items = [("generate", p, lora) for p, lora in zip(batch, loras, strict=True)]
+        return anyio.run(self._run_batch, items, params, use_tqdm, backend="trio")
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | None = None,
              *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Render each conversation with the chat template and generate a reply for it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = sampling_params or SamplingParams()
-        return anyio.run(self._run_batch, [("chat", c) for c in conversations], params, use_tqdm, backend="trio")
+        items: list[tuple[str, Any, LoRARequest | None]] = [("chat", c, None) for c in conversations]
+        return anyio.run(self._run_batch, items, params, use_tqdm, backend="trio")
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
@@ -70,7 +81,7 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    async def _run_batch(self, items: list[tuple[str, Any]], params: SamplingParams,
+    async def _run_batch(self, items: list[tuple[str, Any, LoRARequest | None]], params: SamplingParams,
                          use_tqdm: bool) -> list[RequestOutput]:
         params = _final_only(params)
         results: list[RequestOutput | None] = [None] * len(items)
@@ -96,10 +107,10 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], int)
 
 
-async def _collect(engine: AsyncEngine, index: int, item: tuple[str, Any], params: SamplingParams,
+async def _collect(engine: AsyncEngine, index: int, item: tuple[str, Any, LoRARequest | None], params: SamplingParams,
                    results: list[RequestOutput | None], bar: tqdm[Any]) -> None:
-    kind, payload = item
-    stream = engine.generate(payload, params) if kind == "generate" else engine.chat(payload, params)
+    kind, payload, lora = item
+    stream = engine.generate(payload, params, lora_request=lora) if kind == "generate" else engine.chat(payload, params)
     async for output in stream:
         results[index] = output
     bar.update(1)

@@ -75,7 +75,8 @@ def scheduler_requests(request: EngineCoreRequest) -> list[Request]:
                     priority=request.priority, max_tokens=request.max_tokens, cache_key=request.cache_key,
                     prompt_embeds=request.prompt_embeds, mm_features=list(request.mm_features),
                     pooling_params=request.pooling_params,
-                    token_type_ids=None if request.token_type_ids is None else list(request.token_type_ids))
+                    token_type_ids=None if request.token_type_ids is None else list(request.token_type_ids),
+                    lora_name=request.lora_name)
             for child_id, child_params in children]
 
 

@@ -3,7 +3,7 @@ weights packed for oneDNN once loaded), the vocab-parallel embedding, RMSNorm an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,12 @@ from torch import nn
 
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
+
+
+class OutputDelta(Protocol):
+    """What a layer's LoRA adapters add to its output (engine/lora/layers.py's `LinearLoRA`)."""
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
 class Linear(nn.Module):
@@ -26,6 +32,9 @@ class Linear(nn.Module):
         # The weight in oneDNN's layout once `pack` ran (engine/models/packed_linear.py). A plain
         # attribute, not a buffer: the compiled decode graph takes it as an input.
         self.packed: torch.Tensor | None = None
+        # The LoRA adapters that change this layer's output, when the engine serves any
+        # (engine/lora/layers.py): their delta is added for the rows of each adapter's requests.
+        self.lora: OutputDelta | None = None
 
     def pack(self, keep_weight: bool = False) -> bool:
         """Lay the weight out for oneDNN, where that applies (`packed_linear.can_pack`); returns
@@ -41,9 +50,8 @@ class Linear(nn.Module):
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+        y = packed_linear(x, self.packed, bias) if self.packed is not None else F.linear(x, self.weight, bias)
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from engine.config import EngineConfig
 from engine.core_request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
 from engine.errors import InvalidRequestError
+from engine.lora_request import LoRARequest
 from engine.model_info import ModelInfo
 from engine.pooling_params import PoolingParams
 from engine.render.renderer import EngineInput
@@ -119,20 +120,37 @@ class InputProcessor:
         self._check_against_model(params, engine_input)
         return engine_input
 
+    def lora_name(self, lora_request: LoRARequest | None) -> str | None:
+        """The adapter a request asks for, checked against those the engine serves."""
+        if lora_request is None:
+            return None
+        served = [m.name for m in self.config.lora_modules]
+        if lora_request.lora_name not in served:
+            hint = f"; it serves {', '.join(served)}" if served else " (--enable-lora and --lora-modules)"
+            raise InvalidRequestError(f"The model `{lora_request.lora_name}` does not exist: no LoRA adapter of "
+                                      f"that name is served{hint}", param="model")
+        return lora_request.lora_name
+
     def generation_request(self, request_id: str, engine_input: EngineInput, params: SamplingParams,
-                           priority: int, arrival_time: float) -> EngineCoreRequest:
+                           priority: int, arrival_time: float, lora_request: LoRARequest | None = None
+                           ) -> EngineCoreRequest:
         """The request that runs `engine_input` (truncated and checked): EOS ids and bad words
-        resolved, `max_tokens` what the context leaves when the caller set none."""
+        resolved, `max_tokens` what the context leaves when the caller set none. With an adapter,
+        its blocks are its own in the prefix cache (the adapter changes every key and value)."""
+        lora_name = self.lora_name(lora_request)
         engine_input = self.prepared(engine_input, params)
         token_ids = engine_input.token_ids
         if params.bad_words and not params.bad_words_token_ids:
             params = replace(params, bad_words_token_ids=self.bad_word_ids(params.bad_words))
         params = params.with_eos(self.info.eos_token_ids)
         max_tokens = self.info.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
+        cache_key = engine_input.cache_key(request_id)
+        if lora_name is not None:
+            cache_key = (*(cache_key or ()), f"lora:{lora_name}")
         return EngineCoreRequest(request_id, engine_input.prompt, tuple(token_ids), params, max_tokens=max_tokens,
-                                 arrival_time=arrival_time, priority=priority,
-                                 cache_key=engine_input.cache_key(request_id), prompt_embeds=engine_input.embeds,
-                                 mm_features=tuple(engine_input.mm_features))
+                                 arrival_time=arrival_time, priority=priority, cache_key=cache_key,
+                                 prompt_embeds=engine_input.embeds, mm_features=tuple(engine_input.mm_features),
+                                 lora_name=lora_name)
 
 
 def _truncated(engine_input: EngineInput, keep: int | None) -> EngineInput:

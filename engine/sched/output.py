@@ -23,6 +23,7 @@ class NewRequestData:
     pooling_params: Any = None  # a PoolingParams: pool the prompt's hidden states instead of sampling
     token_type_ids: list[int] | None = None  # segment ids (BERT sentence pairs)
     mm_features: list[Any] = field(default_factory=list)  # ImageFeatures, with their pixel values
+    lora_name: str | None = None  # the LoRA adapter the request runs with (None: the base model)
 
 
 @dataclass

@@ -60,6 +60,7 @@ class Request:
     pooling_params: Any = None  # set: a prefill-only pooling request (no sampling, done after its prompt)
     token_type_ids: list[int] | None = None
     mm_features: list[ImageFeature] = field(default_factory=list)  # images, in prompt order
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -67,6 +67,8 @@ class SchedulerConfig:
     # cache holds (both at least one image's rows; 0 for models without images).
     encoder_budget_rows: int = 0
     encoder_cache_rows: int = 0
+    # LoRA: distinct adapters among the running requests at once (--max-loras; 0: no adapters served)
+    max_loras: int = 0
 
 
 @dataclass
@@ -173,7 +175,7 @@ class Scheduler:
                 out.new_requests.append(NewRequestData(
                     request.request_id, list(request.prompt_token_ids), request.sampling_params,
                     request.prompt_embeds, request.pooling_params, request.token_type_ids,
-                    list(request.mm_features)))
+                    list(request.mm_features), request.lora_name))
         return out
 
     def _schedule_running(self, scheduled: dict[str, ScheduledRequest], budget: int) -> tuple[int, bool]:
@@ -219,6 +221,9 @@ class Scheduler:
                 else:
                     self.skipped_waiting.add(request)
                 continue
+            if self._too_many_adapters(request):  # waits for a running adapter's requests to finish
+                self.step_skipped_waiting.append(self.waiting.pop())
+                continue
             cached = self._cached_prefix(request)
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_computed
@@ -243,6 +248,13 @@ class Scheduler:
             self._commit_encoder(request, num_computed, num_new, to_encode)
             scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
+
+    def _too_many_adapters(self, request: Request) -> bool:
+        """Whether running `request` would put more LoRA adapters in the batch than --max-loras."""
+        if request.lora_name is None or not self.config.max_loras:
+            return False
+        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        return request.lora_name not in running and len(running) >= self.config.max_loras
 
     # ---- images ----------------------------------------------------------------------------
     def _plan_encoder(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:

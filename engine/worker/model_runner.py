@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.lora.layers import LoRAServing, lora_rows
 from engine.model_info import PoolerConfig
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
@@ -40,6 +41,7 @@ class RequestState:
     mm_features: list[ImageFeature] = field(default_factory=list)  # with pixel values, kept for re-encoding
     matcher: Any = None  # an llguidance matcher: the request's structured outputs
     grammar_active: bool = True  # False while a reasoning model is still reasoning
+    lora_name: str | None = None  # the LoRA adapter this request runs with (None: the base model)
 
     def advance_grammar(self, token: int) -> None:
         """After a sampled token: the matcher consumes it, or (still reasoning) the grammar starts
@@ -64,9 +66,11 @@ class ModelRunner:
                  vision: LlavaVision | None = None,
                  save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None,
                  grammar: GrammarMasks | None = None, decode_graphs: DecodeGraphs | None = None,
-                 step_graph: StepGraph | None = None, num_blocks: int | None = None) -> None:
+                 step_graph: StepGraph | None = None, num_blocks: int | None = None,
+                 lora: LoRAServing | None = None) -> None:
         """`decode_graphs`: compiled graphs that decode-only steps run on (None: all eager);
-        `step_graph`: the compiled graph the other steps run on (None: eager).
+        `step_graph`: the compiled graph the other steps run on (None: eager). `lora`: the LoRA
+        adapters served (steps with an adapter's rows run eagerly).
         `num_blocks`: the scheduler's blocks (default: all the cache holds)."""
         self.model = model
         self.kv_caches = kv_caches
@@ -75,6 +79,7 @@ class ModelRunner:
             (kv_caches[0][0].shape[0] // block_size if kv_caches else 0)
         self.decode_graphs = decode_graphs
         self.step_graph = step_graph
+        self.lora = lora
         self.device = device
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=device)
@@ -158,9 +163,14 @@ class ModelRunner:
                 raise ValueError("structured outputs need a compiled grammar")
             eos = new.sampling_params.eos_token_ids
             matcher = self.grammar.matcher(spec.compiled, eos[0] if eos else None)
+        if new.lora_name is not None:
+            if self.lora is None:
+                raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+            self.lora.rows([new.lora_name], [0], self.device)  # held in memory (read again if evicted)
         return RequestState(new.prompt_token_ids, new.sampling_params, generator, embeds, new.pooling_params,
                             mm_features=list(new.mm_features), matcher=matcher,
-                            grammar_active=spec is None or spec.starts_active(new.prompt_token_ids))
+                            grammar_active=spec is None or spec.starts_active(new.prompt_token_ids),
+                            lora_name=new.lora_name)
 
     def _run_encoder(self, encoder_inputs: dict[str, list[int]]) -> None:
         """Encode this step's images (all in one batch) into the encoder cache."""
@@ -187,6 +197,10 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         embeds = self._embed(batch, input_ids)
+        adapter_rows = self._lora_rows(batch)
+        if adapter_rows:  # the compiled graphs hold no adapter: this step runs eagerly
+            with lora_rows(adapter_rows):
+                return self._forward_eager(batch, embeds, pos, graphed=False)
         graphs = self.decode_graphs
         num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens != 1), len(batch))  # decodes come first
         if graphs is None or not 0 < num_decodes <= graphs.max_batch:
@@ -200,11 +214,20 @@ class ModelRunner:
         prompts = self._forward_eager(batch[num_decodes:], embeds[num_decodes:], pos[num_decodes:])
         return torch.cat([decoded, prompts])
 
-    def _forward_eager(self, batch: list[ScheduledRequest], embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Any batch, on the step graph if there is one (attention eager inside it), else eager."""
+    def _lora_rows(self, batch: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
+        """The rows of each LoRA adapter in this step's flat batch (empty: base model only)."""
+        names = [self.requests[s.request_id].lora_name for s in batch]
+        if self.lora is None or not any(names):
+            return {}
+        return self.lora.rows(names, [s.num_tokens for s in batch], self.device)
+
+    def _forward_eager(self, batch: list[ScheduledRequest], embeds: torch.Tensor, pos: torch.Tensor,
+                       graphed: bool = True) -> torch.Tensor:
+        """Any batch, on the step graph if there is one and `graphed` (attention eager inside it),
+        else eager."""
         chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
         meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
-        if self.step_graph is not None and self.step_graph.takes(embeds.shape[0]):
+        if graphed and self.step_graph is not None and self.step_graph.takes(embeds.shape[0]):
             return self.step_graph.run(embeds, pos, meta)
         hidden: torch.Tensor = self.model(embeds, pos, self.kv_caches, meta)
         return hidden

@@ -20,6 +20,8 @@ from engine.cpu_binding import CpuLayout, bound_to
 from engine.ec.storage import save_rows
 from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
+from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
+from engine.lora.layers import LoRAServing
 from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.bert import BertEncoder, is_encoder_config
 from engine.models.decoder import DecoderForCausalLM
@@ -78,6 +80,7 @@ class Worker:
         self.pooler = PoolerConfig()
         self.mover: ExpertMover | None = None  # an MoE model's rebalancing hands
         self.vision: LlavaVision | None = None  # a vision-language model's tower and projector
+        self.lora: LoRAServing | None = None  # the LoRA adapters served (--enable-lora)
 
     def load_model(self) -> ModelInfo:
         with bound_to(self.compute_cpus):
@@ -98,11 +101,28 @@ class Worker:
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         self._warn_if_reduced_precision_is_slower()
+        self._load_lora_adapters()
         info = self._decoder_info()
         if layout is None:
             return info
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
+
+    def _load_lora_adapters(self) -> None:
+        """Read and check every configured adapter (a bad one fails start-up, naming it)."""
+        if not self.config.enable_lora:
+            return
+        assert isinstance(self.model, DecoderForCausalLM)
+        paths = {m.name: m.path for m in self.config.lora_modules}
+        dtype = self.model.dtype
+
+        def read(name: str) -> LoRAAdapter:
+            return read_adapter(name, paths[name], self.config.max_lora_rank, dtype)
+
+        try:
+            self.lora = LoRAServing(self.model, read, list(paths), self.config.lora_cpu_capacity)
+        except LoRAError as exc:
+            raise ModelLoadError(str(exc)) from None
 
     def _warn_if_reduced_precision_is_slower(self) -> None:
         """bfloat16 / float16 on a CPU that runs them slower than float32 (measured: a few ms) is
@@ -173,7 +193,8 @@ class Worker:
                                   report_expert_load=self.config.enable_eplb, vision=self.vision,
                                   save_encoder_output=self._ec_saver(),
                                   grammar=GrammarMasks(self.config.tokenizer_path, cfg.vocab_size),
-                                  decode_graphs=graphs, step_graph=step_graph, num_blocks=num_blocks)
+                                  decode_graphs=graphs, step_graph=step_graph, num_blocks=num_blocks,
+                                  lora=self.lora)
         with bound_to(self.compute_cpus), torch.inference_mode():
             if graphs is not None:
                 graphs.compile_all()

@@ -1,0 +1,103 @@
+"""`trio-llm bench lora`: output tok/s of concurrent streams spread over 1, 4 and 16 LoRA adapters,
+against the same streams on the base model alone, in one engine per setting; and the time to read
+and check one adapter.
+
+The adapters are random, written here in PEFT's format (every attention and MLP projection of
+every layer targeted: the most work an adapter can ask for). Each level alternates base and
+adapters over `repeats` rounds and reports medians.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import anyio
+import torch
+from safetensors.torch import save_file
+
+from engine.api.open import open_engine
+from engine.config import EngineConfig, LoRAModule
+from engine.lora.adapter import read_adapter
+from engine.lora_request import LoRARequest
+from engine.models.hf_config import parse_decoder_config, read_config_json
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(model_dir: str, out_dir: Path, rank: int, seed: int) -> Path:
+    """A random rank-`rank` adapter of the model at `model_dir`, saved as PEFT saves one."""
+    cfg = parse_decoder_config(read_config_json(model_dir))
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for name, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{block}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.01
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+async def _tok_per_s(config: EngineConfig, loras: list[str | None], input_len: int, output_len: int,
+                     vocab: int, repeats: int) -> tuple[float, float]:
+    """(base tok/s, adapters tok/s), medians of `repeats` alternating rounds of one stream per entry
+    of `loras` (all on the base model, then each on its adapter)."""
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in loras]
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    async with open_engine(config) as engine:
+        async def one(prompt: list[int], name: str | None) -> None:
+            lora = None if name is None else LoRARequest(name)
+            async for _ in engine.generate(prompt, params, lora_request=lora):
+                pass
+
+        async def wave(adapted: bool) -> float:
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for prompt, name in zip(prompts, loras, strict=True):
+                    tg.start_soon(one, prompt, name if adapted else None)
+            return len(prompts) * output_len / (time.perf_counter() - start)
+
+        await wave(True)  # warm-up: every adapter read, every path run once
+        for i in range(repeats):
+            for adapted in ((False, True) if i % 2 == 0 else (True, False)):
+                rates[adapted].append(await wave(adapted))
+    return statistics.median(rates[False]), statistics.median(rates[True])
+
+
+def run(model_dir: str, adapter_counts: list[int], ranks: list[int], streams: int, input_len: int, output_len: int,
+        repeats: int, scratch: Path) -> str:
+    cfg = parse_decoder_config(read_config_json(model_dir))
+    lines = [f"model={model_dir} streams={streams} input_len={input_len} output_len={output_len} "
+             f"rounds={repeats} (base and adapters alternating; medians), torch threads {torch.get_num_threads()}",
+             "rank | adapters | base tok/s | with adapters tok/s | ratio | read one adapter ms"]
+    for rank in ranks:
+        paths = [write_adapter(model_dir, scratch / f"r{rank}-{i}", rank, seed=i) for i in range(max(adapter_counts))]
+        start = time.perf_counter()
+        read_adapter("a0", paths[0], rank, torch.float32)
+        read_ms = (time.perf_counter() - start) * 1000
+        for count in adapter_counts:
+            modules = tuple(LoRAModule(f"a{i}", str(p)) for i, p in enumerate(paths[:count]))
+            config = EngineConfig(model=model_dir, dtype="float32", enable_lora=True, lora_modules=modules,
+                                  max_loras=count, max_lora_rank=rank, max_num_seqs=max(streams, 16))
+            loras: list[str | None] = [f"a{i % count}" for i in range(streams)]
+            base, adapted = anyio.run(_tok_per_s, config, loras, input_len, output_len, cfg.vocab_size, repeats,
+                                      backend="trio")
+            lines.append(f"{rank:4d} | {count:8d} | {base:10.1f} | {adapted:19.1f} | {adapted / base:5.2f} | "
+                         f"{read_ms:.1f}")
+    return "\n".join(lines)
