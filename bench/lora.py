@@ -3,8 +3,9 @@ against the same streams on the base model alone, in one engine per setting; and
 and check one adapter.
 
 The adapters are random, written here in PEFT's format (every attention and MLP projection of
-every layer targeted: the most work an adapter can ask for). Each level alternates base and
-adapters over `repeats` rounds and reports medians.
+every layer targeted: the most work an adapter can ask for). The base model is served without
+LoRA (what a user without adapters gets); each level alternates it with the adapters over
+`repeats` rounds, an engine opened for each wave, and reports medians.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -51,40 +53,50 @@ def write_adapter(model_dir: str, out_dir: Path, rank: int, seed: int) -> Path:
     return out_dir
 
 
-async def _tok_per_s(config: EngineConfig, loras: list[str | None], input_len: int, output_len: int,
-                     vocab: int, repeats: int) -> tuple[float, float]:
-    """(base tok/s, adapters tok/s), medians of `repeats` alternating rounds of one stream per entry
-    of `loras` (all on the base model, then each on its adapter)."""
+async def _wave(config: EngineConfig, loras: list[str | None], prompts: list[list[int]], output_len: int,
+                warm_up: bool) -> float:
+    """Output tok/s of one stream per prompt (`loras[i]`: its adapter, None for the base model), in
+    an engine opened for it (its compiled graphs load from the cache)."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in loras]
-    rates: dict[bool, list[float]] = {False: [], True: []}
     async with open_engine(config) as engine:
         async def one(prompt: list[int], name: str | None) -> None:
             lora = None if name is None else LoRARequest(name)
             async for _ in engine.generate(prompt, params, lora_request=lora):
                 pass
 
-        async def wave(adapted: bool) -> float:
+        async def wave() -> float:
             start = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 for prompt, name in zip(prompts, loras, strict=True):
-                    tg.start_soon(one, prompt, name if adapted else None)
+                    tg.start_soon(one, prompt, name)
             return len(prompts) * output_len / (time.perf_counter() - start)
 
-        await wave(True)  # warm-up: every adapter read, every path run once
-        for i in range(repeats):
-            for adapted in ((False, True) if i % 2 == 0 else (True, False)):
-                rates[adapted].append(await wave(adapted))
+        if warm_up:  # every adapter read and placed, every path run once
+            await wave()
+        return await wave()
+
+
+def _tok_per_s(base: EngineConfig, with_lora: EngineConfig, loras: list[str | None], input_len: int,
+               output_len: int, vocab: int, repeats: int) -> tuple[float, float]:
+    """(base tok/s, adapters tok/s): the base model served without LoRA against the same streams
+    spread over the adapters; medians of `repeats` rounds, alternating which goes first."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in loras]
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(repeats):
+        for adapted in ((False, True) if i % 2 == 0 else (True, False)):
+            names: list[str | None] = loras if adapted else [None] * len(loras)
+            config = with_lora if adapted else base
+            rates[adapted].append(anyio.run(_wave, config, names, prompts, output_len, True, backend="trio"))
     return statistics.median(rates[False]), statistics.median(rates[True])
 
 
 def run(model_dir: str, adapter_counts: list[int], ranks: list[int], streams: int, input_len: int, output_len: int,
         repeats: int, scratch: Path) -> str:
     cfg = parse_decoder_config(read_config_json(model_dir))
-    lines = [f"model={model_dir} streams={streams} input_len={input_len} output_len={output_len} "
-             f"rounds={repeats} (base and adapters alternating; medians), torch threads {torch.get_num_threads()}",
+    lines = [f"model={model_dir} float32 streams={streams} input_len={input_len} output_len={output_len} "
+             f"rounds={repeats} (the base model without LoRA and with adapters alternating; medians)",
              "rank | adapters | base tok/s | with adapters tok/s | ratio | read one adapter ms"]
     for rank in ranks:
         paths = [write_adapter(model_dir, scratch / f"r{rank}-{i}", rank, seed=i) for i in range(max(adapter_counts))]
@@ -93,11 +105,11 @@ def run(model_dir: str, adapter_counts: list[int], ranks: list[int], streams: in
         read_ms = (time.perf_counter() - start) * 1000
         for count in adapter_counts:
             modules = tuple(LoRAModule(f"a{i}", str(p)) for i, p in enumerate(paths[:count]))
-            config = EngineConfig(model=model_dir, dtype="float32", enable_lora=True, lora_modules=modules,
-                                  max_loras=count, max_lora_rank=rank, max_num_seqs=max(streams, 16))
+            base_config = EngineConfig(model=model_dir, dtype="float32", max_num_seqs=max(streams, 16))
+            config = replace(base_config, enable_lora=True, lora_modules=modules, max_loras=count,
+                             max_lora_rank=rank)
             loras: list[str | None] = [f"a{i % count}" for i in range(streams)]
-            base, adapted = anyio.run(_tok_per_s, config, loras, input_len, output_len, cfg.vocab_size, repeats,
-                                      backend="trio")
+            base, adapted = _tok_per_s(base_config, config, loras, input_len, output_len, cfg.vocab_size, repeats)
             lines.append(f"{rank:4d} | {count:8d} | {base:10.1f} | {adapted:19.1f} | {adapted / base:5.2f} | "
                          f"{read_ms:.1f}")
     return "\n".join(lines)

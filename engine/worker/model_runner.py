@@ -8,13 +8,14 @@ scheduler says when a request is new (`new_requests`) and when it is gone
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.lora.layers import LoRAServing, lora_rows
+from engine.lora.layers import LoRAServing, lora_batch
 from engine.model_info import PoolerConfig
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
@@ -70,7 +71,7 @@ class ModelRunner:
                  lora: LoRAServing | None = None) -> None:
         """`decode_graphs`: compiled graphs that decode-only steps run on (None: all eager);
         `step_graph`: the compiled graph the other steps run on (None: eager). `lora`: the LoRA
-        adapters served (steps with an adapter's rows run eagerly).
+        adapters served.
         `num_blocks`: the scheduler's blocks (default: all the cache holds)."""
         self.model = model
         self.kv_caches = kv_caches
@@ -166,7 +167,7 @@ class ModelRunner:
         if new.lora_name is not None:
             if self.lora is None:
                 raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
-            self.lora.rows([new.lora_name], [0], self.device)  # held in memory (read again if evicted)
+            self.lora.hold(new.lora_name)  # in memory (read again if evicted): a failure fails this request
         return RequestState(new.prompt_token_ids, new.sampling_params, generator, embeds, new.pooling_params,
                             mm_features=list(new.mm_features), matcher=matcher,
                             grammar_active=spec is None or spec.starts_active(new.prompt_token_ids),
@@ -197,15 +198,12 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         embeds = self._embed(batch, input_ids)
-        adapter_rows = self._lora_rows(batch)
-        if adapter_rows:  # the compiled graphs hold no adapter: this step runs eagerly
-            with lora_rows(adapter_rows):
-                return self._forward_eager(batch, embeds, pos, graphed=False)
         graphs = self.decode_graphs
         num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens != 1), len(batch))  # decodes come first
         if graphs is None or not 0 < num_decodes <= graphs.max_batch:
             return self._forward_eager(batch, embeds, pos)
-        decoded = self._decode_compiled(graphs, batch[:num_decodes], embeds[:num_decodes], pos[:num_decodes])
+        with self._adapters(batch[:num_decodes]):
+            decoded = self._decode_compiled(graphs, batch[:num_decodes], embeds[:num_decodes], pos[:num_decodes])
         if num_decodes == len(batch):
             return decoded
         # A mixed step: the decodes on their graph, the prompt chunks on theirs. Two calls on disjoint
@@ -214,22 +212,21 @@ class ModelRunner:
         prompts = self._forward_eager(batch[num_decodes:], embeds[num_decodes:], pos[num_decodes:])
         return torch.cat([decoded, prompts])
 
-    def _lora_rows(self, batch: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
-        """The rows of each LoRA adapter in this step's flat batch (empty: base model only)."""
+    def _adapters(self, batch: list[ScheduledRequest]) -> contextlib.AbstractContextManager[None]:
+        """While one forward call over `batch` runs: which of its rows run which LoRA adapter."""
+        if self.lora is None:
+            return contextlib.nullcontext()
         names = [self.requests[s.request_id].lora_name for s in batch]
-        if self.lora is None or not any(names):
-            return {}
-        return self.lora.rows(names, [s.num_tokens for s in batch], self.device)
+        return lora_batch(self.lora.batch(names, [s.num_tokens for s in batch], self.device))
 
-    def _forward_eager(self, batch: list[ScheduledRequest], embeds: torch.Tensor, pos: torch.Tensor,
-                       graphed: bool = True) -> torch.Tensor:
-        """Any batch, on the step graph if there is one and `graphed` (attention eager inside it),
-        else eager."""
+    def _forward_eager(self, batch: list[ScheduledRequest], embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Any batch, on the step graph if there is one (attention eager inside it), else eager."""
         chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
         meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
-        if graphed and self.step_graph is not None and self.step_graph.takes(embeds.shape[0]):
-            return self.step_graph.run(embeds, pos, meta)
-        hidden: torch.Tensor = self.model(embeds, pos, self.kv_caches, meta)
+        with self._adapters(batch):
+            if self.step_graph is not None and self.step_graph.takes(embeds.shape[0]):
+                return self.step_graph.run(embeds, pos, meta)
+            hidden: torch.Tensor = self.model(embeds, pos, self.kv_caches, meta)
         return hidden
 
     def _decode_compiled(self, graphs: DecodeGraphs, batch: list[ScheduledRequest], embeds: torch.Tensor,

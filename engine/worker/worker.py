@@ -120,7 +120,8 @@ class Worker:
             return read_adapter(name, paths[name], self.config.max_lora_rank, dtype)
 
         try:
-            self.lora = LoRAServing(self.model, read, list(paths), self.config.lora_cpu_capacity)
+            self.lora = LoRAServing(self.model, read, list(paths), self.config.max_loras,
+                                    self.config.lora_cpu_capacity)
         except LoRAError as exc:
             raise ModelLoadError(str(exc)) from None
 
