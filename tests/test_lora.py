@@ -13,6 +13,7 @@ import json
 import random
 from dataclasses import replace
 
+import httpx
 import openai
 import pytest
 import torch
@@ -197,6 +198,8 @@ def test_the_scheduler_runs_at_most_max_loras_adapters_at_once():
     first = {s.request_id for s in scheduler.schedule().scheduled}
     assert first == {"a1", "base", "a2"}
     assert scheduler.num_waiting == 1
+    assert scheduler.lora_adapters(scheduler.running) == ("a",)  # what /metrics reports
+    assert scheduler.lora_adapters(scheduler.waiting) == ("b",)
     scheduler.finish_requests(["a1", "a2"], RequestStatus.FINISHED_ABORTED)
     assert "b1" in {s.request_id for s in scheduler.schedule().scheduled}
 
@@ -311,6 +314,9 @@ async def test_the_server_lists_adapters_under_their_base_and_serves_them_by_mod
                 await client.completions.create(model="sql", prompt=prompt, max_tokens=2)
             plain = await client.completions.create(model=base_name, prompt=prompt, max_tokens=6, temperature=0,
                                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(server.url + "/metrics")).text
+    assert 'vllm:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
     assert answer.model == "attn" and plain.model == base_name
     assert answer.choices[0].token_ids == peft_greedy(hf_model, adapters["attn"], [prompt], 6)[0]
     assert plain.choices[0].token_ids == transformers_greedy(hf_model, [prompt], 6)[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -190,6 +191,16 @@ class _EngineStatsCollector:
         self.model = model_name
         self.stats: Callable[[], EngineStats] | None = None
 
+    @staticmethod
+    def _lora_info(stats: EngineStats) -> GaugeMetricFamily:
+        """vLLM's `vllm:lora_requests_info`: the adapters running and waiting as labels, the time
+        of the reading as the value."""
+        gauge = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        gauge.add_metric([str(stats.max_lora), ",".join(stats.waiting_lora_adapters),
+                          ",".join(stats.running_lora_adapters)], time.time())
+        return gauge
+
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         if self.stats is None:
             return
@@ -219,6 +230,8 @@ class _EngineStatsCollector:
                       stats.encoder_cache_hits),
                      ("trio_llm_encoder_cache_evictions", "Encoder outputs evicted from the encoder cache",
                       stats.encoder_cache_evictions)]
+        if stats.max_lora:
+            yield self._lora_info(stats)
         if stats.eplb is not None:
             counters += [("trio_llm_eplb_rebalances", "Expert rebalances completed", stats.eplb.rebalances),
                          ("trio_llm_eplb_experts_moved", "Expert slots whose weights a rebalance replaced",

@@ -373,7 +373,10 @@ class EngineCore:
             encoder_cache_evictions=scheduler.encoder_cache.evictions,
             encoder_cache_usage=scheduler.encoder_cache.usage,
             ec_connector_loads=getattr(scheduler.external, "loads", 0),
-            ec_deferrals=getattr(scheduler.external, "deferrals", 0))
+            ec_deferrals=getattr(scheduler.external, "deferrals", 0),
+            running_lora_adapters=scheduler.lora_adapters(scheduler.running),
+            waiting_lora_adapters=scheduler.lora_adapters([*scheduler.waiting, *scheduler.skipped_waiting]),
+            max_lora=scheduler.config.max_loras)
 
     @property
     def num_requests(self) -> int:

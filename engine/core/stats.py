@@ -47,6 +47,10 @@ class EngineStats:
     encoder_cache_usage: float = 0.0  # rows held over the cache's capacity, 0..1
     ec_connector_loads: int = 0  # encoder outputs loaded through the EC connector
     ec_deferrals: int = 0  # scheduler steps a request was skipped while its images loaded
+    # LoRA (--enable-lora): the adapters of the running and of the waiting requests, and --max-loras
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -249,6 +249,11 @@ class Scheduler:
             scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
 
+    @staticmethod
+    def lora_adapters(requests: Iterable[Request]) -> tuple[str, ...]:
+        """The distinct LoRA adapters of `requests`, sorted (metrics)."""
+        return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
+
     def _too_many_adapters(self, request: Request) -> bool:
         """Whether running `request` would put more LoRA adapters in the batch than --max-loras."""
         if request.lora_name is None or not self.config.max_loras:
