@@ -302,8 +302,6 @@ class EngineConfig:
         names = [m.name for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules names must be distinct, got {names}")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are served on one rank only for now (tensor_parallel_size 1)")
 
     @property
     def lora_cpu_capacity(self) -> int:

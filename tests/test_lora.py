@@ -134,6 +134,27 @@ async def test_the_compiled_graphs_run_the_adapters_of_a_mixed_batch(base, adapt
     assert eager_calls == [] and compiled[0] >= 7 and compiled[1] >= 1
 
 
+async def test_with_tensor_parallelism_each_rank_runs_its_share_of_the_adapters(base, adapters):
+    """TP=2 (worker processes): B sharded with the column-parallel outputs, A with the row-parallel
+    inputs (whose partial deltas are reduced with the base output); peft's tokens, mixed batch."""
+    base_path, hf_model = base
+    prompts = {"attn": [5, 9, 14, 200, 31], "all": [7, 7, 8, 100], None: [3, 4, 5, 6]}
+    pair = {"attn": adapters["attn"], "all": adapters["all"]}
+    got = {}
+    async with open_engine(replace(lora_config(base_path, pair), tensor_parallel_size=2)) as engine:
+        async def run(name):
+            lora = None if name is None else LoRARequest(name)
+            output = await final_output(engine, prompts[name], greedy(6, ignore_eos=True), lora_request=lora)
+            got[name] = output.outputs[0].token_ids
+
+        async with trio.open_nursery() as nursery:
+            for name in prompts:
+                nursery.start_soon(run, name)
+    for name in pair:
+        assert got[name] == peft_greedy(hf_model, pair[name], [prompts[name]], 6)[0], name
+    assert got[None] == transformers_greedy(hf_model, [prompts[None]], 6)[0]
+
+
 def test_the_blocking_llm_takes_one_lora_request_per_prompt(base, adapters):
     base_path, hf_model = base
     prompts = [[5, 9, 14, 200, 31], [7, 7, 8]]

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.adapter import LoRAAdapter, LoRAError
+from engine.lora.adapter import LoRAAdapter, LoRAError, LoRAFactors
 from engine.models.decoder import DecoderForCausalLM, DecoderLayer
 from engine.models.layers import DenseMLP, Linear
+from engine.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -125,31 +126,43 @@ def _(x: torch.Tensor, linear: int, out_features: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Target:
     linear: Linear
-    start: int
+    start: int  # this rank's output columns of the linear
     end: int
+    row_parallel: bool  # input features split over tensor-parallel ranks (o, down); else output (the rest)
+    tp: TensorParallel
 
     @property
-    def shape(self) -> tuple[int, int]:  # (in_features, out_features) of the module PEFT saw
-        return self.linear.weight.shape[1], self.end - self.start
+    def shape(self) -> tuple[int, int]:
+        """(in_features, out_features) of the whole module PEFT saw, every rank's share together."""
+        fan_in, fan_out = self.linear.weight.shape[1], self.end - self.start
+        return (fan_in * self.tp.size, fan_out) if self.row_parallel else (fan_in, fan_out * self.tp.size)
+
+    def shard(self, factors: LoRAFactors) -> LoRAFactors:
+        """This rank's share of a module's factors: A's input features under row parallelism
+        (each rank's delta is a partial sum, reduced with the base output), else B's outputs."""
+        if self.row_parallel:
+            return LoRAFactors(self.tp.shard(factors.a, 1).contiguous(), factors.b)
+        return LoRAFactors(factors.a, self.tp.shard(factors.b, 0).contiguous())
 
 
 def projection_targets(model: DecoderForCausalLM) -> dict[str, _Target]:
     """HF module path of every projection an adapter may change -> where it lives in `model`."""
     targets: dict[str, _Target] = {}
+    tp = model.tp
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         prefix = f"model.layers.{i}"
         q, kv, _ = layer.split
         attention = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
         for name, (start, end) in attention.items():
-            targets[f"{prefix}.self_attn.{name}"] = _Target(layer.qkv_proj, start, end)
-        targets[f"{prefix}.self_attn.o_proj"] = _Target(layer.o_proj, 0, layer.o_proj.weight.shape[0])
+            targets[f"{prefix}.self_attn.{name}"] = _Target(layer.qkv_proj, start, end, False, tp)
+        targets[f"{prefix}.self_attn.o_proj"] = _Target(layer.o_proj, 0, layer.o_proj.weight.shape[0], True, tp)
         if isinstance(layer.mlp, DenseMLP):  # an MoE block's experts take no adapter
             gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
             inter = gate_up.weight.shape[0] // 2
-            targets[f"{prefix}.mlp.gate_proj"] = _Target(gate_up, 0, inter)
-            targets[f"{prefix}.mlp.up_proj"] = _Target(gate_up, inter, 2 * inter)
-            targets[f"{prefix}.mlp.down_proj"] = _Target(down, 0, down.weight.shape[0])
+            targets[f"{prefix}.mlp.gate_proj"] = _Target(gate_up, 0, inter, False, tp)
+            targets[f"{prefix}.mlp.up_proj"] = _Target(gate_up, inter, 2 * inter, False, tp)
+            targets[f"{prefix}.mlp.down_proj"] = _Target(down, 0, down.weight.shape[0], True, tp)
     return targets
 
 
@@ -248,6 +261,7 @@ class LoRAServing:
         adapter = self.read(name)
         self.reads += 1
         adapter.check_against({module: target.shape for module, target in self.targets.items()})
+        adapter.modules = {module: self.targets[module].shard(f) for module, f in adapter.modules.items()}
         while len(self.held) >= self.max_cpu_loras:
             evicted, _ = self.held.popitem(last=False)
             logger.info("LoRA adapter %s evicted from memory (--max-cpu-loras %d)", evicted, self.max_cpu_loras)
