@@ -84,6 +84,10 @@ def _tok_per_s(base: EngineConfig, with_lora: EngineConfig, loras: list[str | No
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in loras]
     rates: dict[bool, list[float]] = {False: [], True: []}
+    # One unmeasured wave with adapters first: a process that has run one serves the base model
+    # measurably slower afterwards (freed memory kept in the heap; docs/benchmarks.md), so every
+    # measured wave, base and adapters alike, runs in that state.
+    anyio.run(_wave, with_lora, loras, prompts, output_len, True, backend="trio")
     for i in range(repeats):
         for adapted in ((False, True) if i % 2 == 0 else (True, False)):
             names: list[str | None] = loras if adapted else [None] * len(loras)

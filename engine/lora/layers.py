@@ -13,9 +13,10 @@ padding. The price of the side-by-side layout is memory: B holds zeros off its s
 (slots x slices x rank x out features per linear; 2-3x what separate slices would hold), for
 2-3x fewer operations a step.
 
-In a compiled graph the delta is the opaque op `trio_llm::lora_delta`, which finds the step's
-`LoRABatch` where `lora_batch` put it (as attention finds its metadata): the graphs are exported
-with it when the engine serves adapters, and one graph serves every mix of adapters.
+In an exported graph (engine/worker/precompiled_graph.py) the row layout and the slot stacks are
+graph inputs (`graph_inputs`, `traced_inputs`), so the delta compiles with the rest and one graph
+serves every mix of adapters. Under `torch.compile` (an MoE model's graphs) it is the opaque op
+`trio_llm::lora_delta`, which finds the call's `LoRABatch` where `lora_batch` put it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,42 @@ class LoRABatch:
 
 
 _current: list[LoRABatch | None] = []  # the running call's rows (None: the base model only)
+# While a graph is exported: its LoRA inputs (the row layout, and each linear's stacks by index)
+_traced: list[tuple[torch.Tensor, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []
+
+
+@contextlib.contextmanager
+def traced_inputs(gather: torch.Tensor, keep: torch.Tensor,
+                  stacks: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """While a graph is exported: the delta reads the row layout and the slot stacks from these
+    (graph inputs), so it compiles with the rest of the graph."""
+    _traced.append((gather, keep, stacks))
+    try:
+        yield
+    finally:
+        _traced.pop()
+
+
+def graph_inputs(linears: list[LinearLoRA]) -> list[torch.Tensor]:
+    """What a compiled graph takes for its adapters, for the running call: the row layout
+    (`gather` [slots, m], `keep` [slots, m]; all padding when the call runs the base model alone),
+    then every linear's A stack, then every B stack."""
+    batch = _current[-1] if _current else None
+    if batch is None:
+        first = linears[0].a_t
+        gather = torch.zeros(first.shape[0], 2, dtype=torch.long, device=first.device)
+        keep = torch.zeros(first.shape[0], 2, dtype=first.dtype, device=first.device)
+    else:
+        gather, keep = batch.gather, batch.keep.view(batch.gather.shape)
+    return [gather, keep, *(lora.a_t for lora in linears), *(lora.b_t for lora in linears)]
+
+
+def _delta(x: torch.Tensor, gather: torch.Tensor, keep: torch.Tensor, a_t: torch.Tensor,
+           b_t: torch.Tensor) -> torch.Tensor:
+    """Every row's delta, [rows, out] (zeros where `keep` is 0): one gather, two batched matmuls."""
+    low = torch.bmm(x[gather], a_t)  # [slots, m, slices * rank]
+    delta = torch.bmm(low, b_t).reshape(-1, b_t.shape[-1]) * keep.reshape(-1, 1)
+    return x.new_zeros(x.shape[0], b_t.shape[-1]).index_add(0, gather.reshape(-1), delta)
 
 
 @contextlib.contextmanager
@@ -92,7 +129,11 @@ class LinearLoRA:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output for input `x`) with each row's adapter delta added."""
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if _traced:  # exported: the delta compiles with the graph, over its LoRA inputs
+            gather, keep, stacks = _traced[-1]
+            a_t, b_t = stacks[self.index]
+            return y + _delta(x, gather, keep, a_t, b_t)
+        if torch.compiler.is_compiling():  # torch.compile (an MoE model's graphs): an opaque op
             traced: torch.Tensor = y + lora_delta(x, self.index, self.out_features)
             return traced
         batch = _current[-1] if _current else None
@@ -100,13 +141,10 @@ class LinearLoRA:
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The delta alone, [rows, out_features] (zeros for the base model's rows)."""
-        out = x.new_zeros(x.shape[0], self.out_features)
         batch = _current[-1] if _current else None
-        if batch is not None:
-            low = torch.bmm(x[batch.gather], self.a_t)  # [slots, m, slices * rank]
-            delta = torch.bmm(low, self.b_t).reshape(-1, self.out_features) * batch.keep
-            out.index_add_(0, batch.gather.view(-1), delta)
-        return out
+        if batch is None:
+            return x.new_zeros(x.shape[0], self.out_features)
+        return _delta(x, batch.gather, batch.keep, self.a_t, self.b_t)
 
 
 @torch.library.custom_op("trio_llm::lora_delta", mutates_args=())
@@ -214,7 +252,7 @@ class LoRAServing:
         if not by_name:
             return None
         by_slot = {self.place(name, keep=set(by_name)): rows for name, rows in by_name.items()}
-        width = max(len(rows) for rows in by_slot.values())
+        width = max(2, *(len(rows) for rows in by_slot.values()))  # 2: export specialises a 1
         gather = torch.zeros(self.max_loras, width, dtype=torch.long)
         keep = torch.zeros(self.max_loras, width)
         for slot, rows in by_slot.items():

@@ -53,13 +53,16 @@ import torch
 from torch import nn
 
 import engine.models
+from engine.lora.layers import LinearLoRA, graph_inputs, traced_inputs
 from engine.models.attention import GRAPHED, DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
+from engine.models.layers import Linear
 from engine.models.packed_linear import register_inductor_lowering
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile; 2: fixed threads)
+FORMAT = 4  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile; 2: fixed threads;
+# 3: LoRA as an op)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], DecodeMetadata], torch.Tensor]
 GraphedStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, positions) inside `attention_step`
 MAX_ROWS = 1 << 16  # the exported graph's bounds on the batch and the table's width (AOTI checks them)
@@ -121,7 +124,8 @@ def load(path: Path, model: DecoderForCausalLM, kind: str = "decode") -> Any:
                        kind, path, type(exc).__name__, exc)
         return None
     packed = [linear.packed for _, linear in model.packed_linears]
-    return _bind(loader, packed) if kind == "decode" else _bind_graphed(loader, packed)
+    linears = lora_linears(model)
+    return _bind(loader, packed, linears) if kind == "decode" else _bind_graphed(loader, packed, linears)
 
 
 def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tuple[Any, ...]) -> DecodeStep:
@@ -132,12 +136,13 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
     batch = torch.export.Dim("batch", min=2, max=MAX_ROWS)
     width = torch.export.Dim("table_width", min=2, max=MAX_TABLE_WIDTH)
     packed = [linear.packed for _, linear in model.packed_linears]
+    lora, lora_shapes = _lora_example(model)
     register_inductor_lowering()
     program = torch.export.export(
         _FlatDecodeStep(model, meta.block_size),
-        (hidden, positions, kv_caches, meta.slot_mapping, meta.block_table, meta.seq_lens, packed),
+        (hidden, positions, kv_caches, meta.slot_mapping, meta.block_table, meta.seq_lens, packed, lora),
         dynamic_shapes=({0: batch}, {0: batch}, [(None, None)] * len(kv_caches), {0: batch},
-                        {0: batch, 1: width}, {0: batch}, [None] * len(packed)),
+                        {0: batch, 1: width}, {0: batch}, [None] * len(packed), lora_shapes),
         strict=False)
     step: DecodeStep = _package_and_load(program, path, model, "decode")
     return step
@@ -150,9 +155,11 @@ def compile_and_save_graphed(path: Path | None, model: DecoderForCausalLM, hidde
     package and load it as `compile_and_save` does."""
     tokens = torch.export.Dim("tokens", min=2, max=MAX_ROWS)
     packed = [linear.packed for _, linear in model.packed_linears]
+    lora, lora_shapes = _lora_example(model)
     register_inductor_lowering()
-    program = torch.export.export(_FlatGraphedStep(model), (hidden, positions, packed),
-                                  dynamic_shapes=({0: tokens}, {0: tokens}, [None] * len(packed)), strict=False)
+    program = torch.export.export(_FlatGraphedStep(model), (hidden, positions, packed, lora),
+                                  dynamic_shapes=({0: tokens}, {0: tokens}, [None] * len(packed), lora_shapes),
+                                  strict=False)
     step: GraphedStep = _package_and_load(program, path, model, "step")
     return step
 
@@ -216,6 +223,35 @@ def _packed_weights_from(model: DecoderForCausalLM, packed: list[torch.Tensor]) 
             linear.packed = weight
 
 
+def lora_linears(model: DecoderForCausalLM) -> list[LinearLoRA]:
+    """The model's LoRA-adapted linears, in index order (empty: the engine serves no adapters)."""
+    found = {id(m.lora): m.lora for m in model.modules() if isinstance(m, Linear) and isinstance(m.lora, LinearLoRA)}
+    return sorted(found.values(), key=lambda lora: lora.index)
+
+
+def _lora_example(model: DecoderForCausalLM) -> tuple[list[torch.Tensor], list[Any]]:
+    """The LoRA inputs a graph is exported with (engine/lora/layers.py, `graph_inputs`), and their
+    dynamic shapes: the row layout's width is the one dynamic dimension."""
+    linears = lora_linears(model)
+    if not linears:
+        return [], []
+    rows = torch.export.Dim("lora_rows", min=2, max=MAX_ROWS)
+    return graph_inputs(linears), [{1: rows}, {1: rows}, *([None] * (2 * len(linears)))]
+
+
+@contextlib.contextmanager
+def _lora_from(model: DecoderForCausalLM, lora: list[torch.Tensor]) -> Iterator[None]:
+    """While tracing, the adapters' delta reads its layout and stacks from the graph's inputs."""
+    linears = lora_linears(model)
+    if not linears:
+        yield
+        return
+    n = len(linears)
+    stacks = {linear.index: (lora[2 + i], lora[2 + n + i]) for i, linear in enumerate(linears)}
+    with traced_inputs(lora[0], lora[1], stacks):
+        yield
+
+
 class _FlatDecodeStep(nn.Module):
     """The decode forward over plain tensors (export takes no dataclass of ours), the packed
     weights among its inputs."""
@@ -227,9 +263,9 @@ class _FlatDecodeStep(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                packed: list[torch.Tensor]) -> torch.Tensor:
+                packed: list[torch.Tensor], lora: list[torch.Tensor]) -> torch.Tensor:
         meta = DecodeMetadata(slot_mapping, block_table, seq_lens, self.block_size)
-        with _packed_weights_from(self.model, packed):
+        with _packed_weights_from(self.model, packed), _lora_from(self.model, lora):
             out: torch.Tensor = self.model(hidden, positions, kv_caches, meta)
         return out
 
@@ -244,8 +280,9 @@ class _FlatGraphedStep(nn.Module):
         nothing = torch.empty(0)
         self.no_caches = [(nothing, nothing)] * len(model.layers)  # the graphed layers read none
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, packed: list[torch.Tensor]) -> torch.Tensor:
-        with _packed_weights_from(self.model, packed):
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, packed: list[torch.Tensor],
+                lora: list[torch.Tensor]) -> torch.Tensor:
+        with _packed_weights_from(self.model, packed), _lora_from(self.model, lora):
             out: torch.Tensor = self.model(hidden, positions, self.no_caches, GRAPHED)
         return out
 
@@ -258,20 +295,20 @@ def _model_tensors(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _bind(loader: Any, packed: list[torch.Tensor | None]) -> DecodeStep:
+def _bind(loader: Any, packed: list[torch.Tensor | None], linears: list[LinearLoRA]) -> DecodeStep:
     def step(hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
              meta: DecodeMetadata) -> torch.Tensor:
         flat = [hidden, positions, *(t for pair in kv_caches for t in pair), meta.slot_mapping, meta.block_table,
-                meta.seq_lens, *packed]
+                meta.seq_lens, *packed, *(graph_inputs(linears) if linears else ())]
         out: torch.Tensor = loader.run(flat)[0]
         return out
 
     return step
 
 
-def _bind_graphed(loader: Any, packed: list[torch.Tensor | None]) -> GraphedStep:
+def _bind_graphed(loader: Any, packed: list[torch.Tensor | None], linears: list[LinearLoRA]) -> GraphedStep:
     def step(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = loader.run([hidden, positions, *packed])[0]
+        out: torch.Tensor = loader.run([hidden, positions, *packed, *(graph_inputs(linears) if linears else ())])[0]
         return out
 
     return step
