@@ -32,6 +32,7 @@ from engine.sched.scheduler import Scheduler, SchedulerConfig
 from tests.helpers import final_output, greedy
 from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.server_fixtures import running_server
+from tests.test_moe_eplb import hf_moe
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
 
 ADAPTERS = {  # name -> peft options (targets over q/k/v/o and gate/up/down, ranks, rsLoRA)
@@ -355,3 +356,20 @@ def test_vllms_lora_flags_reach_the_engine_config():
     assert config.lora_modules == (LoRAModule("sql", "/a/sql"), LoRAModule("chat", "/a/chat", "m"))
     assert (config.max_loras, config.lora_cpu_capacity, config.max_lora_rank) == (2, 4, 64)
     assert engine_config("m", _parser().parse_args(["serve", "m"])).enable_lora is False
+
+
+async def test_an_moe_models_attention_takes_adapters_eager_and_compiled(tmp_path_factory):
+    """Mixtral: adapters on the attention projections (its experts take none: refused in one line);
+    its decode graph goes through torch.compile, where the delta is the opaque op."""
+    path, hf_model = hf_moe(tmp_path_factory, "mixtral")
+    adapter = make_adapter(tmp_path_factory, hf_model, "moe-attn", seed=5, r=8, lora_alpha=16,
+                           target_modules=["q_proj", "v_proj", "o_proj"])
+    prompt = [5, 9, 14, 200, 31]
+    expected = peft_greedy(hf_model, adapter, [prompt], 6)[0]
+    assert expected != transformers_greedy(hf_model, [prompt], 6)[0]
+    for eager in (True, False):
+        config = replace(lora_config(path, {"attn": adapter}), enforce_eager=eager,
+                         compilation_config=CompilationConfig(cudagraph_capture_sizes=(2,)))
+        async with open_engine(config) as engine:
+            output = await final_output(engine, prompt, greedy(6, ignore_eos=True), lora_request=LoRARequest("attn"))
+        assert output.outputs[0].token_ids == expected, eager
