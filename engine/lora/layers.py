@@ -22,6 +22,7 @@ serves every mix of adapters. Under `torch.compile` (an MoE model's graphs) it i
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
@@ -47,9 +48,12 @@ class LoRABatch:
     serving: LoRAServing
 
 
-_current: list[LoRABatch | None] = []  # the running call's rows (None: the base model only)
-# While a graph is exported: its LoRA inputs (the row layout, and each linear's stacks by index)
-_traced: list[tuple[torch.Tensor, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []
+# Context variables (per thread and task: engines stepping in different threads never mix):
+# the running call's rows (None: the base model only), and while a graph is exported its LoRA
+# inputs (the row layout, and each linear's stacks by index).
+_current: contextvars.ContextVar[LoRABatch | None] = contextvars.ContextVar("trio_llm_lora_batch", default=None)
+_Traced = tuple[torch.Tensor, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+_traced: contextvars.ContextVar[_Traced | None] = contextvars.ContextVar("trio_llm_lora_traced", default=None)
 
 
 @contextlib.contextmanager
@@ -57,18 +61,18 @@ def traced_inputs(gather: torch.Tensor, keep: torch.Tensor,
                   stacks: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
     """While a graph is exported: the delta reads the row layout and the slot stacks from these
     (graph inputs), so it compiles with the rest of the graph."""
-    _traced.append((gather, keep, stacks))
+    token = _traced.set((gather, keep, stacks))
     try:
         yield
     finally:
-        _traced.pop()
+        _traced.reset(token)
 
 
 def graph_inputs(linears: list[LinearLoRA]) -> list[torch.Tensor]:
     """What a compiled graph takes for its adapters, for the running call: the row layout
     (`gather` [slots, m], `keep` [slots, m]; all padding when the call runs the base model alone),
     then every linear's A stack, then every B stack."""
-    batch = _current[-1] if _current else None
+    batch = _current.get()
     if batch is None:
         first = linears[0].a_t
         gather = torch.zeros(first.shape[0], 2, dtype=torch.long, device=first.device)
@@ -89,11 +93,11 @@ def _delta(x: torch.Tensor, gather: torch.Tensor, keep: torch.Tensor, a_t: torch
 @contextlib.contextmanager
 def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
     """While a forward pass runs: which of its rows run which adapter slot."""
-    _current.append(batch)
+    token = _current.set(batch)
     try:
         yield
     finally:
-        _current.pop()
+        _current.reset(token)
 
 
 @dataclass(frozen=True)
@@ -129,19 +133,21 @@ class LinearLoRA:
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output for input `x`) with each row's adapter delta added."""
-        if _traced:  # exported: the delta compiles with the graph, over its LoRA inputs
-            gather, keep, stacks = _traced[-1]
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            # torch.compile (an MoE model's graphs): an opaque op, which dynamo does not look into
+            with_op: torch.Tensor = y + lora_delta(x, self.index, self.out_features)
+            return with_op
+        traced = _traced.get()
+        if traced is not None:  # exported: the delta compiles with the graph, over its LoRA inputs
+            gather, keep, stacks = traced
             a_t, b_t = stacks[self.index]
             return y + _delta(x, gather, keep, a_t, b_t)
-        if torch.compiler.is_compiling():  # torch.compile (an MoE model's graphs): an opaque op
-            traced: torch.Tensor = y + lora_delta(x, self.index, self.out_features)
-            return traced
-        batch = _current[-1] if _current else None
+        batch = _current.get()
         return y if batch is None else y + self.delta(x)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The delta alone, [rows, out_features] (zeros for the base model's rows)."""
-        batch = _current[-1] if _current else None
+        batch = _current.get()
         if batch is None:
             return x.new_zeros(x.shape[0], self.out_features)
         return _delta(x, batch.gather, batch.keep, self.a_t, self.b_t)
@@ -150,7 +156,7 @@ class LinearLoRA:
 @torch.library.custom_op("trio_llm::lora_delta", mutates_args=())
 def lora_delta(x: torch.Tensor, linear: int, out_features: int) -> torch.Tensor:
     """Inside a compiled graph: linear `linear`'s adapter delta for the running call's rows."""
-    batch = _current[-1] if _current else None
+    batch = _current.get()
     if batch is None:
         return x.new_zeros(x.shape[0], out_features)
     return batch.serving.linears[linear].delta(x)

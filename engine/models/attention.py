@@ -24,6 +24,7 @@ it is for compiled graphs only).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -82,17 +83,19 @@ class _Step:
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-_current: list[_Step] = []  # the step a compiled graph is running (one at a time per worker)
+# The step a compiled graph is running. A context variable: per thread (and task), so engines
+# stepping in different threads of one process never see each other's step.
+_current: contextvars.ContextVar[_Step] = contextvars.ContextVar("trio_llm_attention_step")
 
 
 @contextlib.contextmanager
 def attention_step(meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
     """Make `meta` and `kv_caches` the ones `step_attention` uses while a compiled graph runs."""
-    _current.append(_Step(meta, kv_caches))
+    token = _current.set(_Step(meta, kv_caches))
     try:
         yield
     finally:
-        _current.pop()
+        _current.reset(token)
 
 
 @torch.library.custom_op("trio_llm::step_attention", mutates_args=())
@@ -100,7 +103,7 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     """Layer `layer`'s attention for the step `attention_step` set: writes this step's keys and
     values to that layer's cache, then attends (`paged_attention`). The cache is state outside
     the graph, which is why the graph never sees it."""
-    step = _current[-1]
+    step = _current.get()
     k_cache, v_cache = step.kv_caches[layer]
     write_kv(k_cache, v_cache, step.meta.slot_mapping, k, v)
     return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale).contiguous()

@@ -18,8 +18,8 @@ the graph takes them as inputs after the step's own, in `model.packed_linears` o
 
 The package keeps no guards. What they would have checked goes into the file's name instead
 (`artefact_path`): torch and Python, the model's configuration, parameter shapes and dtypes, the
-rotary tables, the KV cache's shape, the block size, the vector ISA, and the source of the
-modeling code. (Not the thread count: the graph's C++ loops read it at each call,
+rotary tables, the KV cache's shape, the block size, the vector ISA, the LoRA slot layout, and
+the source of the modeling and LoRA code. (Not the thread count: the graph's C++ loops read it at each call,
 `cpp.dynamic_threads`.) A stale package
 the key misses is caught at load: `DecodeGraphs` compares one step against the eager model and
 compiles again on a mismatch.
@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import engine.lora
 import engine.models
 from engine.lora.layers import LinearLoRA, graph_inputs, traced_inputs
 from engine.models.attention import GRAPHED, DecodeMetadata
@@ -98,7 +99,7 @@ def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KV
 
 def _modeling_source_digest() -> str:
     digest = hashlib.sha256()
-    for module_dir in engine.models.__path__:
+    for module_dir in [*engine.models.__path__, *engine.lora.__path__]:  # the code a graph is traced from
         for source in sorted(Path(module_dir).glob("*.py")):
             digest.update(source.name.encode())
             digest.update(source.read_bytes())
