@@ -81,6 +81,21 @@ def lora_config(base_path, adapters, **options) -> EngineConfig:
                         max_loras=len(adapters), **options)
 
 
+async def greedy_by_adapter(engine, prompts: dict, max_tokens: int) -> dict:
+    """Greedy tokens of every prompt at once, each on the adapter it is keyed by (None: the base)."""
+    got = {}
+
+    async def run(name):
+        lora = None if name is None else LoRARequest(name)
+        output = await final_output(engine, prompts[name], greedy(max_tokens, ignore_eos=True), lora_request=lora)
+        got[name] = output.outputs[0].token_ids
+
+    async with trio.open_nursery() as nursery:
+        for name in prompts:
+            nursery.start_soon(run, name)
+    return got
+
+
 async def test_each_adapter_alone_and_all_mixed_with_the_base_give_peft_greedy_tokens(base, adapters):
     base_path, hf_model = base
     rng = random.Random(1)
@@ -112,21 +127,12 @@ async def test_the_compiled_graphs_run_the_adapters_of_a_mixed_batch(base, adapt
     pair = {"attn": adapters["attn"], "mlp": adapters["mlp"]}
     config = replace(lora_config(base_path, pair), enforce_eager=False,
                      compilation_config=CompilationConfig(cudagraph_capture_sizes=(2, 4)))
-    got = {}
     async with open_engine(config) as engine:
         eager_calls = []
         model = engine.core.executor.worker.runner.model
         original = model.forward
         model.forward = lambda *args, **kwargs: eager_calls.append(1) or original(*args, **kwargs)
-
-        async def run(name):
-            lora = None if name is None else LoRARequest(name)
-            output = await final_output(engine, prompts[name], greedy(8, ignore_eos=True), lora_request=lora)
-            got[name] = output.outputs[0].token_ids
-
-        async with trio.open_nursery() as nursery:
-            for name in prompts:
-                nursery.start_soon(run, name)
+        got = await greedy_by_adapter(engine, prompts, 8)
         runner = engine.core.executor.worker.runner
         compiled = (runner.decode_graphs.steps_run, runner.step_graph.steps_run)
     for name in pair:
@@ -141,16 +147,8 @@ async def test_with_tensor_parallelism_each_rank_runs_its_share_of_the_adapters(
     base_path, hf_model = base
     prompts = {"attn": [5, 9, 14, 200, 31], "all": [7, 7, 8, 100], None: [3, 4, 5, 6]}
     pair = {"attn": adapters["attn"], "all": adapters["all"]}
-    got = {}
     async with open_engine(replace(lora_config(base_path, pair), tensor_parallel_size=2)) as engine:
-        async def run(name):
-            lora = None if name is None else LoRARequest(name)
-            output = await final_output(engine, prompts[name], greedy(6, ignore_eos=True), lora_request=lora)
-            got[name] = output.outputs[0].token_ids
-
-        async with trio.open_nursery() as nursery:
-            for name in prompts:
-                nursery.start_soon(run, name)
+        got = await greedy_by_adapter(engine, prompts, 6)
     for name in pair:
         assert got[name] == peft_greedy(hf_model, pair[name], [prompts[name]], 6)[0], name
     assert got[None] == transformers_greedy(hf_model, [prompts[None]], 6)[0]

@@ -232,7 +232,6 @@ class LoRAServing:
             adapter = self._hold(name)
             modules.update(adapter.modules)
             max_rank = max(max_rank, adapter.rank)
-        self.rank = max_rank
         self.linears: list[LinearLoRA] = []
         for module in sorted(modules, key=list(self.targets).index):
             target = self.targets[module]

@@ -174,12 +174,10 @@ class DecodeGraphs:
         if self.cache_dir is not None:
             path = precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,
                                                    TRACE_ROWS)
-            step = precompiled_graph.load(path, self.model)
-            if step is not None and self._agrees_with_eager(step):
+            step = precompiled_graph.load_agreeing(path, self.model, "decode", self._agrees_with_eager)
+            if step is not None:
                 self.loaded_from_disk = True
                 return step
-            if step is not None:
-                logger.warning("the compiled decode graph %s disagrees with the model; compiling it again", path)
             settle_vector_isa(self.cache_dir)
         hidden, positions, *_ = self._scratch_rows(TRACE_ROWS, 8)
         meta = self._metadata(TRACE_ROWS, [], [], [], 8)

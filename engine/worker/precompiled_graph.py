@@ -129,6 +129,17 @@ def load(path: Path, model: DecoderForCausalLM, kind: str = "decode") -> Any:
     return _bind(loader, packed, linears) if kind == "decode" else _bind_graphed(loader, packed, linears)
 
 
+def load_agreeing(path: Path, model: DecoderForCausalLM, kind: str, agrees: Callable[[Any], bool]) -> Any:
+    """The `kind` graph saved at `path` if it loads and `agrees` with the eager model; else None
+    (a saved graph that disagrees is logged: the caller compiles again and overwrites it)."""
+    step = load(path, model, kind)
+    if step is not None and agrees(step):
+        return step
+    if step is not None:
+        logger.warning("the compiled %s graph %s disagrees with the model; compiling it again", kind, path)
+    return None
+
+
 def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tuple[Any, ...]) -> DecodeStep:
     """Export the decode step of `model` on `example` (hidden, positions, kv_caches, meta), compile
     it with AOTInductor into a package at `path` (written atomically; None: a temporary one) and

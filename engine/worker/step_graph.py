@@ -80,12 +80,10 @@ class StepGraph:
         if self.cache_dir is not None:
             path = precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,
                                                    TRACE_TOKENS, kind="step")
-            step = precompiled_graph.load(path, self.model, kind="step")
-            if step is not None and self._agrees_with_eager(step):
+            step = precompiled_graph.load_agreeing(path, self.model, "step", self._agrees_with_eager)
+            if step is not None:
                 self.loaded_from_disk = True
                 return step
-            if step is not None:
-                logger.warning("the compiled step graph %s disagrees with the model; compiling it again", path)
             settle_vector_isa(self.cache_dir)
         progress("compiling the step graph with AOTInductor (the first start of this model here only)")
         device = self.model.embed_tokens.weight.device
