@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class LoRABatch:
     """One call's rows, by slot: `gather` [slots, m] row indices (padding repeats row 0), `keep`
-    [slots * m, 1] 1 for the real ones and 0 for the padding (its delta is dropped)."""
+    [slots, m] 1 for the real ones and 0 for the padding (its delta is dropped)."""
 
     gather: torch.Tensor
     keep: torch.Tensor
@@ -78,7 +78,7 @@ def graph_inputs(linears: list[LinearLoRA]) -> list[torch.Tensor]:
         gather = torch.zeros(first.shape[0], 2, dtype=torch.long, device=first.device)
         keep = torch.zeros(first.shape[0], 2, dtype=first.dtype, device=first.device)
     else:
-        gather, keep = batch.gather, batch.keep.view(batch.gather.shape)
+        gather, keep = batch.gather, batch.keep
     return [gather, keep, *(lora.a_t for lora in linears), *(lora.b_t for lora in linears)]
 
 
@@ -228,21 +228,27 @@ class LoRAServing:
         self.reads = 0  # adapters read from disk, start-up included (tests)
         modules: set[str] = set()
         max_rank = 1
-        for name in names:
+        for name in names:  # one at a time: beyond max_cpu_loras, each read evicts the oldest
             adapter = self._hold(name)
             modules.update(adapter.modules)
             max_rank = max(max_rank, adapter.rank)
-        self.linears: list[LinearLoRA] = []
+        self.linears = self._lay_out_slots(modules, max_rank, model)
+
+    def _lay_out_slots(self, modules: set[str], max_rank: int, model: DecoderForCausalLM) -> list[LinearLoRA]:
+        """A `LinearLoRA` on every linear some adapter changes, its slot stacks wide enough for the
+        largest rank; returns them in index order."""
+        linears: list[LinearLoRA] = []
         for module in sorted(modules, key=list(self.targets).index):
             target = self.targets[module]
             lora = target.linear.lora
             if not isinstance(lora, LinearLoRA):
                 weight = target.linear.weight
-                lora = target.linear.lora = LinearLoRA(len(self.linears), weight.shape[1], weight.shape[0])
-                self.linears.append(lora)
+                lora = target.linear.lora = LinearLoRA(len(linears), weight.shape[1], weight.shape[0])
+                linears.append(lora)
             lora.slices[module] = _Slice(target.start, target.end, len(lora.slices) * max_rank)
-        for lora in self.linears:
-            lora.allocate(max_loras, max_rank, model.dtype, model.embed_tokens.weight.device)
+        for lora in linears:
+            lora.allocate(self.max_loras, max_rank, model.dtype, model.embed_tokens.weight.device)
+        return linears
 
     def batch(self, names: list[str | None], counts: list[int], device: torch.device) -> LoRABatch | None:
         """The rows of one forward call, `counts[i]` rows for adapter `names[i]` (None: the base
@@ -264,7 +270,7 @@ class LoRAServing:
             gather[slot, :len(rows)] = torch.tensor(rows)
             keep[slot, :len(rows)] = 1.0
         dtype = self.linears[0].a_t.dtype if self.linears else torch.float32
-        return LoRABatch(gather.to(device), keep.view(-1, 1).to(device, dtype), self)
+        return LoRABatch(gather.to(device), keep.to(device, dtype), self)
 
     def place(self, name: str, keep: Collection[str] = ()) -> int:
         """The slot adapter `name` runs from, copying it in (over the least recently used adapter
