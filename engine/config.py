@@ -250,6 +250,11 @@ class EngineConfig:
     max_loras: int = 1
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    # Adapters loaded while serving (`AsyncEngine.add_lora`; the server's /v1/load_lora_adapter,
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) may change any projection up to max_lora_rank: the
+    # slots are laid out for all of them. Off, they fit the configured adapters (fewer operations
+    # a step) and a later adapter must fit them too. With no configured adapter they fit any.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -297,8 +302,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.enable_lora:
+            what = "lora_modules" if self.lora_modules else "allow_runtime_lora_updating"
+            raise ValueError(f"{what} needs enable_lora (--enable-lora)")
         names = [m.name for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules names must be distinct, got {names}")
@@ -307,6 +313,11 @@ class EngineConfig:
     def lora_cpu_capacity(self) -> int:
         """Adapters held in memory at once (--max-cpu-loras, default --max-loras)."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    @property
+    def lora_slots_fit_any(self) -> bool:
+        """Whether the LoRA slots are laid out for any adapter (every projection, max_lora_rank)."""
+        return self.allow_runtime_lora_updating or not self.lora_modules
 
     @property
     def tokenizer_path(self) -> str:

@@ -28,5 +28,9 @@ class ModelLoadError(ValueError):
     """A model directory cannot be loaded: missing files, unknown architecture, bad weights."""
 
 
+class LoRAError(ValueError):
+    """A LoRA adapter that cannot be served; the message is one line naming the adapter and why."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (it was closed or its step loop failed); it serves no more requests."""

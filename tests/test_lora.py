@@ -141,14 +141,21 @@ async def test_the_compiled_graphs_run_the_adapters_of_a_mixed_batch(base, adapt
     assert eager_calls == [] and compiled[0] >= 7 and compiled[1] >= 1
 
 
-async def test_with_tensor_parallelism_each_rank_runs_its_share_of_the_adapters(base, adapters):
+async def test_with_tensor_parallelism_each_rank_runs_its_share_of_the_adapters(base, adapters, tmp_path):
     """TP=2 (worker processes): B sharded with the column-parallel outputs, A with the row-parallel
-    inputs (whose partial deltas are reduced with the base output); peft's tokens, mixed batch."""
+    inputs (whose partial deltas are reduced with the base output); peft's tokens, mixed batch.
+    An adapter loaded while serving reaches every rank; a bad one is refused by its type."""
     base_path, hf_model = base
     prompts = {"attn": [5, 9, 14, 200, 31], "all": [7, 7, 8, 100], None: [3, 4, 5, 6]}
     pair = {"attn": adapters["attn"], "all": adapters["all"]}
     async with open_engine(replace(lora_config(base_path, pair), tensor_parallel_size=2)) as engine:
         got = await greedy_by_adapter(engine, prompts, 6)
+        # loaded while serving, by every worker process (the slots, laid out for "all", fit it)
+        await engine.add_lora(LoRARequest("mlp", 0, str(adapters["mlp"])))
+        with pytest.raises(LoRAError, match="'big': rank 64 is above --max-lora-rank 16"):
+            await engine.add_lora(LoRARequest("big", 0, str(hostile("rank", adapters["mlp"], tmp_path))))
+        late = await greedy_by_adapter(engine, {"mlp": prompts["all"]}, 6)
+    assert late["mlp"] == peft_greedy(hf_model, adapters["mlp"], [prompts["all"]], 6)[0]
     for name in pair:
         assert got[name] == peft_greedy(hf_model, pair[name], [prompts[name]], 6)[0], name
     assert got[None] == transformers_greedy(hf_model, [prompts[None]], 6)[0]

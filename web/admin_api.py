@@ -53,9 +53,10 @@ def register(app: QuartTrio, state: ServerState) -> None:
         card = {"id": state.model_name, "object": "model", "created": _STARTED, "owned_by": "trio-llm",
                 "root": state.engine_config.model, "parent": None, "max_model_len": max_len}
         # Each LoRA adapter is a model of its own whose parent is the base, as vLLM lists them.
-        adapters = [{"id": m.name, "object": "model", "created": _STARTED, "owned_by": "trio-llm", "root": m.path,
-                     "parent": m.base_model_name or state.model_name, "max_model_len": max_len}
-                    for m in state.engine_config.lora_modules]
+        loras = state.engine.loras if state.engine else ()
+        adapters = [{"id": lora.lora_name, "object": "model", "created": _STARTED, "owned_by": "trio-llm",
+                     "root": lora.lora_path, "parent": lora.base_model_name or state.model_name,
+                     "max_model_len": max_len} for lora in loras]
         return _json({"object": "list", "data": [card, *adapters]})
 
     @app.post("/tokenize")

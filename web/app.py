@@ -33,7 +33,7 @@ from engine.api import (
     open_engine_process,
 )
 from engine.ids import random_id
-from web import admin_api, cors, openai_api, orca, pooling_api, render_api
+from web import admin_api, cors, lora_api, openai_api, orca, pooling_api, render_api
 from web.errors import APIError
 from web.keepalive import KeepAliveGuard
 from web.settings import ServerSettings
@@ -112,6 +112,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     pooling_api.register(app, state)
     render_api.register(app, state)
     admin_api.register(app, state)
+    lora_api.register(app, state)
     return app
 
 

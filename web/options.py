@@ -105,6 +105,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="LoRA adapters held in memory (default --max-loras; least recently used are evicted)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, with slots for any adapter up to "
+                        "--max-lora-rank (also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,7 +137,15 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "ec_defer_timeout": args.ec_defer_timeout,
             "enable_lora": args.enable_lora,
             "lora_modules": tuple(LoRAModule.parse(text) for text in args.lora_modules),
-            "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "max_lora_rank": args.max_lora_rank}
+            "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "max_lora_rank": args.max_lora_rank,
+            # the flag without --enable-lora is refused; vLLM's variable, set for a whole machine, is not
+            "allow_runtime_lora_updating": args.allow_runtime_lora_updating
+            or (args.enable_lora and runtime_lora_updating_from(os.environ))}
+
+
+def runtime_lora_updating_from(environ: Mapping[str, str]) -> bool:
+    """vLLM's switch: `VLLM_ALLOW_RUNTIME_LORA_UPDATING` set to 1 or true (any case)."""
+    return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 def images_per_prompt(value: Any) -> int:

@@ -11,6 +11,7 @@ from engine.api import AsyncEngine, EngineConfig, Executor, SpawnedEngine
 from engine.lora_request import LoRARequest
 from web.errors import APIError
 from web.metrics import ServerMetrics
+from web.protocol import check_model
 from web.settings import ServerSettings
 from web.sse import StreamStopper
 
@@ -44,13 +45,18 @@ class ServerState:
 
     @property
     def lora_names(self) -> list[str]:
-        return [m.name for m in self.engine_config.lora_modules]
+        """The LoRA adapters served now (configured, and loaded at run time)."""
+        return self.engine.loras.names() if self.engine is not None else []
 
     def lora_request(self, requested: str | None) -> LoRARequest | None:
-        """The adapter a request's `model` names (None: the base model)."""
-        if requested is None or requested not in self.lora_names:
+        """The adapter a request's `model` names (None: the base model); a 404 if it names neither
+        (an adapter unloaded since the request was read)."""
+        if requested is None or requested in (self.model_name, self.engine_config.model):
             return None
-        return LoRARequest(requested, self.lora_names.index(requested) + 1)
+        lora = self.engine.loras.get(requested) if self.engine is not None else None
+        if lora is None:
+            check_model(requested, self.accepted_model_names)
+        return lora
 
     def response_model(self, requested: str | None) -> str:
         """The `model` a response names: the adapter asked for, else the served model."""

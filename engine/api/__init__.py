@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from engine.core.engine_spawn import SpawnedEngine, engine_process_started
     from engine.core.gc_tuning import tune_collector_for_serving
     from engine.core.stats import EngineStats, RequestRecord, StatsObserver
-    from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
+    from engine.errors import EngineDeadError, InvalidRequestError, LoRAError, ModelLoadError, RequestFailedError
     from engine.executor.base import Executor
     from engine.lora_request import LoRARequest
     from engine.model_info import ModelInfo, PoolerConfig
@@ -51,6 +51,7 @@ _WHERE = {
     "InvalidRequestError": "engine.errors",
     "LLM": "engine.api.llm",
     "LoRARequest": "engine.lora_request",
+    "LoRAError": "engine.errors",
     "LoRAModule": "engine.config",
     "Logprob": "engine.outputs",
     "make_model": "engine.models.tiny",
@@ -76,7 +77,7 @@ _WHERE = {
 }
 
 __all__ = [
-    "ARCHITECTURES", "LLM", "SHAPES", "LoRAModule", "LoRARequest",
+    "ARCHITECTURES", "LLM", "SHAPES", "LoRAError", "LoRAModule", "LoRARequest",
     "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError",
     "EngineInput", "EngineStats", "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError",
     "PoolerConfig", "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError",

@@ -11,8 +11,10 @@ leaving the `async with` block stops it and fails any request still open with
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
@@ -28,7 +30,7 @@ from engine.core.stats import EngineStats, LoopLagReadings
 from engine.core_request import EngineCoreRequest
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.ids import random_id
-from engine.lora_request import LoRARequest
+from engine.lora_request import LoRARequest, configured_adapters
 from engine.model_info import ModelInfo
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -46,10 +48,10 @@ class AsyncEngine:
     """The trio-native engine surface; get one from `open_engine`.
 
     Public: `generate`, `generate_batch`, `chat`, `encode`, `apply_chat_template`,
-    `stats()`, `is_running`, and the read-only facts `config`, `info` (the model,
-    sized) and `tokenizer`. `core` is the engine-core task's object (an `EngineCore`;
-    behind `open_engine_process`, the `CoreClient` of the engine process), for white-box
-    tests only: its state belongs to that task.
+    `add_lora`, `remove_lora`, `stats()`, `is_running`, and the read-only facts `config`,
+    `info` (the model, sized), `tokenizer` and `loras` (the LoRA adapters served). `core` is
+    the engine-core task's object (an `EngineCore`; behind `open_engine_process`, the
+    `CoreClient` of the engine process), for white-box tests only: its state belongs to that task.
     """
 
     def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer, core: CoreHandle,
@@ -62,7 +64,11 @@ class AsyncEngine:
         self.info = info
         self.tokenizer = tokenizer
         self.core = core
-        self.processor = InputProcessor(config, info, tokenizer)
+        self.loras = configured_adapters(config.lora_modules)
+        self._lora_lock = anyio.Lock()  # one adapter load or unload at a time
+        self._adapter_streams: Counter[str] = Counter()  # open generate calls per adapter
+        self._adapter_stream_ended = anyio.Event()
+        self.processor = InputProcessor(config, info, tokenizer, self.loras)
         self._loop_lag = loop_lag or LoopLagReadings()
         self.render_limiter = anyio.CapacityLimiter(config.renderer_threads)
         embeds_limits = None
@@ -87,7 +93,8 @@ class AsyncEngine:
         `enable_prompt_embeds`), or a mapping with `prompt`, `prompt_token_ids`
         or `prompt_embeds` (a tensor, or base64 of a `torch.save` file).
         Invalid input raises `InvalidRequestError` before anything runs.
-        `lora_request` names one of the engine's LoRA adapters (`lora_modules`).
+        `lora_request` names one of the engine's LoRA adapters; one it does not
+        serve yet is loaded first from its `lora_path` (`add_lora`), as vLLM does.
         Cancelling the consuming task, or closing the generator
         (`aclose()`, or leaving an `aclosing()` block early), aborts the
         request: it is dropped between two steps and its KV blocks are freed.
@@ -144,12 +151,79 @@ class AsyncEngine:
                         ) -> AsyncGenerator[tuple[int, RequestOutput]]:
         self.processor.check_can_generate()
         self.processor.check_priority(priority)
-        self.processor.lora_name(lora_request)  # an unknown adapter fails before rendering
-        params = await self._with_grammar(sampling_params or SamplingParams())
-        build = partial(self._generation_request, params=params, priority=priority, lora_request=lora_request)
-        async with aclosing(self._run(prompts, request_ids, build, params.output_kind)) as outputs:
-            async for item in outputs:
-                yield item
+        with self._counted_stream(lora_request):
+            await self._load_new_adapter(lora_request)
+            self.processor.lora_name(lora_request)  # an unknown adapter fails before rendering
+            params = await self._with_grammar(sampling_params or SamplingParams())
+            build = partial(self._generation_request, params=params, priority=priority, lora_request=lora_request)
+            async with aclosing(self._run(prompts, request_ids, build, params.output_kind)) as outputs:
+                async for item in outputs:
+                    yield item
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest, *, replace: bool = False) -> LoRARequest:
+        """Serve the PEFT adapter in `lora_request.lora_path` as `lora_request.lora_name` from
+        now on; returns it with its id. With `replace`, one of that name is replaced in place: its
+        running requests read the new weights from their next step. The workers read and check it
+        between steps (never on the event loop). An adapter that cannot be served raises `LoRAError`
+        (a wrong name or state `InvalidRequestError`) and nothing changes.
+
+        Cancellation stops the wait: the adapter is then not served (the workers may hold it; a
+        later add of that name replaces it)."""
+        name, path = lora_request.lora_name, lora_request.lora_path
+        if not self.config.enable_lora:
+            raise InvalidRequestError("LoRA adapters are not enabled (start the engine with --enable-lora)")
+        if not name or not path:
+            raise InvalidRequestError("Both 'lora_name' and 'lora_path' must be provided.")
+        async with self._lora_lock:
+            if name in self.loras.unloading:
+                raise InvalidRequestError(f"The lora adapter '{name}' is being unloaded; load it again once that "
+                                          "has finished.", param="lora_name")
+            if name in self.loras and not replace:
+                raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded. If you want to load "
+                                          "the adapter in place, set 'load_inplace' to True.", param="lora_name")
+            await self.core.add_lora(name, path)
+            return self.loras.add(lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Stop serving adapter `lora_name`: requests for it are refused from now on, those already
+        made finish with its weights, then the workers drop it. `InvalidRequestError` if it is not
+        served.
+
+        Cancellation stops the wait and leaves the adapter unserved (its weights stay on the workers
+        until a later add of that name replaces them)."""
+        if lora_name not in self.loras:
+            raise InvalidRequestError(f"The lora adapter '{lora_name}' cannot be found.", param="lora_name")
+        self.loras.start_unloading(lora_name)
+        try:
+            while self._adapter_streams[lora_name] > 0:
+                await self._adapter_stream_ended.wait()
+            await self.core.remove_lora(lora_name)
+        finally:
+            self.loras.unloaded(lora_name)
+
+    async def _load_new_adapter(self, lora_request: LoRARequest | None) -> None:
+        """vLLM's library behaviour: a request may bring an adapter by path that the engine has not
+        served yet; it is loaded first (once, however many requests bring it at once)."""
+        if lora_request is None or not lora_request.lora_path or lora_request.lora_name in self.loras:
+            return
+        with contextlib.suppress(InvalidRequestError):  # already loaded meanwhile; unloading: refused below
+            await self.add_lora(lora_request)
+
+    @contextlib.contextmanager
+    def _counted_stream(self, lora_request: LoRARequest | None) -> Iterator[None]:
+        """While a generate call for an adapter is open (`remove_lora` waits for none to be left)."""
+        if lora_request is None:
+            yield
+            return
+        name = lora_request.lora_name
+        self._adapter_streams[name] += 1
+        try:
+            yield
+        finally:
+            self._adapter_streams[name] -= 1
+            self._adapter_stream_ended.set()
+            self._adapter_stream_ended = anyio.Event()
 
     async def _with_grammar(self, params: SamplingParams) -> SamplingParams:
         """`params` with its structured outputs compiled (in a worker thread, cached by grammar);

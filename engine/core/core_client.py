@@ -23,7 +23,7 @@ import contextlib
 import itertools
 import math
 import socket
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -34,7 +34,8 @@ from engine.core.engine_core import AddRequest, OutputSender, dead_error
 from engine.core.messages import (
     ABORT,
     ADD,
-    SYNC,
+    CALL,
+    Answer,
     CoreSnapshot,
     EngineFailed,
     EngineReady,
@@ -49,6 +50,12 @@ from engine.ipc.fast_socket import STREAM_ENDED, FastSocketStream
 from engine.ipc.process import describe_exit
 
 STARTUP_TIMEOUT = 600.0  # loading and compiling a model
+
+
+@dataclass
+class _PendingCall:
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: BaseException | None = None
 
 
 class CoreClient:
@@ -71,8 +78,8 @@ class CoreClient:
         self._prompts: dict[str, RequestPrompt] = {}
         self._outbox_send, self._outbox = anyio.create_memory_object_stream[Any](math.inf)
         self._adds_sent = 0
-        self._syncs = itertools.count()
-        self._synced: dict[int, anyio.Event] = {}
+        self._call_tokens = itertools.count()
+        self._calls: dict[int, _PendingCall] = {}
         self.failure: BaseException | None = None
         self.closing = False
 
@@ -124,11 +131,35 @@ class CoreClient:
 
     async def wait_until_idle(self) -> None:
         """Return once the engine process has applied every message sent before this call and
-        has no request left. Cancellation just stops the wait."""
-        token = next(self._syncs)
-        event = self._synced[token] = anyio.Event()
-        self._post((SYNC, token))
-        await event.wait()
+        has no request left (or has stopped). Cancellation just stops the wait."""
+        with contextlib.suppress(EngineDeadError):
+            await self._call("wait_until_idle")
+
+    # ---- LoRA adapters (EngineCore's, in the engine process) ----------------------------------
+    async def add_lora(self, name: str, path: str) -> None:
+        """`EngineCore.add_lora` in the engine process: `LoRAError` for a bad adapter.
+        Cancellation stops the wait; the engine process may still load it."""
+        await self._call("add_lora", name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """`EngineCore.remove_lora` in the engine process. Cancellation stops the wait; the
+        engine process still removes the adapter once no request uses it."""
+        await self._call("remove_lora", name)
+
+    async def _call(self, method: str, *args: Any) -> None:
+        """Await the core's `method` in the engine process, after every message sent before it;
+        raises its error, or `EngineDeadError` if the engine stops first."""
+        if self.dead:
+            raise EngineDeadError("the engine has stopped")
+        token = next(self._call_tokens)
+        pending = self._calls[token] = _PendingCall()
+        try:
+            self._post((CALL, token, method, args))
+            await pending.done.wait()
+        finally:
+            self._calls.pop(token, None)
+        if pending.error is not None:
+            raise pending.error
 
     # ---- the task -----------------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -155,7 +186,7 @@ class CoreClient:
             self._apply(*frame)
 
     def _apply(self, items: list[tuple[str, Any]], observed: list[tuple[str, tuple[Any, ...]]],
-               snapshot: CoreSnapshot, synced: list[int]) -> None:
+               snapshot: CoreSnapshot, answered: list[Answer]) -> None:
         replay(observed, self._observer)
         self._snapshot = snapshot
         for rid, encoded in items:
@@ -169,8 +200,11 @@ class CoreClient:
                 sink.send_nowait(decode_output(rid, encoded, self._prompts[rid]))
             except anyio.BrokenResourceError:
                 self.abort(rid)  # the consumer went away without saying so
-        for token in synced:
-            self._synced.pop(token).set()
+        for token, error in answered:
+            pending = self._calls.pop(token, None)
+            if pending is not None:  # else its caller stopped waiting
+                pending.error = error
+                pending.done.set()
 
     async def _connection_lost_error(self) -> EngineDeadError:
         with anyio.move_on_after(1.0):  # the process is probably dying: name how, if it does soon
@@ -221,8 +255,9 @@ class CoreClient:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self._streams[rid].send_nowait(error)
             self._forget(rid)
-        for event in self._synced.values():
-            event.set()
+        for pending in self._calls.values():
+            pending.error = error
+            pending.done.set()
 
     def shut_down(self) -> None:
         """Ask the engine process to stop: our sending side closes (at once, even while this

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,8 +30,9 @@ from engine.core.output_processor import RequestTracker
 from engine.core.reporting import RequestTimings
 from engine.core.stats import EngineStats, NullObserver, StatsObserver
 from engine.core_request import EngineCoreRequest
-from engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from engine.errors import EngineDeadError, InvalidRequestError, LoRAError, RequestFailedError
 from engine.executor.base import Executor
+from engine.executor.rpc import WorkerError
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.render.tokenizer import Tokenizer
 from engine.sched.output import NewRequestData
@@ -118,6 +120,12 @@ class CoreHandle(Protocol):
     def stats(self) -> EngineStats:
         """A snapshot, without loop lag."""
 
+    async def add_lora(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter on every worker (`EngineCore.add_lora`)."""
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving a LoRA adapter once no request uses it (`EngineCore.remove_lora`)."""
+
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Tokenizer,
@@ -135,6 +143,10 @@ class EngineCore:
         self.dead = False
         self.num_steps = 0
         self._idle = anyio.Event()  # set while the core has no work and waits for messages
+        # Requests submitted with each LoRA adapter and not yet ended (queued messages included):
+        # an adapter is removed from the workers only once none is left.
+        self._adapter_users: Counter[str] = Counter()
+        self._adapter_user_ended = anyio.Event()
 
     # ---- called from other tasks: never block ------------------------------------------
     def submit(self, message: CoreMessage) -> None:
@@ -143,6 +155,8 @@ class EngineCore:
             self._inbox_send.send_nowait(message)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise EngineDeadError("the engine has stopped") from None
+        if isinstance(message, AddRequest) and message.request.lora_name is not None:
+            self._adapter_users[message.request.lora_name] += 1
 
     def executor_failed(self, error: BaseException) -> None:
         """Stop the core with `error` (from the executor's watcher task), busy or idle."""
@@ -219,6 +233,7 @@ class EngineCore:
                                         request_id=message.request_id)
             message.outputs.send_nowait(error)
             message.outputs.close()
+            self._adapter_user_gone(message.request.lora_name)
             return
         children = scheduler_requests(message.request)
         tracker = RequestTracker(message.request, children, self.tokenizer)
@@ -259,6 +274,40 @@ class EngineCore:
         for child in tracker.children:
             self._child_owner.pop(child.request.request_id, None)
         self._streams.pop(request_id).close()
+        self._adapter_user_gone(tracker.children[0].request.lora_name)
+
+    def _adapter_user_gone(self, lora_name: str | None) -> None:
+        if lora_name is not None:
+            self._adapter_users[lora_name] -= 1
+            self._adapter_user_ended.set()
+            self._adapter_user_ended = anyio.Event()
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    async def add_lora(self, name: str, path: str) -> None:
+        """Serve LoRA adapter `name` from directory `path` on every worker, replacing one of that
+        name. A bad adapter raises `LoRAError` and changes nothing. Workers read it between steps.
+
+        Cancellation abandons the call: the workers may still load it."""
+        if self.dead:
+            raise EngineDeadError("the engine has stopped")
+        try:
+            await self.executor.collective_rpc("add_lora", (name, path))
+        except WorkerError as exc:  # a worker process's refusal, by its type
+            if exc.error_type == LoRAError.__name__:
+                raise LoRAError(str(exc).split(": ", 2)[-1]) from None
+            raise
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving LoRA adapter `name` on every worker once no request submitted with it is
+        left: those running or queued finish as they would, never losing their weights. Submit no
+        new request for it meanwhile.
+
+        Cancellation stops the wait; the adapter stays loaded."""
+        while self._adapter_users[name] > 0:
+            await self._adapter_user_ended.wait()
+        del self._adapter_users[name]
+        if not self.dead:
+            await self.executor.collective_rpc("remove_lora", (name,))
 
     # ---- one step --------------------------------------------------------------------------
     async def step(self) -> bool:

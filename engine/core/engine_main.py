@@ -34,7 +34,9 @@ from engine.core.gc_tuning import tune_collector_for_serving
 from engine.core.messages import (
     ABORT,
     ADD,
-    SYNC,
+    CALL,
+    CORE_CALLS,
+    Answer,
     CoreSnapshot,
     EngineFailed,
     EngineInit,
@@ -61,7 +63,7 @@ class Outbox:
 
     def __init__(self) -> None:
         self.items: list[tuple[str, Any]] = []
-        self.synced: list[int] = []
+        self.answered: list[Answer] = []
         self.observer = RecordingObserver(self._mark)
         self.adds_received = 0
         self._ready = anyio.Event()
@@ -84,9 +86,13 @@ class Outbox:
         """Everything gathered since the last take, with the core's state now."""
         self._ready = anyio.Event()
         items, self.items = self.items, []
-        synced, self.synced = self.synced, []
+        answered, self.answered = self.answered, []
         snapshot = CoreSnapshot(core.stats(), self.adds_received, core.num_steps, core.num_requests, core.dead)
-        return items, self.observer.take(), snapshot, synced
+        return items, self.observer.take(), snapshot, answered
+
+    def answer(self, token: int, error: BaseException | None) -> None:
+        self.answered.append((token, error))
+        self.put("", None)  # wake the flusher (no request has the empty id)
 
 
 class RequestSink:
@@ -160,14 +166,20 @@ async def _relay_requests(reader: wire.FrameReader, core: EngineCore, outbox: Ou
                     core.submit(AddRequest(request, outbox.sink(request.request_id)))
             elif kind == ABORT:
                 core.abort(message[1])
-            elif kind == SYNC:
-                tg.start_soon(_sync, core, outbox, message[1])
+            elif kind == CALL:
+                tg.start_soon(_call, core, outbox, *message[1:])
 
 
-async def _sync(core: EngineCore, outbox: Outbox, token: int) -> None:
-    await core.wait_until_idle()
-    outbox.synced.append(token)
-    outbox.put("", None)  # wake the flusher (no request has the empty id)
+async def _call(core: EngineCore, outbox: Outbox, token: int, method: str, args: tuple[Any, ...]) -> None:
+    """Await one of the core's `CORE_CALLS` and answer it with its error, if any."""
+    error: BaseException | None = None
+    try:
+        if method not in CORE_CALLS:
+            raise ValueError(f"the engine process answers no call {method!r}")
+        await getattr(core, method)(*args)
+    except Exception as exc:  # noqa: BLE001 -- the caller raises it
+        error = _picklable(exc)
+    outbox.answer(token, error)
 
 
 async def _flush_steps(stream: trio.abc.Stream, outbox: Outbox, core: EngineCore) -> None:

@@ -5,9 +5,10 @@ of band). The frequent messages are plain tuples, as the executor's calls are (p
 costs ~10x a tuple of builtins):
 
 - server -> engine, one frame per batch of posted messages: a list of `(ADD, EngineCoreRequest)`,
-  `(ABORT, request_id)` and `(SYNC, token)`. The end of the stream stops the engine.
+  `(ABORT, request_id)` and `(CALL, token, method, args)` (one of `CORE_CALLS`, awaited on the
+  core in a task of its own). The end of the stream stops the engine.
 - engine -> server, one frame per step: a `StepReport` tuple (every request's outputs of the step,
-  the observer calls the step made, a snapshot of the core, and the syncs done).
+  the observer calls the step made, a snapshot of the core, and the calls answered).
 
 A `RequestOutput` crosses without its prompt: the server keeps each request's prompt and prompt
 token ids from its `ADD` and puts them back (`RequestPrompt`), so a step's frame carries only what
@@ -26,7 +27,9 @@ from engine.core.stats import EngineStats
 from engine.model_info import ModelInfo
 from engine.outputs import CompletionOutput, RequestOutput
 
-ADD, ABORT, SYNC = 0, 1, 2
+ADD, ABORT, CALL = 0, 1, 2
+# The core's async methods a CALL may name (the client side's own methods of the same names).
+CORE_CALLS = frozenset({"wait_until_idle", "add_lora", "remove_lora"})
 
 
 @dataclass
@@ -70,8 +73,10 @@ class CoreSnapshot:
 
 
 # outputs: (request_id, encoded output, or None when the request's outputs end);
-# observed: (StatsObserver method name, args); synced: SYNC tokens answered.
-StepReport = tuple[list[tuple[str, Any]], list[tuple[str, tuple[Any, ...]]], CoreSnapshot, list[int]]
+# observed: (StatsObserver method name, args); answered: (CALL token, the error it raised or None).
+# The calls return nothing but success or their error.
+Answer = tuple[int, BaseException | None]
+StepReport = tuple[list[tuple[str, Any]], list[tuple[str, tuple[Any, ...]]], CoreSnapshot, list[Answer]]
 
 
 def encode_output(item: OutputItem) -> Any:

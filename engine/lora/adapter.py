@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from engine.errors import LoRAError
+
+__all__ = ["LoRAAdapter", "LoRAError", "LoRAFactors", "read_adapter"]
+
 # PEFT's module names (Llama, Qwen2, Qwen3 and their kin): the attention and MLP projections.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 REFUSED_TARGETS = {"embed_tokens": "embeddings", "lm_head": "the LM head"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.default)?\.weight$")
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served; the message is one line naming the adapter and why."""
 
 
 @dataclass

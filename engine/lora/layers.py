@@ -213,14 +213,19 @@ def projection_targets(model: DecoderForCausalLM) -> dict[str, _Target]:
 class LoRAServing:
     """The adapters a worker serves: `max_loras` slots, and at most `max_cpu_loras` adapters held in
     memory (least recently used evicted; an evicted one is read again from its directory when a
-    request next uses it). `read(name)` reads one (engine.lora.adapter.read_adapter bound to its
-    path). Every adapter is read and checked at start-up, so a bad one fails it."""
+    request next uses it). `read(name, path)` reads one (engine.lora.adapter.read_adapter). Every
+    configured adapter (`paths`: name -> directory) is read and checked at start-up, so a bad one
+    fails it; `add` and `remove` change the set while serving.
 
-    def __init__(self, model: DecoderForCausalLM, read: Callable[[str], LoRAAdapter], names: list[str],
-                 max_loras: int, max_cpu_loras: int) -> None:
+    The slots are laid out for the modules and the largest rank of the configured adapters, or,
+    with `any_module_rank`, for every projection at that rank (what an engine that loads adapters
+    it has not seen needs, as vLLM's slots always are); an adapter added later must fit them."""
+
+    def __init__(self, model: DecoderForCausalLM, read: Callable[[str, str], LoRAAdapter], paths: dict[str, str],
+                 max_loras: int, max_cpu_loras: int, *, any_module_rank: int | None = None) -> None:
         self.targets = projection_targets(model)
         self.read = read
-        self.names = set(names)
+        self.paths = dict(paths)
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self.held: OrderedDict[str, LoRAAdapter] = OrderedDict()
@@ -228,10 +233,13 @@ class LoRAServing:
         self.reads = 0  # adapters read from disk, start-up included (tests)
         modules: set[str] = set()
         max_rank = 1
-        for name in names:  # one at a time: beyond max_cpu_loras, each read evicts the oldest
+        for name in paths:  # one at a time: beyond max_cpu_loras, each read evicts the oldest
             adapter = self._hold(name)
             modules.update(adapter.modules)
             max_rank = max(max_rank, adapter.rank)
+        if any_module_rank is not None:
+            modules, max_rank = set(self.targets), any_module_rank
+        self.rank = max_rank
         self.linears = self._lay_out_slots(modules, max_rank, model)
 
     def _lay_out_slots(self, modules: set[str], max_rank: int, model: DecoderForCausalLM) -> list[LinearLoRA]:
@@ -279,8 +287,9 @@ class LoRAServing:
             self.slots.move_to_end(name)
             return self.slots[name]
         adapter = self.hold(name)
-        if len(self.slots) < self.max_loras:
-            slot = len(self.slots)
+        free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
+        if free:
+            slot = free[0]
         else:
             victim = next(n for n in self.slots if n not in keep)
             slot = self.slots.pop(victim)
@@ -304,15 +313,49 @@ class LoRAServing:
             return self.held[name]
         return self._hold(name)
 
+    def add(self, name: str, path: str) -> None:
+        """Serve adapter `name` from directory `path` from now on, replacing one of that name (its
+        rows read the new weights from the next step). It is read and checked first: a `LoRAError`
+        leaves everything as it was."""
+        adapter = self._checked(self.read(name, path))
+        self._check_fits_slots(adapter)
+        self.remove(name)
+        self.paths[name] = path
+        self._keep(name, adapter)
+
+    def remove(self, name: str) -> None:
+        """Stop serving adapter `name` (a no-op if it is not served). The engine removes only an
+        adapter no request uses."""
+        self.paths.pop(name, None)
+        self.held.pop(name, None)
+        self.slots.pop(name, None)
+
     def _hold(self, name: str) -> LoRAAdapter:
-        if name not in self.names:
+        if name not in self.paths:
             raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
-        adapter = self.read(name)
+        adapter = self._checked(self.read(name, self.paths[name]))
+        self._keep(name, adapter)
+        return adapter
+
+    def _checked(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """`adapter`, checked against the base model, with this rank's share of its factors."""
         self.reads += 1
         adapter.check_against({module: target.shape for module, target in self.targets.items()})
         adapter.modules = {module: self.targets[module].shard(f) for module, f in adapter.modules.items()}
+        return adapter
+
+    def _check_fits_slots(self, adapter: LoRAAdapter) -> None:
+        laid_out = {module for lora in self.linears for module in lora.slices}
+        missing = sorted(set(adapter.modules) - laid_out, key=list(self.targets).index)
+        if adapter.rank <= self.rank and not missing:
+            return
+        what = f"rank {adapter.rank} is above the slots' rank {self.rank}" if adapter.rank > self.rank else \
+            f"it changes {missing[0]}, which no adapter served at start-up changes"
+        raise LoRAError(f"LoRA adapter {adapter.name!r}: {what}; start the engine with --allow-runtime-lora-updating "
+                        "to lay the slots out for any adapter up to --max-lora-rank")
+
+    def _keep(self, name: str, adapter: LoRAAdapter) -> None:
         while len(self.held) >= self.max_cpu_loras:
             evicted, _ = self.held.popitem(last=False)
             logger.info("LoRA adapter %s evicted from memory (--max-cpu-loras %d)", evicted, self.max_cpu_loras)
         self.held[name] = adapter
-        return adapter

@@ -13,7 +13,7 @@ from dataclasses import replace
 from engine.config import EngineConfig
 from engine.core_request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
 from engine.errors import InvalidRequestError
-from engine.lora_request import LoRARequest
+from engine.lora_request import LoRARegistry, LoRARequest, configured_adapters
 from engine.model_info import ModelInfo
 from engine.pooling_params import PoolingParams
 from engine.render.renderer import EngineInput
@@ -24,10 +24,12 @@ from engine.sampling_params import SamplingParams
 class InputProcessor:
     """Checks requests against one model and builds their `EngineCoreRequest`s."""
 
-    def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer) -> None:
+    def __init__(self, config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer,
+                 loras: LoRARegistry | None = None) -> None:
         self.config = config
         self.info = info
         self.tokenizer = tokenizer
+        self.loras = loras if loras is not None else configured_adapters(config.lora_modules)
 
     def check_can_generate(self) -> None:
         """A pooling model (BERT and its kin) serves embeddings, pooling, score and rerank only."""
@@ -124,7 +126,7 @@ class InputProcessor:
         """The adapter a request asks for, checked against those the engine serves."""
         if lora_request is None:
             return None
-        served = [m.name for m in self.config.lora_modules]
+        served = self.loras.names()
         if lora_request.lora_name not in served:
             hint = f"; it serves {', '.join(served)}" if served else " (--enable-lora and --lora-modules)"
             raise InvalidRequestError(f"The model `{lora_request.lora_name}` does not exist: no LoRA adapter of "

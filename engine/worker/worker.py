@@ -113,17 +113,29 @@ class Worker:
         if not self.config.enable_lora:
             return
         assert isinstance(self.model, DecoderForCausalLM)
-        paths = {m.name: m.path for m in self.config.lora_modules}
         dtype = self.model.dtype
 
-        def read(name: str) -> LoRAAdapter:
-            return read_adapter(name, paths[name], self.config.max_lora_rank, dtype)
+        def read(name: str, path: str) -> LoRAAdapter:
+            return read_adapter(name, path, self.config.max_lora_rank, dtype)
 
+        any_rank = self.config.max_lora_rank if self.config.lora_slots_fit_any else None
         try:
-            self.lora = LoRAServing(self.model, read, list(paths), self.config.max_loras,
-                                    self.config.lora_cpu_capacity)
+            self.lora = LoRAServing(self.model, read, {m.name: m.path for m in self.config.lora_modules},
+                                    self.config.max_loras, self.config.lora_cpu_capacity, any_module_rank=any_rank)
         except LoRAError as exc:
             raise ModelLoadError(str(exc)) from None
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve LoRA adapter `name` from directory `path` (replacing one of that name), read and
+        checked here: a bad one raises `LoRAError` and changes nothing."""
+        if self.lora is None:
+            raise LoRAError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving LoRA adapter `name` (the engine asks once no request uses it)."""
+        if self.lora is not None:
+            self.lora.remove(name)
 
     def _warn_if_reduced_precision_is_slower(self) -> None:
         """bfloat16 / float16 on a CPU that runs them slower than float32 (measured: a few ms) is
