@@ -33,6 +33,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_ec(bench)
     _add_bench_structured(bench)
     _add_bench_lora(bench)
+    _add_bench_lora_delta(bench)
 
 
 def _add_bench_lora(bench: Subcommands) -> None:
@@ -57,6 +58,22 @@ def _bench_lora(args: argparse.Namespace) -> int:
         print(lora.run(model_dir(args.model), [int(n) for n in args.adapters.split(",")],
                        [int(r) for r in args.ranks.split(",")], args.streams, args.input_len, args.output_len,
                        args.repeats, Path(scratch)))
+    return 0
+
+
+def _add_bench_lora_delta(bench: Subcommands) -> None:
+    ld = bench.add_parser("lora-delta", help="the LoRA delta forms (grouped, one-hot) compiled, over the base")
+    ld.add_argument("--rows", type=int, default=16, help="rows of the step (decoding sequences)")
+    ld.add_argument("--settings", default="4x8,16x8,4x64", help="comma-separated SLOTSxRANK")
+    ld.add_argument("--threads", type=int, default=1)
+    ld.add_argument("--repeats", type=int, default=5)
+    ld.set_defaults(run=_bench_lora_delta)
+
+
+def _bench_lora_delta(args: argparse.Namespace) -> int:
+    from bench import lora_delta
+    settings = [(int(slots), int(rank)) for slots, rank in (s.split("x") for s in args.settings.split(","))]
+    print(lora_delta.run(args.rows, settings, args.threads, args.repeats))
     return 0
 
 

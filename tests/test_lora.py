@@ -322,7 +322,7 @@ def test_bad_lora_options_are_refused_naming_the_problem(options, message):
 async def test_the_server_lists_adapters_under_their_base_and_serves_them_by_model_name(base, adapters):
     """The real openai client: /v1/models lists each adapter with its parent, a completion for an
     adapter's name runs it (peft's tokens; the response names the adapter), and a name nobody
-    serves is a 404 while the server goes on serving."""
+    serves is a 404 while the server goes on serving. Loading adapters at run time is off."""
     base_path, hf_model = base
     prompt = [5, 9, 14, 200, 31]
     config = replace(lora_config(base_path, adapters), lora_modules=(
@@ -343,6 +343,9 @@ async def test_the_server_lists_adapters_under_their_base_and_serves_them_by_mod
                                                     extra_body={"ignore_eos": True, "return_token_ids": True})
         async with httpx.AsyncClient() as http:
             metrics = (await http.get(server.url + "/metrics")).text
+            # run-time loading is off unless allowed (tests/test_lora_runtime.py has it on)
+            load = await http.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"})
+    assert load.status_code == 404 and "--allow-runtime-lora-updating" in load.json()["error"]["message"]
     assert 'vllm:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
     assert answer.model == "attn" and plain.model == base_name
     assert answer.choices[0].token_ids == peft_greedy(hf_model, adapters["attn"], [prompt], 6)[0]

@@ -194,16 +194,6 @@ async def test_bad_runtime_loads_are_clear_errors_and_the_server_serves_on(base,
     assert served.json()["choices"][0]["token_ids"] == peft_greedy(hf_model, good, [[3, 4, 5]], 4)[0]
 
 
-async def test_runtime_loading_is_off_unless_allowed(base, adapters):  # noqa: F811
-    base_path, _ = base
-    async with running_server(lora_config(base_path, {"attn": adapters["attn"]})) as server, \
-            httpx.AsyncClient(base_url=server.url) as http:
-        answer = await http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
-        unload = await http.post("/v1/unload_lora_adapter", json={"lora_name": "attn"})
-    assert answer.status_code == unload.status_code == 404
-    assert "--allow-runtime-lora-updating" in answer.json()["error"]["message"]
-
-
 def test_runtime_updating_comes_from_the_flag_or_vllms_variable(monkeypatch):
     from web.cli import _parser
     from web.options import engine_config

@@ -64,6 +64,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "classify": {}, "score": {}, "rerank": {},
     "tokenize": {"mm_processor_kwargs": "the image processor's settings come from the model"},
     "detokenize": {},
+    "load_lora_adapter": {}, "unload_lora_adapter": {},
 }
 
 REFUSED["chat/completions/batch"] = REFUSED["chat/completions"]  # the same body, one conversation per item
@@ -74,6 +75,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "classify": protocol.ClassificationRequest, "score": protocol.ScoreRequest,
     "rerank": protocol.RerankRequest, "chat/completions/batch": protocol.BatchChatCompletionRequest,
     "tokenize": protocol.TokenizeRequest, "detokenize": protocol.DetokenizeRequest,
+    "load_lora_adapter": protocol.LoadLoRAAdapterRequest, "unload_lora_adapter": protocol.UnloadLoRAAdapterRequest,
 }
 ENDPOINT_OF = {model: name for name, model in MODELS.items()}
 

@@ -82,7 +82,7 @@ async def read_request(state: ServerState, model: type) -> Any:
     body = await read_body()
     parse = partial(parse_body, model, split_embeds_bytes=state.settings.split_embeds_bytes)
     parsed = await run_sized(parse, body, size=len(body), inline_below=OFFLOAD_BODY_BYTES, limiter=state.limiter)
-    check_model(parsed.model, state.accepted_model_names)
+    check_model(getattr(parsed, "model", None), state.accepted_model_names)  # LoRA loads name none
     check_fields(parsed, state.settings.allow_unknown_fields)
     return parsed
 

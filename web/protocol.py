@@ -445,13 +445,11 @@ class RerankRequest(_Body):
 
 # ---- LoRA adapters at run time (web.lora_api) ----------------------------------------------------
 class LoadLoRAAdapterRequest(_Body):
-    model: str | None = None
     lora_name: str = ""
     lora_path: str = ""
     load_inplace: bool = False  # replace an adapter of this name (its requests read the new weights)
 
 
 class UnloadLoRAAdapterRequest(_Body):
-    model: str | None = None
     lora_name: str = ""
     lora_int_id: int | None = None  # vLLM's; the name decides

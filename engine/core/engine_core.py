@@ -121,10 +121,12 @@ class CoreHandle(Protocol):
         """A snapshot, without loop lag."""
 
     async def add_lora(self, name: str, path: str) -> None:
-        """Serve a LoRA adapter on every worker (`EngineCore.add_lora`)."""
+        """Serve a LoRA adapter on every worker (`EngineCore.add_lora`). Cancellation stops the
+        wait; the workers may still load it."""
 
     async def remove_lora(self, name: str) -> None:
-        """Stop serving a LoRA adapter once no request uses it (`EngineCore.remove_lora`)."""
+        """Stop serving a LoRA adapter once no request uses it (`EngineCore.remove_lora`).
+        Cancellation stops the wait."""
 
 
 class EngineCore:
