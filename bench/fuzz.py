@@ -22,6 +22,7 @@ import httpx
 import hypothesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from web.protocol import (
     ChatCompletionRequest,
@@ -82,7 +83,18 @@ def typed_values(annotation: Any) -> st.SearchStrategy[Any]:
         return st.lists(typed_values(args[0]) if args else hostile_values(), max_size=5)
     if origin is typing.Literal:
         return st.sampled_from(args)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return model_values(annotation)
     return hostile_values()
+
+
+def model_values(model: type[BaseModel]) -> st.SearchStrategy[dict[str, Any]]:
+    """A nested object (response_format, structured_outputs, ...): some of its own keys, each of
+    its own type or anything at all, so wrong shapes one level down get sent too."""
+    fields = {field.alias or name: field.annotation for name, field in model.model_fields.items()}
+    return st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True).flatmap(
+        lambda chosen: st.fixed_dictionaries({key: st.one_of(typed_values(fields[key]), hostile_values())
+                                              for key in chosen}))
 
 
 def field_values(model: Any, name: str) -> st.SearchStrategy[Any]:

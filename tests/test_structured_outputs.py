@@ -112,6 +112,18 @@ async def test_the_parse_helper_with_a_pydantic_model(client):
     ({"structured_outputs": {"pattern": "a"}}, "structured_outputs.pattern"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "give one way"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    # wrong types and shapes (issue 34: these answered 500 or were taken as something else)
+    ({"structured_outputs": {"regex": {"1": "Python"}}}, "structured_outputs.regex: Input should be a valid string"),
+    ({"response_format": {"type": "json_schema", "json_schema": 7}}, "response_format.json_schema: Input should be"),
+    ({"structured_outputs": {"choice": "abc"}}, "structured_outputs.choice: Input should be a valid array"),
+    ({"structured_outputs": {"choice": [1, 2]}}, "structured_outputs.choice.0: Input should be a valid string"),
+    ({"structured_outputs": {"json": 5}}, "structured_outputs.json: Input should be"),
+    ({"structured_outputs": 7}, "structured_outputs: Input should be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 5, "schema": {}}}},
+     "response_format.json_schema.name: Input should be a valid string"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema must be"),
+    ({"response_format": "json"}, "response_format: Input should be an object"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "Unknown field 'response_format.schema'"),
 ])
 async def test_invalid_constraints_are_400s_with_the_reason(client, extra, message):
     with pytest.raises(openai.BadRequestError) as caught:

@@ -84,7 +84,7 @@ def _asks_for_something(value: Any) -> bool:
     return value not in (None, False, [], {}, "")
 
 
-NESTED_REFUSED: dict[str, dict[str, str]] = {"stream_options": {}}
+NESTED_REFUSED: dict[str, dict[str, str]] = {"stream_options": {}, "response_format": {}}
 
 
 def check_fields(parsed: BaseModel, allow_unknown: bool) -> None:

@@ -22,6 +22,33 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`, OpenAI's shape."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs` object; one constraint at most (checked by StructuredOutputs).
+    Keys it does not define are refused naming them (`_from_structured_outputs`)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage (so far) in every chunk
@@ -55,8 +82,8 @@ class _Sampling(_Body):
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     # Structured outputs, in the three spellings clients use: OpenAI's response_format, vLLM's
     # structured_outputs object, and vLLM's older guided_* fields.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -147,33 +174,27 @@ def _structured(param: str, **values: Any) -> StructuredOutputs:
         raise bad_request(str(exc), param) from exc
 
 
-def _from_response_format(value: dict[str, Any]) -> StructuredOutputs | None:
-    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
-    kind = value.get("type")
-    if kind == "text":
+def _from_response_format(value: ResponseFormat) -> StructuredOutputs | None:
+    if value.type == "text":
         return None
-    if kind == "json_object":
+    if value.type == "json_object":
         return _structured("response_format", json_object=True)
-    if kind == "json_schema":
-        schema = (value.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
-        return _structured("response_format", json=schema)
-    raise bad_request(f"response_format.type must be text, json_object or json_schema, not {kind!r}",
-                      "response_format")
+    schema = value.json_schema.schema_ if value.json_schema is not None else None
+    if schema is None:
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
+    return _structured("response_format", json=schema)
 
 
 _STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
 
 
-def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
-    """vLLM's `structured_outputs` object."""
-    unknown = sorted(set(value) - _STRUCTURED_KEYS)
+def _from_structured_outputs(value: StructuredOutputsBody) -> StructuredOutputs:
+    unknown = sorted(value.model_extra or ())
     if unknown:
         raise bad_request(f"structured_outputs.{unknown[0]} is not supported; supported: "
                           f"{', '.join(sorted(_STRUCTURED_KEYS))}", "structured_outputs")
-    values = {k: v for k, v in value.items() if v is not None}
-    if isinstance(values.get("choice"), list):
+    values = {k: v for k, v in value.model_dump(by_alias=True, exclude_none=True).items()}
+    if "choice" in values:
         values["choice"] = tuple(values["choice"])
     return _structured("structured_outputs", **values)
 
@@ -335,6 +356,10 @@ def parse_body(model: type[_Body], body: bytes | bytearray, *, split_embeds_byte
     return _validate(model, body)
 
 
+def _union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
 def _validate(model: type[_Body], body: bytes | bytearray) -> Any:
     if not body:
         raise bad_request("the request body is empty; expected a JSON object")
@@ -342,7 +367,8 @@ def _validate(model: type[_Body], body: bytes | bytearray) -> Any:
         return model.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        # a union's member tags ("str", "dict[str,any]") say which branch failed, not where
+        where = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p)) or "body"
         kind: Literal["json_invalid"] | str = first.get("type", "")
         if kind == "json_invalid":
             raise bad_request(f"the request body is not valid JSON: {first.get('msg')}") from exc
