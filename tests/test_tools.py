@@ -4,15 +4,17 @@ auto parsed by the hermes and llama3_json parsers, streaming, and tool messages 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
 from web.settings import ServerSettings
-from web.tools import ToolPlan, parse_calls
+from web.tools import ToolPlan, parse_calls, plan_tools
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 10},
@@ -57,6 +59,51 @@ async def test_required_gives_well_formed_calls_from_a_random_model(client):
     single = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS, seed=5,
                                                   tool_choice="required", parallel_tool_calls=False, max_tokens=200)
     assert len(single.choices[0].message.tool_calls) == 1
+
+
+class Closed(pydantic.BaseModel):  # additionalProperties: false, or a random model adds keys forever
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+
+class Address(Closed):
+    city: str = pydantic.Field(max_length=8)
+    zone: Literal["UTC", "CET"]
+
+
+class Visit(Closed):
+    to: Address
+    days: Literal[1, 2, 3]  # numbers kept short: a random model writes unbounded digits (issue 34)
+
+
+class Ship(Closed):  # its own Address: the same $defs name as Visit's, another schema
+    class Address(Closed):
+        box: str = pydantic.Field(max_length=4)
+
+    where: Address
+
+
+async def test_required_calls_of_tools_whose_schemas_use_defs(client):
+    """pydantic writes nested models as $defs and $ref (issue 34: "Pointer '/$defs/...' does not
+    exist"); each tool's definitions stay its own in the array of calls."""
+    schemas = {"visit": Visit.model_json_schema(), "ship": Ship.model_json_schema()}
+    assert "$defs" in schemas["visit"] and "$defs" in schemas["ship"]
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}} for name, schema in schemas.items()]
+    for seed in range(3):
+        # one call: a random model's array of calls can run past any max_tokens (issue 34 again)
+        out = await client.chat.completions.create(model=client.served, messages=ask(), tools=tools, seed=seed,
+                                                   tool_choice="required", parallel_tool_calls=False,
+                                                   max_tokens=300, temperature=1.0)
+        calls = out.choices[0].message.tool_calls
+        assert calls and out.choices[0].finish_reason == "tool_calls", out.choices[0]
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_a_tools_reference_to_its_own_root_points_at_a_copy_of_it():
+    tree = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    array = plan_tools(tools, "required", True, False, None).structured.json
+    assert array["$defs"]["tool0_root"]["properties"]["child"]["anyOf"][0] == {"$ref": "#/$defs/tool0_root"}
 
 
 async def test_a_named_function_is_called(client):

@@ -82,10 +82,13 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool, auto_e
                               'set', "tool_choice")
         return ToolPlan("auto", tools, parser=parser)
     if choice == "required":
+        parameters, definitions = _definitions_at_root(functions)
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                   "properties": {"name": {"const": name}, "parameters": schema}}
-                 for name, schema in functions.items()]
+                 for name, schema in parameters.items()]
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if definitions:
+            array["$defs"] = definitions
         if not parallel:
             array["maxItems"] = 1
         return ToolPlan("required", tools, StructuredOutputs(json=array))
@@ -96,6 +99,46 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool, auto_e
     if name not in functions:
         raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
     return ToolPlan("named", tools, StructuredOutputs(json=functions[name]), named=name)
+
+
+_LOCAL_DEFINITIONS = ("#/$defs/", "#/definitions/")
+
+
+def _definitions_at_root(functions: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Each tool's parameters schema with its `$defs` (or `definitions`) moved to the root of the
+    array of calls, each under a name of its tool's (`tool0_Address`), and its `$ref`s rewritten to
+    match: pydantic's schemas refer to `#/$defs/...`, which inside the array would point at the
+    array's root, where nothing is defined. A `$ref` to a tool's own root (`#`) points at a copy."""
+    definitions: dict[str, Any] = {}
+    parameters: dict[str, dict[str, Any]] = {}
+    for i, (name, schema) in enumerate(functions.items()):
+        prefix = f"tool{i}_"
+        own: dict[str, Any] = {}
+        for section in ("definitions", "$defs"):
+            if isinstance(schema.get(section), dict):
+                own.update(schema[section])
+        body = _rewritten_refs({k: v for k, v in schema.items() if k not in ("$defs", "definitions")}, prefix)
+        definitions.update({prefix + key: _rewritten_refs(value, prefix) for key, value in own.items()})
+        if f'"#/$defs/{prefix}root"' in json.dumps(body):
+            definitions[prefix + "root"] = body
+        parameters[name] = body
+    return parameters, definitions
+
+
+def _rewritten_refs(value: Any, prefix: str) -> Any:
+    if isinstance(value, list):
+        return [_rewritten_refs(item, prefix) for item in value]
+    if not isinstance(value, dict):
+        return value
+    rewritten = {key: _rewritten_refs(item, prefix) for key, item in value.items()}
+    ref = rewritten.get("$ref")
+    if ref == "#":
+        rewritten["$ref"] = f"#/$defs/{prefix}root"
+    elif isinstance(ref, str):
+        for local in _LOCAL_DEFINITIONS:
+            if ref.startswith(local):
+                rewritten["$ref"] = f"#/$defs/{prefix}{ref[len(local):]}"
+    return rewritten
 
 
 def _arguments(value: Any) -> str:
