@@ -158,7 +158,8 @@ def test_every_implemented_chat_field_is_checked_somewhere():
     assert not missing, f"chat fields without a check: {sorted(missing)}"
 
 
-async def test_request_id_headers_forced_usage_token_strs_and_context_wording(tiny_model_dir, minilm_dir):
+async def test_request_id_headers_forced_usage_token_strs_stream_options_and_context_wording(
+        tiny_model_dir, minilm_dir):
     settings = ServerSettings(enable_request_id_headers=True, enable_force_include_usage=True)
     async with running_server(engine_config(tiny_model_dir, max_model_len=64), settings) as server:
         mine = await request(server.url, "POST", "/v1/completions", BASE["completions"],
@@ -171,6 +172,12 @@ async def test_request_id_headers_forced_usage_token_strs_and_context_wording(ti
         tokens = await request(server.url, "POST", "/tokenize", {"prompt": "hello there", "return_token_strs": True})
         body = tokens.json()
         assert len(body["token_strs"]) == body["count"] and body["max_model_len"] == 64
+        plain = await request(server.url, "POST", "/tokenize", {"prompt": "hello there"})
+        assert "token_strs" in plain.json() and plain.json()["token_strs"] is None  # vLLM's null, not absent
+        options = await request(server.url, "POST", "/v1/completions",
+                                {**BASE["completions"], "stream_options": {"include_usage": True}})
+        assert (options.status, options.json()["error"]["message"]) == \
+            (400, "Stream options can only be defined when `stream=True`.")
         too_long = await request(server.url, "POST", "/v1/completions", {"prompt": "word " * 100, "max_tokens": 1})
         assert too_long.status == 400
         assert "This model's maximum context length is 64 tokens. However, your request has" in \

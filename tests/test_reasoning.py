@@ -38,15 +38,16 @@ async def test_reasoning_content_split_whole_and_streamed(client):
     out = await client.chat.completions.create(model=client.served, messages=FORCED_MESSAGES, max_tokens=60,
                                                extra_body=FORCED)
     message = out.choices[0].message
-    assert message.reasoning_content == "ab cd" and message.content == "xy z"
+    assert message.reasoning_content == message.reasoning == "ab cd" and message.content == "xy z"
     stream = await client.chat.completions.create(model=client.served, messages=FORCED_MESSAGES, max_tokens=60,
                                                   stream=True, extra_body=FORCED)
-    reasoning = content = ""
+    reasoning = reasoning_032 = content = ""  # vLLM 0.32's `reasoning`, and `reasoning_content`
     async for chunk in stream:
         for choice in chunk.choices:
             reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            reasoning_032 += getattr(choice.delta, "reasoning", None) or ""
             content += choice.delta.content or ""
-    assert (reasoning, content) == ("ab cd", "xy z")
+    assert (reasoning, reasoning_032, content) == ("ab cd", "ab cd", "xy z")
 
 
 async def test_chat_template_kwargs_reach_the_template(client):

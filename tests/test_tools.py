@@ -137,7 +137,10 @@ async def test_the_template_sees_the_tools_and_history_with_tool_messages_is_acc
     with_tools = await client.chat.completions.create(model=client.served, messages=ask(), tools=TOOLS,
                                                       tool_choice="none", max_tokens=2)
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 2
-    assert with_tools.choices[0].message.tool_calls in (None, [])
+    assert with_tools.choices[0].message.tool_calls is None  # vLLM's null (not []) when no call was made
+    raw = await client.chat.completions.with_raw_response.create(model=client.served, messages=ask(), tools=TOOLS,
+                                                                tool_choice="none", max_tokens=2)
+    assert '"tool_calls":null' in raw.text, raw.text
     history = [*ask(), {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": '{"zone": "UTC"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]

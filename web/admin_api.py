@@ -70,7 +70,8 @@ def register(app: QuartTrio, state: ServerState) -> None:
             tokens = rendered["prompt_token_ids"]
         else:
             tokens = await engine.tokenize(req.prompt, req.add_special_tokens) if req.prompt else []
-        body: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens}
+        body: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens,
+                                "token_strs": None}  # vLLM's answer always carries the key
         if req.return_token_strs:
             body["token_strs"] = [engine.tokenizer.id_to_token(t) for t in tokens]
         return _json(body)

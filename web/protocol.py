@@ -143,6 +143,8 @@ class _Sampling(_Body):
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The request's sampling parameters; fields it leaves unset take `defaults` (the model's
         generation config), then SamplingParams' own."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
         values: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "stop": self.stop or (), "stop_token_ids": self.stop_token_ids or (),
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "max_tokens": max_tokens,

@@ -173,14 +173,15 @@ def _message(text: str, finish_reason: str | None, tools: ToolPlan | None,
              reasoning_parser: str | None = None) -> tuple[dict[str, Any], str | None]:
     """The assistant message for `text` (its reasoning split off with a reasoning parser, its tool
     calls found under `tools`), and the finish reason."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if reasoning_parser is not None:
-        message["reasoning_content"], text = split_reasoning(reasoning_parser, text)
+    message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": None}  # vLLM's null, not []
+    if reasoning_parser is not None:  # vLLM 0.32's `reasoning`, and `reasoning_content` as before it
+        message["reasoning"], text = split_reasoning(reasoning_parser, text)
+        message["reasoning_content"] = message["reasoning"]
         message["content"] = text
     if tools is None:
         return message, finish_reason
     content, calls = extract_calls(tools, text)
-    message.update(content=content, tool_calls=calls)
+    message.update(content=content, tool_calls=calls or None)
     if calls and finish_reason == "stop" and tools.mode != "named":
         finish_reason = "tool_calls"  # OpenAI's: a named function's call ends with "stop"
     return message, finish_reason
@@ -285,7 +286,7 @@ class ChatStream:
         reasoning, content = splitter.feed(text, final)
         delta: dict[str, Any] = {}
         if reasoning:
-            delta["reasoning_content"] = reasoning
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
         return delta
@@ -309,8 +310,8 @@ class ChatStream:
         assert self.tool_plan is not None
         message, finish_reason = _message(self.held.pop(index), finish_reason, self.tool_plan, self.reasoning_parser)
         delta: dict[str, Any] = {}
-        if message.get("reasoning_content"):
-            delta["reasoning_content"] = message["reasoning_content"]
+        if message.get("reasoning"):
+            delta["reasoning"] = delta["reasoning_content"] = message["reasoning"]
         if message.get("content"):
             delta["content"] = message["content"]
         if message["tool_calls"]:
