@@ -148,6 +148,12 @@ async def test_score_is_the_cosine_of_the_embeddings_and_symmetric(server, refer
     forward = await request(server.url, "POST", "/score", {"text_1": SENTENCES[2], "text_2": SENTENCES[3]})
     backward = await request(server.url, "POST", "/score", {"text_1": SENTENCES[3], "text_2": SENTENCES[2]})
     assert forward.json()["data"][0]["score"] == pytest.approx(backward.json()["data"][0]["score"], abs=1e-6)
+    expected = forward.json()["data"][0]["score"]
+    for first, second in (("queries", "items"), ("data_1", "data_2")):  # vLLM 0.32's names, and older ones
+        named = await request(server.url, "POST", "/score", {first: SENTENCES[2], second: SENTENCES[3]})
+        assert named.json()["data"][0]["score"] == pytest.approx(expected, abs=1e-6)
+    both = await request(server.url, "POST", "/score", {"queries": "a", "text_1": "b", "items": "c"})
+    assert both.status == 400 and "give one of queries, text_1, data_1" in both.json()["error"]["message"]
 
 
 async def test_rerank_orders_by_relevance(server, reference):

@@ -433,19 +433,25 @@ class PoolingRequest(EmbeddingRequest):
 
 class ScoreRequest(_Body):
     model: str | None = None
+    # vLLM 0.32's names for the two sides (queries / items), and its older ones (text_1 / text_2,
+    # data_1 / data_2); documents is what /rerank calls the second side.
     queries: str | list[str] | None = None
     documents: str | list[str] | None = None
+    items: str | list[str] | None = None
     text_1: str | list[str] | None = None
     text_2: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
     score_type: Literal["embedding", "cross-encoder", "late-interaction"] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     def pairs(self) -> tuple[list[str], list[str]]:
         """(queries, documents) of equal length: one query against many documents, or pairwise."""
-        first = self.queries if self.queries is not None else self.text_1
-        second = self.documents if self.documents is not None else self.text_2
+        first = self._side(("queries", "text_1", "data_1"))
+        second = self._side(("documents", "items", "text_2", "data_2"))
         if first is None or second is None:
-            raise bad_request("score needs queries and documents (or text_1 and text_2)", "queries")
+            raise bad_request("score needs queries and items (or documents, text_1 and text_2, data_1 and data_2)",
+                              "queries")
         firsts = [first] if isinstance(first, str) else list(first)
         seconds = [second] if isinstance(second, str) else list(second)
         if not firsts or not seconds:
@@ -459,6 +465,14 @@ class ScoreRequest(_Body):
             if any(not t for t in texts):
                 raise bad_request(f"{name} must not contain empty strings", name)
         return firsts, seconds
+
+    def _side(self, names: tuple[str, ...]) -> str | list[str] | None:
+        """One side of the pairs, under whichever of its names the request used (one at most)."""
+        given = [name for name in names if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise bad_request(f"give one of {', '.join(names)}, not {' and '.join(given)}", given[1])
+        value: str | list[str] | None = getattr(self, given[0]) if given else None
+        return value
 
 
 class RerankRequest(_Body):
