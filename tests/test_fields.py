@@ -232,3 +232,25 @@ async def test_unix_socket_tokenizer_info_and_truncation_to_the_limit(tiny_model
         assert cut.status == 200 and cut.json()["usage"]["prompt_tokens"] == 512
         zero = await request(embedder.url, "POST", "/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0})
         assert zero.status == 400
+
+
+async def test_server_load_counts_requests_while_they_are_served(tiny_model_dir):
+    """--enable-server-load-tracking: GET /load counts a streamed completion until its last byte
+    (one kept-alive connection: the next request is read after the stream's call has returned)."""
+    import httpx
+
+    settings = ServerSettings(enable_server_load_tracking=True)
+    async with running_server(engine_config(tiny_model_dir), settings) as server, \
+            httpx.AsyncClient(base_url=server.url, limits=httpx.Limits(max_connections=1)) as one, \
+            httpx.AsyncClient(base_url=server.url) as other:
+        assert (await one.get("/load")).json() == {"server_load": 0}
+        body = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True, "stream": True}
+        async with one.stream("POST", "/v1/completions", json=body) as stream:
+            chunks = stream.aiter_lines()
+            await anext(chunks)
+            assert (await other.get("/load")).json() == {"server_load": 1}
+            async for _ in chunks:
+                pass
+        assert (await one.get("/load")).json() == {"server_load": 0}
+    async with running_server(engine_config(tiny_model_dir)) as untracked, httpx.AsyncClient() as http:
+        assert (await http.get(untracked.url + "/load")).json() == {"server_load": 0}  # vLLM's answer when off

@@ -33,9 +33,10 @@ from engine.api import (
     open_engine_process,
 )
 from engine.ids import random_id
-from web import admin_api, cors, lora_api, openai_api, orca, pooling_api, render_api
+from web import admin_api, cors, load_tracking, lora_api, openai_api, orca, pooling_api, render_api
 from web.errors import APIError
 from web.keepalive import KeepAliveGuard
+from web.load_tracking import ServerLoad
 from web.settings import ServerSettings
 from web.startup import describe_engine, engine_death, explain
 from web.state import ServerState
@@ -62,6 +63,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     app.extensions["trio_llm"] = state
     # Responses sent before their request body is in must leave the connection usable or closed.
     app.asgi_app = KeepAliveGuard(app.asgi_app)  # type: ignore[method-assign,assignment]
+    load = ServerLoad(app.asgi_app, state.settings.enable_server_load_tracking)
+    app.asgi_app = load  # type: ignore[method-assign,assignment]
 
     @app.before_serving
     async def start_engine() -> None:
@@ -113,6 +116,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     render_api.register(app, state)
     admin_api.register(app, state)
     lora_api.register(app, state)
+    load_tracking.register(app, load)
     return app
 
 

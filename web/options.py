@@ -213,6 +213,8 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help="serve GET /tokenizer_info: the tokenizer's configuration and special tokens")
     srv.add_argument("--enable-request-id-headers", action="store_true",
                      help="an X-Request-Id header on every response (the client's, or a new one)")
+    srv.add_argument("--enable-server-load-tracking", action="store_true",
+                     help="GET /load answers how many generation and pooling requests are being served")
     srv.add_argument("--enable-force-include-usage", action="store_true",
                      help="usage in every response, streamed ones too (as if stream_options.include_usage)")
     srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
@@ -233,6 +235,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           enable_request_id_headers=args.enable_request_id_headers, uds=args.uds,
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_force_include_usage=args.enable_force_include_usage,
+                          enable_server_load_tracking=args.enable_server_load_tracking,
                           cors=CorsSettings(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                             tuple(args.allowed_headers), args.allow_credentials))
 

@@ -33,6 +33,7 @@ class ServerSettings:
     enable_request_id_headers: bool = False  # X-Request-Id on every response
     uds: str | None = None  # serve on this Unix domain socket instead of host:port
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (the tokenizer's configuration)
+    enable_server_load_tracking: bool = False  # GET /load counts the requests the model serves now
     enable_force_include_usage: bool = False  # usage in every response, streamed ones too
     reasoning_parser: str | None = None  # split <think>...</think> into reasoning_content (web.reasoning.PARSERS)
 
