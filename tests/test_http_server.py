@@ -52,6 +52,14 @@ async def test_several_prompts_and_n_get_ordered_choices(server, client):
                                              extra_body={"ignore_eos": True})
     assert [c.index for c in result.choices] == [0, 1, 2, 3]
     assert result.usage.completion_tokens == 12
+    streamed = await client.completions.create(model=server.state.model_name, prompt=["one", "two"], n=2,
+                                               max_tokens=3, temperature=1.0, seed=3, stream=True,
+                                               extra_body={"ignore_eos": True})
+    chunks = [c async for c in streamed]
+    assert all(len(c.choices) == 1 for c in chunks)  # one choice per chunk, as vLLM streams n > 1
+    assert sorted({c.choices[0].index for c in chunks}) == [0, 1, 2, 3]
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)]
+    assert texts == [c.text for c in result.choices]  # the same seed: the same samples
 
 
 async def test_chat_with_the_openai_client(server, client):

@@ -49,18 +49,25 @@ class StreamStopper:
 SHUTTING_DOWN = APIError(503, "the server is shutting down; retry the request", code="server_shutting_down")
 
 
+def _per_choice(chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    choices = chunk.get("choices") or []
+    return [chunk] if len(choices) <= 1 else [{**chunk, "choices": [choice]} for choice in choices]
+
+
 async def stream_events(first: Any, rest: AsyncGenerator[Any], to_chunk: Callable[[Any], dict[str, Any]],
                         closing: Callable[[], Iterable[dict[str, Any]]],
                         stopper: StreamStopper | None = None) -> AsyncGenerator[bytes]:
-    """One event per engine output (each carries every token since the previous one),
-    then the closing chunks and [DONE]. An error mid-stream becomes one error event, and so
+    """One event per engine output and choice (each carries every token since the previous one;
+    with n > 1 or several prompts, one choice per chunk, as vLLM streams them), then the closing
+    chunks and [DONE]. An error mid-stream becomes one error event, and so
     does the server's shutdown (`stopper`). If the client goes away, the cancellation closes
     `rest`, which aborts the requests."""
     stopper = stopper or StreamStopper()
     try:
         item = first
         while item is not None:
-            yield event(to_chunk(item))
+            for chunk in _per_choice(to_chunk(item)):
+                yield event(chunk)
             with stopper.guard() as wait:
                 item = await anext(rest, None)
             if wait.cancelled_caught:
