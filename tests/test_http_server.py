@@ -218,6 +218,19 @@ async def test_echo_logprobs_and_stop_strings(server):
     assert stopped["stop_reason"] == stop
 
 
+async def test_echo_of_token_ids_is_their_text_with_special_tokens(server):
+    """A token-id prompt echoes as its text, special tokens kept (as vLLM's), streamed or not."""
+    tokenizer = server.engine.tokenizer
+    ids = tokenizer.encode("<|im_start|>user\nEcho this", False)
+    assert tokenizer.decode(ids) != tokenizer.decode(ids, skip_special_tokens=False)  # it has a special token
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "ignore_eos": True}
+    whole = (await request(server.url, "POST", "/v1/completions", body)).json()["choices"][0]["text"]
+    streamed = await request(server.url, "POST", "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(streamed.body) if e != "[DONE]"]
+    assert whole.startswith("<|im_start|>user\nEcho this") and len(whole) > len("<|im_start|>user\nEcho this")
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+
+
 async def test_large_bodies_and_responses_take_the_offloaded_paths(server):
     from web.openai_api import OFFLOAD_BODY_BYTES, OFFLOAD_RESPONSE_TOKENS
     prompts = [f"prompt number {i}: " + "lorem ipsum dolor " * 20 for i in range(200)]

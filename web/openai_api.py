@@ -161,6 +161,25 @@ def generation_engine(state: ServerState) -> AsyncEngine:
     return engine
 
 
+def _prompt_texts(engine: AsyncEngine) -> Callable[[int, RequestOutput], RequestOutput]:
+    """For echo: each output of a token-id prompt with the prompt's text, special tokens kept (as
+    vLLM echoes it), decoded once per prompt."""
+    texts: dict[int, str] = {}
+
+    def with_text(index: int, output: RequestOutput) -> RequestOutput:
+        if output.prompt is not None:
+            return output
+        if index not in texts:
+            texts[index] = engine.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
+        return replace(output, prompt=texts[index])
+
+    return with_text
+
+
+def _as_it_is(index: int, output: RequestOutput) -> RequestOutput:
+    return output
+
+
 async def create_completion(state: ServerState) -> Response:
     """Handles `POST /v1/completions`. The client going away cancels the handler, which aborts its
     engine requests.
@@ -177,14 +196,16 @@ async def create_completion(state: ServerState) -> Response:
     outputs = engine.generate_batch([req.salted(p) for p in prompts], params, request_id=response_id,
                                     priority=req.priority, lora_request=state.lora_request(req.model))
     first = await first_item(outputs)
+    with_text = _prompt_texts(engine) if req.echo else _as_it_is
     if req.stream:
         stream = CompletionStream(response_id, created, model_name, req.n, req.echo, req.logprobs is not None,
                                   token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
-        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[0], item[1], req.continuous_usage),
+        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[0], with_text(*item),
+                                                                           req.continuous_usage),
                                  lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
                                  state.streams)
         return Response(body, content_type="text/event-stream", headers=sse.HEADERS)
-    finals = await final_outputs(first, outputs, len(prompts))
+    finals = [with_text(i, output) for i, output in enumerate(await final_outputs(first, outputs, len(prompts)))]
     tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return await json_response(state, lambda: completion_response(
         response_id, created, model_name, req.n, req.echo, req.logprobs is not None, finals,
