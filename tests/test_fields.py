@@ -185,6 +185,11 @@ async def test_request_id_headers_forced_usage_token_strs_stream_options_and_con
     async with running_server(engine_config(minilm_dir, num_kv_blocks=None)) as embedder:
         too_long = await request(embedder.url, "POST", "/v1/embeddings", {"input": "word " * 600})
         assert too_long.status == 400 and "maximum context length is" in too_long.json()["error"]["message"]
+        limit = embedder.engine.info.max_model_len
+        cut = await request(embedder.url, "POST", "/v1/embeddings", {"input": "word", "truncate_prompt_tokens": 9999})
+        assert (cut.status, cut.json()["error"]["message"]) == (400, (
+            f"truncate_prompt_tokens=9999 cannot be greater than max_model_len - max_tokens = {limit}. "
+            "Please request a smaller truncation size."))
 
 
 async def test_token_ids_in_answers(server):

@@ -90,9 +90,9 @@ def checked_truncation(engine: AsyncEngine, truncate: int | None) -> int | None:
     if truncate is not None and truncate < 1:
         raise bad_request("truncate_prompt_tokens must be -1 (the model's limit) or at least 1",
                           "truncate_prompt_tokens")
-    if truncate is not None and truncate > max_len:
-        raise bad_request(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_len}). "
-                          "Please, select a smaller truncation size.", "truncate_prompt_tokens")
+    if truncate is not None and truncate > max_len:  # a pooling request generates nothing: max_tokens is 0
+        raise bad_request(f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len - max_tokens = "
+                          f"{max_len}. Please request a smaller truncation size.", "truncate_prompt_tokens")
     return truncate
 
 
