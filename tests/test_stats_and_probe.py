@@ -55,7 +55,8 @@ async def test_observer_sees_ttft_itl_and_finishes(tiny_model_dir, autojump_cloc
     assert (first.finish_reason, first.prompt_tokens, first.generation_tokens) == ("length", 4, 5)
     assert first.ttft == pytest.approx(0.1) and first.e2e == pytest.approx(0.5) and first.queue_time == 0.0
     assert (first.n, first.max_tokens) == (1, 5)
-    assert recorder.steps[:6] == [4, 1, 1, 1, 1, 2]  # the first's prefill and decodes, the second's prefill
+    # vLLM's count: the first's prompt with its first token, its other four, the second's prompt and first
+    assert recorder.steps[:6] == [5, 1, 1, 1, 1, 3]
     assert second.finish_reason == "abort" and second.request_id != first.request_id
     assert recorder.itl[:4] == [(pytest.approx(0.1), 1)] * 4
     (reason1, e2e1, prompt1, gen1), (reason2, _, prompt2, gen2) = recorder.finished

@@ -333,7 +333,7 @@ class EngineCore:
             self._fail_requests(result.failed)
         updates = self.scheduler.update_from_output(sched_out, result)
         self.num_steps += 1
-        self.observer.on_step(sched_out.total_num_tokens)
+        self.observer.on_step(iteration_tokens(updates))
         self._publish(updates, anyio.current_time())
         return True
 
@@ -442,6 +442,18 @@ class EngineCore:
     def num_pending_messages(self) -> int:
         """Messages submitted but not yet applied (they wait for the step in flight)."""
         return self._inbox.statistics().current_buffer_used
+
+
+def iteration_tokens(updates: list[RequestUpdate]) -> int:
+    """vLLM's count of a step (`vllm:iteration_tokens_total`): the tokens it sampled, and the whole
+    prompt of each request it began answering (its first token, or its pooled output), so that the
+    counts add up to the tokens served, however the prompts were chunked or cached."""
+    total = 0
+    for update in updates:
+        request, sampled = update.request, len(update.new_token_ids)
+        first = (sampled and request.num_output_tokens == sampled) or update.pooled is not None
+        total += sampled + (request.num_prompt_tokens if first else 0)
+    return total
 
 
 def dead_error(failure: BaseException | None) -> EngineDeadError:

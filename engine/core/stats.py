@@ -110,7 +110,8 @@ class StatsObserver(Protocol):
         and how many expert slots changed."""
 
     def on_step(self, num_tokens: int) -> None:
-        """An engine step ran: the prompt and generated tokens it computed, over all requests."""
+        """An engine step ran: the tokens it sampled and the prompts of the requests it began
+        answering, over all requests (`engine_core.iteration_tokens`, vLLM's count)."""
 
 
 class NullObserver:
