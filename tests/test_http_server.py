@@ -254,7 +254,23 @@ VLLM_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:
                 "vllm:prefix_cache_hits", "vllm:request_success", "vllm:request_prompt_tokens",
                 "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds",
                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
-                "vllm:iteration_tokens_total", "vllm:request_params_n", "vllm:request_params_max_tokens"]
+                "vllm:iteration_tokens_total", "vllm:request_params_n", "vllm:request_params_max_tokens",
+                "vllm:num_requests_waiting_by_reason"]
+
+
+def test_waiting_requests_are_split_by_reason_as_vllm_does():
+    """Held back by a gate (an encoder output on its way, the adapter limit): "deferred"; the rest
+    wait for room: "capacity"."""
+    from engine.core.stats import EngineStats
+    from web.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.bind(lambda: EngineStats(1, 5, 0.0, 0, 0, 0, None, None, (True,), num_waiting_deferred=2))
+    text = metrics.render().decode()
+    for line in ('vllm:num_requests_waiting{model_name="m"} 5.0',
+                 'vllm:num_requests_waiting_by_reason{model_name="m",reason="capacity"} 3.0',
+                 'vllm:num_requests_waiting_by_reason{model_name="m",reason="deferred"} 2.0'):
+        assert line in text, line
 
 
 async def test_metrics_carry_vllms_names_with_a_model_name_label(server):
@@ -286,6 +302,8 @@ async def test_metrics_carry_vllms_names_with_a_model_name_label(server):
     served = value("vllm:request_prompt_tokens", "_sum") + value("vllm:generation_tokens", "_total")
     assert value("vllm:iteration_tokens_total", "_sum") == served
     assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
+    assert value("vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+    assert value("vllm:num_requests_waiting_by_reason", reason="deferred") == 0
     assert "trio_llm_requests_running" in families  # the old names stay beside them
 
 

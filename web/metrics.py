@@ -191,6 +191,15 @@ class _EngineStatsCollector:
         self.model = model_name
         self.stats: Callable[[], EngineStats] | None = None
 
+    def _waiting_by_reason(self, stats: EngineStats) -> GaugeMetricFamily:
+        """vLLM's `vllm:num_requests_waiting_by_reason`: held back by an admission gate
+        ("deferred"), or waiting for room in the batch and the KV cache ("capacity")."""
+        gauge = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason.",
+                                  labels=["model_name", "reason"])
+        gauge.add_metric([self.model, "capacity"], stats.num_waiting - stats.num_waiting_deferred)
+        gauge.add_metric([self.model, "deferred"], stats.num_waiting_deferred)
+        return gauge
+
     @staticmethod
     def _lora_info(stats: EngineStats) -> GaugeMetricFamily:
         """vLLM's `vllm:lora_requests_info`: the adapters running and waiting as labels, the time
@@ -215,6 +224,7 @@ class _EngineStatsCollector:
             gauge = GaugeMetricFamily(name, text, labels=labels)
             gauge.add_metric([self.model], value)
             yield gauge
+        yield self._waiting_by_reason(stats)
         counters = [("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                      stats.num_preemptions),
                     ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",

@@ -427,7 +427,7 @@ class EngineCore:
             ec_deferrals=getattr(scheduler.external, "deferrals", 0),
             running_lora_adapters=scheduler.lora_adapters(scheduler.running),
             waiting_lora_adapters=scheduler.lora_adapters([*scheduler.waiting, *scheduler.skipped_waiting]),
-            max_lora=scheduler.config.max_loras)
+            max_lora=scheduler.config.max_loras, num_waiting_deferred=scheduler.num_deferred)
 
     @property
     def num_requests(self) -> int:

@@ -51,6 +51,9 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # Of the waiting requests, those a gate held back at the last step (`Scheduler.num_deferred`):
+    # vLLM's "deferred" reason; the rest wait for "capacity" (KV blocks, batch slots, token budget).
+    num_waiting_deferred: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -95,6 +95,7 @@ class Scheduler:
         self.waiting = make_queue(config.policy)
         self.skipped_waiting = make_queue(config.policy)
         self.step_skipped_waiting: list[Request] = []
+        self._deferred_last_step = 0  # waiting requests a gate skipped at the last schedule()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_for_worker: list[str] = []
@@ -144,6 +145,13 @@ class Scheduler:
         return len(self.waiting) + len(self.skipped_waiting)
 
     @property
+    def num_deferred(self) -> int:
+        """Waiting requests held back by a gate rather than by room (vLLM's "deferred" reason):
+        those parked until their gate opens, and those skipped at the last `schedule()` (an
+        encoder output on its way, an image that cannot be encoded yet, the adapter limit)."""
+        return min(self.num_waiting, len(self.skipped_waiting) + self._deferred_last_step)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -163,6 +171,7 @@ class Scheduler:
             self._schedule_waiting(scheduled, budget)
         for request in reversed(self.step_skipped_waiting):
             self.waiting.prepend(request)
+        self._deferred_last_step = len(self.step_skipped_waiting)
         self.step_skipped_waiting.clear()
         out.scheduled = list(scheduled.values())
         out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, {}
