@@ -3,6 +3,7 @@ flight to end, then raises (`EngineCore.step` relies on it: the worker's state s
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -49,6 +50,17 @@ async def test_a_cancelled_step_ends_before_the_cancellation_is_raised(tiny_mode
         scheduler = build_scheduler(config, replace(info, num_kv_blocks=64, max_model_len=256))
         scheduler.add_request(Request("long", list(range(1, 200)), SamplingParams(max_tokens=2), max_tokens=2))
         sched_out = scheduler.schedule()
+        cancel_sent = threading.Event()
+        if kind == "inproc":
+            # The worker thread holds its step until the cancellation is sent: a step that ends first
+            # (the thread can starve the event loop of the GIL on a busy machine) tests nothing.
+            run_step = executor.worker.execute_model
+
+            def held_step(out):
+                cancel_sent.wait(timeout=30)
+                return run_step(out)
+
+            executor.worker.execute_model = held_step
         async with trio.open_nursery() as nursery:
             cancelled = trio.Event()
 
@@ -63,6 +75,7 @@ async def test_a_cancelled_step_ends_before_the_cancellation_is_raised(tiny_mode
                 await trio.testing.wait_all_tasks_blocked()  # the step is in its thread or with the workers
                 assert not worker_idle(executor)
                 scope.cancel()
+                cancel_sent.set()
 
             nursery.start_soon(step)
         assert cancelled.is_set()

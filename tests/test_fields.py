@@ -168,7 +168,9 @@ async def test_request_id_headers_forced_usage_token_strs_stream_options_and_con
         theirs = await request(server.url, "GET", "/health")
         assert theirs.headers.get("x-request-id")
         streamed = await request(server.url, "POST", "/v1/completions", {**BASE["completions"], "stream": True})
-        assert b'"usage"' in streamed.body  # no stream_options asked: the server forces it
+        events = [json.loads(e) for e in sse_events(streamed.body) if e != "[DONE]"]
+        assert all("usage" in e for e in events)  # no stream_options asked: the server forces it, every chunk
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
         tokens = await request(server.url, "POST", "/tokenize", {"prompt": "hello there", "return_token_strs": True})
         body = tokens.json()
         assert len(body["token_strs"]) == body["count"] and body["max_model_len"] == 64

@@ -45,7 +45,7 @@ COMPLETION = {"prompt": "Hello", "max_tokens": 4}
     ("/v1/completions", {**COMPLETION, "cache_salt": ""}, "cache_salt", "at least 1 character"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "seed": 2**64}, "seed", "64 bits"),
     ("/v1/embeddings", {"input": "Hello", "truncate_prompt_tokens": 2**70}, "truncate_prompt_tokens",
-     "greater than max_model_len (128)"),
+     "cannot be greater than max_model_len - max_tokens = 128"),
     ("/v1/embeddings", {"input": [[2**64]]}, "prompt", "out of vocabulary"),
     ("/v1/embeddings", {"input": "Hello", "dimensions": 2**64}, "dimensions", "dimensions"),
 ])

@@ -185,7 +185,7 @@ async def create_completion(state: ServerState) -> Response:
     engine requests.
     """
     req: CompletionRequest = await read_request(state, CompletionRequest)
-    force_usage = state.settings.enable_force_include_usage
+    force_usage = state.settings.enable_force_include_usage  # vLLM's: usage on every chunk, and a last one
     engine = generation_engine(state)
     prompts = req.prompts()
     if not prompts:
@@ -201,7 +201,7 @@ async def create_completion(state: ServerState) -> Response:
         stream = CompletionStream(response_id, created, model_name, req.n, req.echo, req.logprobs is not None,
                                   token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[0], with_text(*item),
-                                                                           req.continuous_usage),
+                                                                           req.continuous_usage or force_usage),
                                  lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
                                  state.streams)
         return Response(body, content_type="text/event-stream", headers=sse.HEADERS)
@@ -270,7 +270,7 @@ async def create_chat_completion(state: ServerState) -> Response:
     its engine requests.
     """
     req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
-    force_usage = state.settings.enable_force_include_usage
+    force_usage = state.settings.enable_force_include_usage  # vLLM's: usage on every chunk, and a last one
     engine = generation_engine(state)
     tools = chat_tools(state, req)
     prompt_input = await chat_prompt_for(state, engine, req, req.messages, tools.tools if tools else None)
@@ -286,7 +286,8 @@ async def create_chat_completion(state: ServerState) -> Response:
         stream = ChatStream(response_id, created, model_name, top, tool_plan=tool_plan,
                             reasoning_parser=state.settings.reasoning_parser, echo=req.echoed_text(),
                             token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
-        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1], req.continuous_usage),
+        continuous = req.continuous_usage or force_usage
+        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1], continuous),
                                  lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
                                  state.streams)
         return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
