@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
@@ -24,6 +23,7 @@ import anyio
 import torch
 
 from engine.api.merge import merge_pending
+from engine.concurrency.use_counts import UseCounts
 from engine.config import EngineConfig
 from engine.core.engine_core import AddRequest, CoreHandle, OutputItem
 from engine.core.stats import EngineStats, LoopLagReadings
@@ -66,8 +66,7 @@ class AsyncEngine:
         self.core = core
         self.loras = configured_adapters(config.lora_modules)
         self._lora_lock = anyio.Lock()  # one adapter load or unload at a time
-        self._adapter_streams: Counter[str] = Counter()  # open generate calls per adapter
-        self._adapter_stream_ended = anyio.Event()
+        self._adapter_streams = UseCounts()  # open generate calls per adapter
         self.processor = InputProcessor(config, info, tokenizer, self.loras)
         self._loop_lag = loop_lag or LoopLagReadings()
         self.render_limiter = anyio.CapacityLimiter(config.renderer_threads)
@@ -151,7 +150,7 @@ class AsyncEngine:
                         ) -> AsyncGenerator[tuple[int, RequestOutput]]:
         self.processor.check_can_generate()
         self.processor.check_priority(priority)
-        with self._counted_stream(lora_request):
+        with self._adapter_streams.using(lora_request.lora_name) if lora_request else contextlib.nullcontext():
             await self._load_new_adapter(lora_request)
             self.processor.lora_name(lora_request)  # an unknown adapter fails before rendering
             params = await self._with_grammar(sampling_params or SamplingParams())
@@ -196,8 +195,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"The lora adapter '{lora_name}' cannot be found.", param="lora_name")
         self.loras.start_unloading(lora_name)
         try:
-            while self._adapter_streams[lora_name] > 0:
-                await self._adapter_stream_ended.wait()
+            await self._adapter_streams.wait_unused(lora_name)
             await self.core.remove_lora(lora_name)
         finally:
             self.loras.unloaded(lora_name)
@@ -209,21 +207,6 @@ class AsyncEngine:
             return
         with contextlib.suppress(InvalidRequestError):  # already loaded meanwhile; unloading: refused below
             await self.add_lora(lora_request)
-
-    @contextlib.contextmanager
-    def _counted_stream(self, lora_request: LoRARequest | None) -> Iterator[None]:
-        """While a generate call for an adapter is open (`remove_lora` waits for none to be left)."""
-        if lora_request is None:
-            yield
-            return
-        name = lora_request.lora_name
-        self._adapter_streams[name] += 1
-        try:
-            yield
-        finally:
-            self._adapter_streams[name] -= 1
-            self._adapter_stream_ended.set()
-            self._adapter_stream_ended = anyio.Event()
 
     async def _with_grammar(self, params: SamplingParams) -> SamplingParams:
         """`params` with its structured outputs compiled (in a worker thread, cached by grammar);

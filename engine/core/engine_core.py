@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +24,7 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskStatus
 
+from engine.concurrency.use_counts import UseCounts
 from engine.core.eplb_driver import EplbDriver
 from engine.core.output_processor import RequestTracker
 from engine.core.reporting import RequestTimings
@@ -147,8 +147,7 @@ class EngineCore:
         self._idle = anyio.Event()  # set while the core has no work and waits for messages
         # Requests submitted with each LoRA adapter and not yet ended (queued messages included):
         # an adapter is removed from the workers only once none is left.
-        self._adapter_users: Counter[str] = Counter()
-        self._adapter_user_ended = anyio.Event()
+        self._adapter_users = UseCounts()
 
     # ---- called from other tasks: never block ------------------------------------------
     def submit(self, message: CoreMessage) -> None:
@@ -158,7 +157,7 @@ class EngineCore:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise EngineDeadError("the engine has stopped") from None
         if isinstance(message, AddRequest) and message.request.lora_name is not None:
-            self._adapter_users[message.request.lora_name] += 1
+            self._adapter_users.acquire(message.request.lora_name)
 
     def executor_failed(self, error: BaseException) -> None:
         """Stop the core with `error` (from the executor's watcher task), busy or idle."""
@@ -280,9 +279,7 @@ class EngineCore:
 
     def _adapter_user_gone(self, lora_name: str | None) -> None:
         if lora_name is not None:
-            self._adapter_users[lora_name] -= 1
-            self._adapter_user_ended.set()
-            self._adapter_user_ended = anyio.Event()
+            self._adapter_users.release(lora_name)
 
     # ---- LoRA adapters ---------------------------------------------------------------------
     async def add_lora(self, name: str, path: str) -> None:
@@ -296,7 +293,7 @@ class EngineCore:
             await self.executor.collective_rpc("add_lora", (name, path))
         except WorkerError as exc:  # a worker process's refusal, by its type
             if exc.error_type == LoRAError.__name__:
-                raise LoRAError(str(exc).split(": ", 2)[-1]) from None
+                raise LoRAError(exc.remote_message) from None
             raise
 
     async def remove_lora(self, name: str) -> None:
@@ -305,9 +302,7 @@ class EngineCore:
         new request for it meanwhile.
 
         Cancellation stops the wait; the adapter stays loaded."""
-        while self._adapter_users[name] > 0:
-            await self._adapter_user_ended.wait()
-        del self._adapter_users[name]
+        await self._adapter_users.wait_unused(name)
         if not self.dead:
             await self.executor.collective_rpc("remove_lora", (name,))
 

@@ -43,6 +43,7 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker rank {rank}: {failure.error_type}: {failure.message}")
         self.rank = rank
         self.error_type = failure.error_type
+        self.remote_message = failure.message
         self.remote_traceback = failure.traceback
         self.add_note(f"remote traceback (rank {rank}):\n{failure.traceback}")
 
