@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch._dynamo
 
-from engine.lora.layers import _delta as grouped_delta
+from engine.lora.layers import grouped_delta
 
 # (in, out, slices) of qkv, o, gate_up and down
 SHAPES = {"default": ((256, 512, 3), (256, 256, 1), (256, 1536, 2), (768, 256, 1)),

@@ -30,7 +30,7 @@ def register(app: QuartTrio, state: ServerState) -> None:
         name, path = req.lora_name, req.lora_path
         if not name or not path:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
-        if name in (state.model_name, state.engine_config.model):
+        if name in state.base_model_names:
             raise bad_request(f"The lora adapter name '{name}' conflicts with a served base model.", "lora_name")
         if not await anyio.Path(path).is_dir():
             raise APIError(404, f"No adapter found for {path}", param="lora_path")

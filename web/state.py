@@ -40,8 +40,13 @@ class ServerState:
         return self.settings.served_model_name or self.engine_config.served_model_name or self.engine_config.model
 
     @property
+    def base_model_names(self) -> set[str]:
+        """The names a request may give the base model by: the served name and the model path."""
+        return {self.model_name, self.engine_config.model}
+
+    @property
     def accepted_model_names(self) -> set[str]:
-        return {self.model_name, self.engine_config.model, *self.lora_names}
+        return {*self.base_model_names, *self.lora_names}
 
     @property
     def lora_names(self) -> list[str]:
@@ -51,7 +56,7 @@ class ServerState:
     def lora_request(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); a 404 if it names neither
         (an adapter unloaded since the request was read)."""
-        if requested is None or requested in (self.model_name, self.engine_config.model):
+        if requested is None or requested in self.base_model_names:
             return None
         lora = self.engine.loras.get(requested) if self.engine is not None else None
         if lora is None:

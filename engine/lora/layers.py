@@ -82,7 +82,7 @@ def graph_inputs(linears: list[LinearLoRA]) -> list[torch.Tensor]:
     return [gather, keep, *(lora.a_t for lora in linears), *(lora.b_t for lora in linears)]
 
 
-def _delta(x: torch.Tensor, gather: torch.Tensor, keep: torch.Tensor, a_t: torch.Tensor,
+def grouped_delta(x: torch.Tensor, gather: torch.Tensor, keep: torch.Tensor, a_t: torch.Tensor,
            b_t: torch.Tensor) -> torch.Tensor:
     """Every row's delta, [rows, out] (zeros where `keep` is 0): one gather, two batched matmuls."""
     low = torch.bmm(x[gather], a_t)  # [slots, m, slices * rank]
@@ -141,7 +141,7 @@ class LinearLoRA:
         if traced is not None:  # exported: the delta compiles with the graph, over its LoRA inputs
             gather, keep, stacks = traced
             a_t, b_t = stacks[self.index]
-            return y + _delta(x, gather, keep, a_t, b_t)
+            return y + grouped_delta(x, gather, keep, a_t, b_t)
         batch = _current.get()
         return y if batch is None else y + self.delta(x)
 
@@ -150,7 +150,7 @@ class LinearLoRA:
         batch = _current.get()
         if batch is None:
             return x.new_zeros(x.shape[0], self.out_features)
-        return _delta(x, batch.gather, batch.keep, self.a_t, self.b_t)
+        return grouped_delta(x, batch.gather, batch.keep, self.a_t, self.b_t)
 
 
 @torch.library.custom_op("trio_llm::lora_delta", mutates_args=())
