@@ -140,7 +140,8 @@ async def _load_while_serving(config: EngineConfig, adapter: Path, prompts: list
 def run(model_dir: str, adapter_counts: list[int], ranks: list[int], streams: int, input_len: int, output_len: int,
         repeats: int, scratch: Path) -> str:
     cfg = parse_decoder_config(read_config_json(model_dir))
-    lines = [f"model={model_dir} float32 streams={streams} input_len={input_len} output_len={output_len} "
+    lines = [f"model={model_dir} float32 torch_threads={torch.get_num_threads()} (both sides) streams={streams} "
+             f"input_len={input_len} output_len={output_len} "
              f"rounds={repeats} (the base model without LoRA and with adapters alternating; medians)",
              "rank | adapters | base tok/s | with adapters tok/s | ratio (median of rounds, spread) | "
              "read one adapter ms"]
