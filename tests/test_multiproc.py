@@ -11,6 +11,7 @@ import trio
 
 from bench.http import Reader, open_request, request
 from engine import EngineDeadError, ModelLoadError, SamplingParams, open_engine
+from engine.executor import create_executor
 from engine.executor.multiproc import MultiprocExecutor
 from engine.executor.rpc import WorkerError
 from tests.conftest import engine_config
@@ -45,8 +46,13 @@ async def test_tensor_parallel_2_generates_what_one_process_does(tiny_model_dir)
     assert len({tuple(o.token_ids) for o in single}) > 1  # the prompts do lead to different outputs
 
 
-async def test_collective_rpc_reaches_every_rank_and_reports_errors_on_their_own_call(tiny_model_dir):
-    async with MultiprocExecutor(engine_config(tiny_model_dir, tensor_parallel_size=2)) as executor:
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+async def test_collective_rpc_reaches_every_rank_and_reports_errors_on_their_own_call(tiny_model_dir, backend,
+                                                                                      request):
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    config = engine_config(tiny_model_dir, tensor_parallel_size=2, executor=backend)
+    async with create_executor(config) as executor:
         await executor.load_model()
         assert [s["rank"] for s in await executor.collective_rpc("model_summary")] == [0, 1]
         full = (await executor.collective_rpc("model_summary", unique_reply_rank=1))
@@ -57,7 +63,7 @@ async def test_collective_rpc_reaches_every_rank_and_reports_errors_on_their_own
         with pytest.raises(WorkerError, match="AttributeError") as info:
             await failing.result()
         assert "no_such_method" in info.value.remote_traceback
-        pids = [p.pid for p in executor.processes]
+        pids = list(executor.worker_pids())
     assert_gone(pids)
 
 

@@ -83,8 +83,11 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                         '{"shared_storage_path": "/path"}}')
     p.add_argument("--ec-defer-timeout", type=float, default=30.0,
                    help="seconds a request may wait for its encoder outputs from the EC connector; then it fails")
-    p.add_argument("--executor", default=None, choices=["inproc", "mp"],
-                   help="where the model runs (default: in-process, or worker processes with tensor parallelism)")
+    p.add_argument("--distributed-executor-backend", "--executor", dest="executor", default=None,
+                   choices=["mp", "ray", "uni", "inproc"],
+                   help="where the model runs: mp (worker processes of this machine), ray (Ray actors, on the "
+                        "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
+                        "uni, or mp with tensor parallelism")
     p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
                    help="how embeddings pool hidden states (default: the model's config; decoders: last)")
     p.add_argument("--enable-prompt-embeds", action="store_true",
@@ -126,7 +129,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "compilation_config": CompilationConfig.from_json(args.compilation_config or "{}"),
             "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
-            "executor": args.executor, "pooling_type": args.pooling_type, "chat_template": args.chat_template,
+            "executor": "inproc" if args.executor == "uni" else args.executor,
+            "pooling_type": args.pooling_type, "chat_template": args.chat_template,
             "generation_config": args.generation_config,
             "enable_expert_parallel": args.enable_expert_parallel, "enable_eplb": args.enable_eplb,
             "eplb_config": EplbConfig.from_json(args.eplb_config or "{}"),

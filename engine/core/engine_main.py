@@ -131,7 +131,7 @@ async def serve_engine(stream: trio.abc.Stream) -> None:
     try:
         async with open_core(init.config, observer=outbox.observer) as loaded:
             core = loaded.core
-            workers = tuple(process.pid for process in getattr(core.executor, "processes", ()))
+            workers = core.executor.worker_pids()
             await wire.send(stream, EngineReady(os.getpid(), loaded.info, loaded.sampling_defaults, core.stats(),
                                                 workers))
             ready = True

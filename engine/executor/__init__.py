@@ -13,9 +13,12 @@ __all__ = ["Executor", "create_executor"]
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    """The executor `config` asks for: in-process (a worker thread) or worker processes."""
+    """The executor `config` asks for: in-process (a worker thread), worker processes, or Ray actors."""
     if config.executor_kind == "inproc":
         from engine.executor.inproc import InProcExecutor
         return InProcExecutor(config)
+    if config.executor_kind == "ray":
+        from engine.executor.ray_executor import RayExecutor
+        return RayExecutor(config)
     from engine.executor.multiproc import MultiprocExecutor
     return MultiprocExecutor(config)

@@ -92,6 +92,11 @@ class Executor(ABC):
         as long as the executor is open."""
         return (True,)
 
+    def worker_pids(self) -> tuple[int, ...]:
+        """The worker processes' pids in rank order (on their own nodes, under Ray); none when the
+        worker is a thread of this process."""
+        return ()
+
     async def aclose(self) -> None:  # noqa: B027 -- optional: an executor with nothing to release keeps it
         """Release workers. Safe to call more than once.
 

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import itertools
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -52,25 +53,80 @@ SlotItem = Reply | Failure | BaseException
 
 
 # ---- one worker's connection ---------------------------------------------------------------------
-class WorkerConnection:
-    """The writer and reader of one worker's stream, and its FIFO of pending reply slots."""
+class Connection(ABC):
+    """One worker as `WorkerGroup` drives it: its FIFO of pending reply slots (oldest first) and
+    its failure, shared by every kind (a stream to a worker process here, a Ray actor in
+    engine/executor/ray_connection.py), and how calls reach it and replies come back."""
 
-    def __init__(self, rank: int, stream: trio.abc.Stream, reader: wire.FrameReader | None = None,
-                 poll: bool = True) -> None:
-        self.rank = rank
-        self.stream = stream
-        self.reader = reader or wire.FrameReader(stream)
+    rank: int
+
+    @abstractmethod
+    def post(self, message: Any, seq: int | None = None) -> trio.MemoryReceiveChannel[SlotItem] | None:
+        """Send `message` to the worker, in call order; with `seq`, also register and return its
+        reply slot. Raises the connection's failure once it has one."""
+
+    @abstractmethod
+    async def write_loop(self) -> None:
+        """Whatever sending needs a task for; runs until cancelled or the connection breaks."""
+
+    @abstractmethod
+    async def read_loop(self) -> None:
+        """Put replies into slots in call order (`_deliver_next`) until the connection ends: then
+        raise `EOFError` (or a stream error), which fails the group. Runs until cancelled."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release the connection (the group's shutdown); the worker learns it should exit."""
+
+    def __init__(self) -> None:
         # (seq, slot, method, sent at) per call awaiting this worker's reply, oldest first
         self.pending: collections.deque[tuple[int, trio.MemorySendChannel[SlotItem], str, float]] = \
             collections.deque()
+        self.failure: BaseException | None = None
+
+    def _register(self, seq: int, method: str) -> trio.MemoryReceiveChannel[SlotItem]:
+        # (Channels are created unsubscripted: `open_memory_channel[T](...)` costs a typing lookup per call.)
+        slot_send, slot = trio.open_memory_channel(1)
+        self.pending.append((seq, slot_send, method, now()))
+        return slot
+
+    def _deliver_next(self, message: Reply | Failure) -> tuple[str, float]:
+        """Put `message` in the oldest pending slot (checking that the sequence numbers agree);
+        the call's method and when it was sent. Raises `RuntimeError` when the order is broken."""
+        if not self.pending:
+            raise RuntimeError(f"worker rank {self.rank} replied to call {message.seq}, which is not pending")
+        seq, slot, method, sent_at = self.pending.popleft()
+        if message.seq != seq:
+            raise RuntimeError(f"worker rank {self.rank} replied to call {message.seq} while call {seq} "
+                               "was next: the reply order is broken")
+        _deliver(slot, message)
+        return method, sent_at
+
+    def fail(self, error: BaseException) -> None:
+        """Every pending and later call on this worker raises `error`."""
+        if self.failure is None:
+            self.failure = error
+        while self.pending:
+            slot = self.pending.popleft()[1]
+            _deliver(slot, self.failure)
+
+
+class WorkerConnection(Connection):
+    """The writer and reader of one worker process's stream."""
+
+    def __init__(self, rank: int, stream: trio.abc.Stream, reader: wire.FrameReader | None = None,
+                 poll: bool = True) -> None:
+        super().__init__()
+        self.rank = rank
+        self.stream = stream
+        self.reader = reader or wire.FrameReader(stream)
         # Poll the socket for replies of methods that answer within microseconds (see polling.py).
+        self.poll = poll
         self.polling = PollPolicy(POLL_WINDOW if poll else 0.0)
         self._pollable = pollable(stream)
-        # (Channels are created unsubscripted: `open_memory_channel[T](...)` costs a typing lookup per call.)
         self._outbox_send, self._outbox = trio.open_memory_channel(math.inf)
         self._queued = 0  # items in the outbox that still need writing
         self._writing = False  # the writer task is in the middle of a frame
-        self.failure: BaseException | None = None
 
     def post(self, message: Any, seq: int | None = None) -> trio.MemoryReceiveChannel[SlotItem] | None:
         """Send `message` (now if the socket takes it, else through the writer task, in order);
@@ -86,11 +142,9 @@ class WorkerConnection:
 
     def _register(self, seq: int, method: str) -> trio.MemoryReceiveChannel[SlotItem]:
         """Queue the call's reply slot; poll for the reply if `method` usually answers at once."""
-        slot_send, slot = trio.open_memory_channel(1)
-        sent_at = now()
-        self.pending.append((seq, slot_send, method, sent_at))
+        slot = super()._register(seq, method)
         if self._pollable is not None:
-            until = self.polling.poll_until(method, sent_at)
+            until = self.polling.poll_until(method, self.pending[-1][3])
             self._pollable.poll_until = max(self._pollable.poll_until, until)
         return slot
 
@@ -127,25 +181,17 @@ class WorkerConnection:
             message = from_wire(await self.reader.receive())
             if not isinstance(message, (Reply, Failure)):
                 raise RuntimeError(f"worker rank {self.rank} sent {type(message).__name__}, expected a reply")
-            if not self.pending:
-                raise RuntimeError(f"worker rank {self.rank} replied to call {message.seq}, which is not pending")
-            seq, slot, method, sent_at = self.pending.popleft()
-            if message.seq != seq:
-                raise RuntimeError(f"worker rank {self.rank} replied to call {message.seq} while call {seq} "
-                                   "was next: the reply order is broken")
-            self.polling.observe(method, now() - sent_at)
+            method, sent_at = self._deliver_next(message)
             # The polling window runs on after this reply even when nothing else is pending: a call
             # made right after it is then polled for too (a reader parked in epoll would not see it).
-            _deliver(slot, message)
+            self.polling.observe(method, now() - sent_at)
 
     def fail(self, error: BaseException) -> None:
-        """Every pending and later call on this worker raises `error`."""
-        if self.failure is None:
-            self.failure = error
-        while self.pending:
-            slot = self.pending.popleft()[1]
-            _deliver(slot, self.failure)
+        super().fail(error)
         self._outbox_send.close()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 def _deliver(slot: trio.MemorySendChannel[SlotItem], item: SlotItem) -> None:
@@ -202,7 +248,7 @@ class RPCFuture:
 class WorkerGroup:
     """Ordered collective RPC over a set of worker connections (the transport is any trio stream)."""
 
-    def __init__(self, connections: Sequence[WorkerConnection],
+    def __init__(self, connections: Sequence[Connection],
                  on_connection_lost: Callable[[int], Awaitable[None]] | None = None) -> None:
         """`on_connection_lost(rank)` runs before a lost connection fails the group, so that its
         owner can fail it with a better reason first (a process's exit status)."""
@@ -234,15 +280,15 @@ class WorkerGroup:
         finally:
             with trio.CancelScope(shield=True):
                 for conn in self.connections:
-                    await conn.stream.aclose()
+                    await conn.aclose()
 
-    async def _serve(self, conn: WorkerConnection) -> None:
+    async def _serve(self, conn: Connection) -> None:
         async with trio.open_nursery() as tg:
             tg.start_soon(self._guard, conn, conn.write_loop)
             await self._guard(conn, conn.read_loop)
             tg.cancel_scope.cancel()
 
-    async def _guard(self, conn: WorkerConnection, loop: Callable[[], Awaitable[None]]) -> None:
+    async def _guard(self, conn: Connection, loop: Callable[[], Awaitable[None]]) -> None:
         try:
             await loop()
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:

@@ -1,0 +1,123 @@
+"""What every executor of worker processes shares, wherever the processes run.
+
+`MultiprocExecutor` spawns its workers as children of this process; `RayExecutor`
+places them as Ray actors, on this node or others. Either way each worker ends up
+as a byte stream carrying the same frames (`engine.worker.messages`), and the
+rest is here: the start-up handshake (`Init` out, `Ready` or `StartupFailed`
+back, every rank at once), the ordered RPC group over the streams
+(`engine.executor.rpc.WorkerGroup`), the executor calls the engine core makes,
+and failing the engine once, with the first cause, when a worker is lost.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import anyio
+
+from engine.concurrency.gather import gather_first_failure
+from engine.concurrency.to_the_end import run_to_the_end
+from engine.errors import EngineDeadError, ModelLoadError
+from engine.executor.base import Executor
+from engine.executor.rpc import WorkerConnection, WorkerError, WorkerGroup
+from engine.ipc import wire
+from engine.ipc.fast_socket import STREAM_ENDED
+from engine.model_info import ModelInfo
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.messages import Init, Ready, StartupFailed
+
+STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
+
+
+class WorkerGroupExecutor(Executor):
+    """An executor whose workers answer over `WorkerGroup` (subclasses start and stop them)."""
+
+    world_size: int
+
+    def __init__(self) -> None:
+        self.group: WorkerGroup | None = None
+        self._closing = False
+        self._a_worker_exited = anyio.Event()
+        self._failed = anyio.Event()
+        self._failure: BaseException | None = None
+
+    # ---- start-up ------------------------------------------------------------------------------
+    async def _handshake_all(self, connections: list[WorkerConnection], inits: list[Init]) -> None:
+        """Send each worker its `Init` and wait for every `Ready` at once: ranks wait for each other
+        while joining the process group, so the first failure must stop the wait on the others."""
+        for conn, init in zip(connections, inits, strict=True):
+            await wire.send(conn.stream, init)
+        with anyio.fail_after(STARTUP_TIMEOUT):
+            await gather_first_failure([partial(self._handshake, conn) for conn in connections])
+
+    async def _handshake(self, conn: WorkerConnection) -> None:
+        try:
+            message = await conn.reader.receive()
+        except STREAM_ENDED:  # it exited (perhaps before reading its Init)
+            raise ModelLoadError(f"worker rank {conn.rank} exited during start-up "
+                                 f"({await self._describe_early_exit(conn.rank)})") from None
+        if isinstance(message, StartupFailed):
+            raise ModelLoadError(f"worker rank {conn.rank} failed to start:\n{message.error}")
+        if not isinstance(message, Ready):
+            raise ModelLoadError(f"worker rank {conn.rank} sent {type(message).__name__} instead of Ready")
+
+    async def _describe_early_exit(self, rank: int) -> str:
+        """How rank `rank` ended when its stream closed during start-up, in words."""
+        return "its connection closed"
+
+    # ---- failure -------------------------------------------------------------------------------
+    def _worker_lost(self, error: EngineDeadError) -> None:
+        """A worker is gone (`error` names it and how): fail every pending and later call, and the
+        engine with the first such error. Nothing while the executor is closing."""
+        self._a_worker_exited.set()
+        if self._closing or self.group is None:
+            return
+        self.group.fail(error)
+        if self._failure is None:
+            self._failure = error
+            self._failed.set()
+
+    async def wait_for_failure(self) -> BaseException:
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
+    # ---- the executor interface ----------------------------------------------------------------
+    def _workers(self) -> WorkerGroup:
+        if self.group is None:
+            raise RuntimeError("the executor is not started: use it as an async context manager")
+        return self.group
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+                             timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
+                             non_block: bool = False,
+                             unique_reply_rank: int | None = None) -> Any:
+        # Documented on Executor.collective_rpc; the group does the work.
+        return await self._workers().collective_rpc(method, args, kwargs, timeout=timeout, non_block=non_block,
+                                                    unique_reply_rank=unique_reply_rank)
+
+    async def load_model(self) -> ModelInfo:
+        info: ModelInfo = await self.collective_rpc("load_model", unique_reply_rank=0)
+        return info
+
+    async def initialize_kv_cache(self, num_blocks: int) -> None:
+        await self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Every rank runs the step; only rank 0 samples and replies. Cancellation waits for that
+        reply (the executor's contract), then raises; a worker that dies meanwhile fails the call."""
+        try:
+            output: ModelRunnerOutput = await run_to_the_end(
+                partial(self.collective_rpc, "execute_model", (sched_out,), unique_reply_rank=0))
+            return output
+        except WorkerError as exc:
+            raise await self._root_cause(exc) from exc
+
+    async def _root_cause(self, error: WorkerError) -> BaseException:
+        """Under tensor parallelism a rank's death shows first as its peers' collective errors
+        ("connection reset by peer"): wait a moment for a watcher to name the real cause."""
+        if self.world_size > 1:
+            with anyio.move_on_after(1.0):
+                await self._a_worker_exited.wait()  # set together with the exit's report
+        return self.group.failure if self.group is not None and self.group.failure is not None else error

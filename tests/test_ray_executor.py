@@ -1,0 +1,90 @@
+"""The Ray executor: workers as Ray actors on a local Ray cluster, against transformers and worker loss.
+
+The ordered-RPC and cancelled-step contracts run for it beside `mp` (tests/test_multiproc.py,
+tests/test_executor_contract.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import trio
+import trio.testing
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.http import Reader, open_request, request
+from engine import EngineDeadError, SamplingParams, open_engine
+from engine.executor.ray_executor import RayExecutor
+from tests.conftest import engine_config
+from tests.model_helpers import save_hf_checkpoint, transformers_greedy
+from tests.server_fixtures import running_server
+from tests.test_multiproc import PROMPTS, assert_gone
+
+LLAMA = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+def alive_actors() -> list:
+    """Actors the Ray cluster counts alive (read from its control store: `ray.util.state` needs the
+    dashboard, which the test cluster does not run)."""
+    import ray
+    return [actor for actor in ray._private.state.actors().values() if actor["State"] == "ALIVE"]
+
+
+async def test_tensor_parallel_2_on_ray_generates_transformers_greedy_tokens(ray_cluster, tmp_path_factory):
+    path, model = save_hf_checkpoint(tmp_path_factory, "llama-ray", LlamaConfig, LlamaForCausalLM, LLAMA)
+    expected = transformers_greedy(model, PROMPTS, 8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    config = engine_config(str(path), executor="ray", tensor_parallel_size=2, dtype="float32")
+    async with open_engine(config) as engine:
+        executor = engine.core.executor
+        assert isinstance(executor, RayExecutor) and len(set(executor.worker_pids())) == 2
+        assert all(p.node_ip and p.node_id for p in executor.placements)  # where each rank runs, for the log
+        finals = {}
+        async for index, output in engine.generate_batch(PROMPTS, params):
+            finals[index] = output.outputs[0].token_ids
+    assert [finals[i] for i in range(len(PROMPTS))] == expected
+    assert_gone(list(executor.worker_pids()))  # the actors were killed on the way out
+    assert not alive_actors()
+
+
+async def test_an_actor_killed_while_idle_fails_the_engine_within_a_second(ray_cluster, tiny_model_dir):
+    config = engine_config(tiny_model_dir, executor="ray", tensor_parallel_size=2)
+    # Leaving open_engine re-raises the failure the engine stopped with.
+    with pytest.RaisesGroup(pytest.RaisesExc(EngineDeadError, match="rank 1"), flatten_subgroups=True):
+        async with open_engine(config) as engine:
+            executor = engine.core.executor
+            os.kill(executor.worker_pids()[1], signal.SIGKILL)  # nothing runs: only the watch can notice
+            with trio.fail_after(1):
+                error = await executor.wait_for_failure()
+            assert isinstance(error, EngineDeadError)
+            assert "worker rank 1 (node" in str(error) and "ended unexpectedly: ActorDiedError" in str(error)
+            assert "\n" not in str(error)
+            assert executor.workers_alive() == (True, False)
+            with pytest.raises(EngineDeadError, match="rank 1"):
+                await executor.collective_rpc("execute_model", (None,))
+            await trio.testing.wait_all_tasks_blocked()  # the core has taken the failure in
+            assert not engine.is_running
+    assert_gone(list(executor.worker_pids()))
+
+
+async def test_an_actor_killed_mid_stream_ends_the_stream_with_an_error_and_leaves_nothing(ray_cluster,
+                                                                                          tiny_model_dir):
+    config = engine_config(tiny_model_dir, executor="ray", tensor_parallel_size=2, max_model_len=512)
+    async with running_server(config) as server:
+        engine_process, worker_pids = server.engine.core.process, server.engine.core.worker_pids
+        body = {"prompt": [1, 2, 3], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        async with await open_request(server.url, "POST", "/v1/completions", body) as stream:
+            response = Reader(stream)
+            await response.until(b"data: {")  # generating
+            os.kill(worker_pids[0], signal.SIGKILL)
+            with trio.fail_after(5):
+                rest = await response.until(b"data: [DONE]")
+        assert b'"error"' in rest and b"worker rank 0" in rest
+        assert (await request(server.url, "GET", "/health")).status == 503
+        with trio.fail_after(10):
+            await engine_process.wait()  # it kills the other actor and leaves the cluster, then exits
+    assert len(worker_pids) == 2
+    assert_gone(list(worker_pids))
+    assert not alive_actors()
