@@ -328,6 +328,10 @@ def _add_bench_rpc(bench: Subcommands) -> None:
     rpc.add_argument("--rounds", type=int, default=2000)
     rpc.add_argument("--batch", type=int, default=16)
     rpc.add_argument("--steps", type=int, default=100)
+    rpc.add_argument("--ray", action="store_true",
+                     help="instead: the Ray executor against mp at 1 and 2 workers, alternating rounds, on a local "
+                          "two-node Ray cluster, beside a Ray actor call per RPC")
+    rpc.add_argument("--repeats", type=int, default=3, help="--ray: alternating rounds")
     rpc.set_defaults(run=_bench_rpc)
 
 
@@ -387,6 +391,9 @@ def _bench_embed(args: argparse.Namespace) -> int:
 
 def _bench_rpc(args: argparse.Namespace) -> int:
     from bench import rpc
+    if args.ray:
+        print(trio.run(rpc.run_ray, model_dir(args.model), args.rounds, args.repeats)[1])
+        return 0
     print(rpc.report(trio.run(rpc.run, model_dir(args.model), args.rounds, args.batch, args.steps)))
     return 0
 

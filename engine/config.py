@@ -221,6 +221,9 @@ class EngineConfig:
     # ray_executor.py); default: mp when tensor_parallel_size > 1
     executor: str | None = None
     tensor_parallel_size: int = 1
+    # Engines behind one API server, each with its own scheduler, KV cache and workers; requests
+    # go to the least loaded, prefix-aware (engine/core/data_parallel.py). Engine processes only.
+    data_parallel_size: int = 1
     # MoE models: split the experts over the tensor-parallel ranks instead of sharding each one
     enable_expert_parallel: bool = False
     enable_eplb: bool = False  # rebalance experts by their measured load (see EplbConfig)
@@ -272,9 +275,12 @@ class EngineConfig:
                              f"{self.prefix_caching_hash_algo!r}")
         if self.executor is not None and self.executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")
+        if self.executor == "inproc" and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs an engine process per rank: executor 'inproc' (uni) keeps "
+                             "one process; use 'mp' or 'ray', or leave it unset")
         if self.executor == "inproc" and self.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs worker processes (executor='mp' or 'ray')")
-        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size",
+        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
                     "max_prompts_per_request", "max_image_bytes", "max_image_pixels"]
         optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prompt_embeds_bytes",
                              "renderer_workers"]

@@ -88,3 +88,19 @@ async def test_an_actor_killed_mid_stream_ends_the_stream_with_an_error_and_leav
     assert len(worker_pids) == 2
     assert_gone(list(worker_pids))
     assert not alive_actors()
+
+
+def test_vllms_backend_flag_picks_the_executor():
+    from web.cli import _parser
+    from web.options import engine_config as config_from_flags
+
+    def backend(*flags: str) -> str:
+        return config_from_flags("m", _parser().parse_args(["serve", "m", *flags])).executor_kind
+
+    assert backend("--distributed-executor-backend", "ray") == "ray"
+    assert backend("--distributed-executor-backend", "mp") == "mp"
+    assert backend("--distributed-executor-backend", "uni") == "inproc"
+    assert backend("--executor", "inproc") == "inproc"  # trio-llm's older name for the same flag
+    assert backend() == "inproc" and backend("--tensor-parallel-size", "2") == "mp"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "m", "--distributed-executor-backend", "external_launcher"])

@@ -138,7 +138,7 @@ async def run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyi
     try:
         async with opened as engine:
             state.engine = engine
-            state.metrics.bind(engine.stats)
+            state.metrics.bind(engine.stats, engine.engine_stats)
             engine_pid = getattr(engine.core, "pid", None) if apart else None
             for line in describe_engine(engine, config, anyio.current_time() - started_at, engine_pid):
                 logger.info("%s", line)

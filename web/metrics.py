@@ -68,12 +68,15 @@ class ServerMetrics:
         self._stats_collector = _EngineStatsCollector(model_name)
         r.register(self._stats_collector)
 
-    def bind(self, stats: Callable[[], EngineStats]) -> None:
-        """Read the gauges from the engine's `stats()` snapshot at every scrape."""
+    def bind(self, stats: Callable[[], EngineStats],
+             engine_stats: Callable[[], list[EngineStats]] | None = None) -> None:
+        """Read the gauges from the engine's `stats()` snapshot at every scrape (summed over
+        data-parallel engines), and each engine's from `engine_stats()`."""
         self.running.labels(self._model).set_function(lambda: stats().num_running)
         self.waiting.labels(self._model).set_function(lambda: stats().num_waiting)
         self.kv_usage.labels(self._model).set_function(lambda: stats().kv_cache_usage)
         self._stats_collector.stats = stats
+        self._stats_collector.engine_stats = engine_stats
 
     # ---- StatsObserver ------------------------------------------------------------------------
     def on_first_token(self, ttft: float) -> None:
@@ -190,6 +193,22 @@ class _EngineStatsCollector:
     def __init__(self, model_name: str) -> None:
         self.model = model_name
         self.stats: Callable[[], EngineStats] | None = None
+        self.engine_stats: Callable[[], list[EngineStats]] | None = None
+
+    def _per_engine(self) -> Iterator[GaugeMetricFamily]:
+        """With data parallelism, what the load balancer reads, per engine (label `engine`, the
+        data-parallel rank; vLLM's label name). The other families are summed over the engines."""
+        per_engine = self.engine_stats() if self.engine_stats is not None else []
+        if len(per_engine) < 2:
+            return
+        gauges = [("trio_llm_engine_requests_running", "Requests in one engine's running batch", "num_running"),
+                  ("trio_llm_engine_requests_waiting", "Requests waiting in one engine", "num_waiting"),
+                  ("trio_llm_engine_kv_cache_usage_ratio", "One engine's KV-cache usage, 0..1", "kv_cache_usage")]
+        for name, text, field in gauges:
+            gauge = GaugeMetricFamily(name, text, labels=["model_name", "engine"])
+            for rank, stats in enumerate(per_engine):
+                gauge.add_metric([self.model, str(rank)], getattr(stats, field))
+            yield gauge
 
     def _waiting_by_reason(self, stats: EngineStats) -> GaugeMetricFamily:
         """vLLM's `vllm:num_requests_waiting_by_reason`: held back by an admission gate
@@ -225,6 +244,7 @@ class _EngineStatsCollector:
             gauge.add_metric([self.model], value)
             yield gauge
         yield self._waiting_by_reason(stats)
+        yield from self._per_engine()
         counters = [("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                      stats.num_preemptions),
                     ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",

@@ -354,6 +354,12 @@ class AsyncEngine:
         """A snapshot of the engine now (synchronous: it reads plain counters between steps)."""
         return replace(self.core.stats(), loop_lag=self._loop_lag.last, loop_lag_max=self._loop_lag.max)
 
+    def engine_stats(self) -> list[EngineStats]:
+        """Each engine's snapshot, in data-parallel rank order (one engine: `[stats()]`, without
+        the loop lag). `stats()` sums them."""
+        per_engine = getattr(self.core, "engine_stats", None)
+        return per_engine() if per_engine is not None else [self.core.stats()]
+
     @property
     def is_running(self) -> bool:
         return not self.core.dead

@@ -13,12 +13,14 @@ from dataclasses import replace
 from functools import partial
 
 import anyio
-from anyio.abc import TaskGroup
+from anyio.abc import Process, TaskGroup
 
 from engine.api.async_engine import AsyncEngine
 from engine.concurrency.loop_lag import run_loop_lag_probe
 from engine.config import EngineConfig
 from engine.core.core_client import CoreClient, handshake
+from engine.core.data_parallel import DataParallelCores, data_parallel_configs, run_data_parallel_rank
+from engine.core.engine_core import CoreHandle
 from engine.core.engine_spawn import ENGINE_COMMAND, SpawnedEngine, spawn_engine, terminate
 from engine.core.messages import EngineInit
 from engine.core.open_core import open_core
@@ -54,6 +56,9 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
     (tests pass one that takes virtual time); `ec_blocking` makes a request that waits for its
     images hold up the requests behind it (the baseline `trio-llm bench ec` measures).
     """
+    if config.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 runs an engine process per rank: use open_engine_process "
+                         "(as `trio-llm serve` does)")
     async with open_core(config, executor=executor, tokenizer=tokenizer, observer=observer, ec_loader=ec_loader,
                          ec_blocking=ec_blocking) as loaded:
         image_spec = await anyio.to_thread.run_sync(image_spec_for, config, loaded.info, loaded.tokenizer)
@@ -92,43 +97,78 @@ def image_spec_for(config: EngineConfig, info: ModelInfo, tokenizer: Tokenizer) 
 async def open_engine_process(config: EngineConfig, *, observer: StatsObserver | None = None,
                               command: Sequence[str] = ENGINE_COMMAND,
                               spawned: SpawnedEngine | None = None) -> AsyncGenerator[AsyncEngine]:
-    """Start the engine core in a process of its own and yield an `AsyncEngine` over it.
+    """Start the engine core in a process of its own and yield an `AsyncEngine` over it; with
+    `config.data_parallel_size` N > 1, N engine processes behind the one `AsyncEngine`
+    (engine/core/data_parallel.py), loading at once, the compute CPUs split between them.
 
     `spawned`: an engine process already started (`engine_process_started`), which this adopts
     (and stops, as one it started) instead of starting one; `command` is then unused.
 
-    `observer` receives the engine process's metrics (and this process's loop-lag readings, with
+    `observer` receives the engine processes' metrics (and this process's loop-lag readings, with
     `config.loop_lag_interval`). Start-up failures raise what `open_engine` would
-    (`ModelLoadError` naming the problem), with the process stopped. Leaving the block, or
-    cancelling the task inside it, stops the engine process (asked, then SIGTERM, then SIGKILL;
+    (`ModelLoadError` naming the problem), with every process stopped. Leaving the block, or
+    cancelling the task inside it, stops the engine processes (asked, then SIGTERM, then SIGKILL;
     shielded and time limited); requests still open end with `EngineDeadError`. If the engine
-    process dies or its core fails, the failure is raised out of the block.
+    process dies or its core fails, the failure is raised out of the block; under data
+    parallelism, only once every engine has (until then the others serve on).
     """
-    if spawned is None:
-        spawned = await spawn_engine(command)
-    process = spawned.process
-    stream = FastSocketStream(spawned.socket)
-    client: CoreClient | None = None
-    try:
-        await wire.send(stream, EngineInit(replace(config, loop_lag_interval=None)))
-        # Loaded here while the engine process imports torch and loads the model.
+    configs = data_parallel_configs(config)
+    async with _engine_processes(configs, command, spawned) as started:
+        # Loaded here while the engine processes import torch and load the model.
         tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
-        reader = wire.FrameReader(stream)
-        ready = await handshake(reader, process)
-        client = CoreClient(stream, reader, process, ready, observer)
+        clients = []
+        for process, stream in started:
+            reader = wire.FrameReader(stream)
+            clients.append(CoreClient(stream, reader, process, await handshake(reader, process), observer))
+        ready = clients[0].ready
         image_spec = await anyio.to_thread.run_sync(image_spec_for, config, ready.info, tokenizer)
         if config.chat_template is not None:
             tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
         async with anyio.create_task_group() as tg:
-            await tg.start(client.run)
+            core: CoreHandle = clients[0]
+            if len(clients) == 1:
+                await tg.start(clients[0].run)
+            else:
+                core = DataParallelCores(clients, config.block_size)
+                for rank, client in enumerate(clients):
+                    await tg.start(run_data_parallel_rank, client, rank, clients)
             loop_lag = await start_loop_lag_probe(tg, config, observer)
             try:
-                yield AsyncEngine(config, ready.info, tokenizer, client, loop_lag,
+                yield AsyncEngine(config, ready.info, tokenizer, core, loop_lag,
                                   sampling_defaults=ready.sampling_defaults, image_spec=image_spec)
             finally:
-                await stop_processes([process], client.shut_down)
+                await stop_processes([client.process for client in clients],
+                                     partial(_shut_down_all, clients))
                 tg.cancel_scope.cancel()
-    finally:  # start-up failed or was cancelled, or the engine stopped: nothing is left running
-        await stop_processes([process], partial(terminate, process))
+
+
+def _shut_down_all(clients: Sequence[CoreClient]) -> None:
+    for client in clients:
+        client.shut_down()
+
+
+@asynccontextmanager
+async def _engine_processes(configs: Sequence[EngineConfig], command: Sequence[str],
+                            spawned: SpawnedEngine | None) -> AsyncGenerator[list[tuple[Process, FastSocketStream]]]:
+    """One engine process per config (the first `spawned`, if given), each sent its `EngineInit`;
+    whatever happens in the block, every one is stopped and its socket closed on the way out
+    (shielded, time limited)."""
+    started: list[tuple[Process, FastSocketStream]] = []
+    try:
+        for index, engine_config in enumerate(configs):
+            spawn = spawned if index == 0 and spawned is not None else await spawn_engine(command)
+            stream = FastSocketStream(spawn.socket)
+            started.append((spawn.process, stream))
+            await wire.send(stream, EngineInit(replace(engine_config, loop_lag_interval=None)))
+        yield started
+    finally:  # start-up failed or was cancelled, or the engines stopped: nothing is left running
+        processes = [process for process, _ in started]
+        await stop_processes(processes, partial(_terminate_all, processes))
         with anyio.CancelScope(shield=True):
-            await stream.aclose()
+            for _, stream in started:
+                await stream.aclose()
+
+
+def _terminate_all(processes: Sequence[Process]) -> None:
+    for process in processes:
+        terminate(process)

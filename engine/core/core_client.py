@@ -46,7 +46,7 @@ from engine.core.output_processor import RequestPrompt
 from engine.core.stats import EngineStats, NullObserver, StatsObserver, replay
 from engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from engine.ipc import wire
-from engine.ipc.fast_socket import STREAM_ENDED, FastSocketStream
+from engine.ipc.fast_socket import STREAM_BROKEN, STREAM_ENDED, FastSocketStream
 from engine.ipc.process import describe_exit
 
 STARTUP_TIMEOUT = 600.0  # loading and compiling a model
@@ -68,6 +68,7 @@ class CoreClient:
     def __init__(self, stream: FastSocketStream, reader: wire.FrameReader, process: Process,
                  ready: EngineReady, observer: StatsObserver | None = None) -> None:
         self.process = process
+        self.ready = ready
         self.pid = ready.pid
         self.worker_pids = ready.worker_pids
         self._stream = stream
@@ -230,7 +231,13 @@ class CoreClient:
                     batch.append(self._outbox.receive_nowait())
                 except anyio.WouldBlock:
                     break
-            await wire.send(self._stream, batch)
+            if self.closing:
+                continue  # our sending side is shut: the engine process is stopping, and takes nothing more
+            try:
+                await wire.send(self._stream, batch)
+            except STREAM_BROKEN:
+                if not self.closing:  # shut down while this batch was being written: it is moot
+                    raise
 
     def _post(self, message: Any) -> None:
         self._outbox_send.send_nowait(message)

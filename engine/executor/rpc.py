@@ -76,7 +76,8 @@ class Connection(ABC):
 
     @abstractmethod
     async def aclose(self) -> None:
-        """Release the connection (the group's shutdown); the worker learns it should exit."""
+        """Release the connection (the group's shutdown); the worker learns it should exit. Called
+        shielded: cancellation does not interrupt it."""
 
     def __init__(self) -> None:
         # (seq, slot, method, sent at) per call awaiting this worker's reply, oldest first
@@ -191,6 +192,8 @@ class WorkerConnection(Connection):
         self._outbox_send.close()
 
     async def aclose(self) -> None:
+        """Close the stream (the worker sees it end and exits). Cancellation does not interrupt it
+        (trio's stream `aclose`)."""
         await self.stream.aclose()
 
 
