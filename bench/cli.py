@@ -24,6 +24,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_neighbour(bench)
     _add_bench_loop_lag(bench)
     _add_bench_rpc(bench)
+    _add_bench_parallel(bench)
     _add_bench_embed(bench)
     _add_bench_fuzz(bench)
     _add_bench_keepalive(bench)
@@ -320,6 +321,33 @@ def _add_bench_loop_lag(bench: Subcommands) -> None:
     ll.add_argument("--rounds", type=int, default=5)
     ll.add_argument("--renderer-workers", type=int, default=None, help="default: as the server's")
     ll.set_defaults(run=_bench_loop_lag)
+
+
+def _add_bench_parallel(bench: Subcommands) -> None:
+    par = bench.add_parser("parallel", help="served tok/s with N data-parallel engines against one, alternating rounds")
+    par.add_argument("model")
+    par.add_argument("--data-parallel-sizes", default="1,2")
+    par.add_argument("--concurrency", default="16")
+    par.add_argument("--num-requests", type=int, default=64)
+    par.add_argument("--input-len", type=int, default=128)
+    par.add_argument("--output-len", type=int, default=128)
+    par.add_argument("--vocab", type=int, default=12869)
+    par.add_argument("--repeats", type=int, default=3)
+    par.add_argument("--trio-llm-args", default=None,
+                     help="options for every setting (default: --cpu-threads-bind <every CPU>: all compute)")
+    par.set_defaults(run=_bench_parallel)
+
+
+def _bench_parallel(args: argparse.Namespace) -> int:
+    from bench import parallel
+    from engine.cpu_binding import available_cpus
+    extra = shlex.split(args.trio_llm_args) if args.trio_llm_args is not None else \
+        ["--cpu-threads-bind", ",".join(map(str, available_cpus()))]
+    sizes = [int(x) for x in args.data_parallel_sizes.split(",")]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    print(trio.run(partial(parallel.run, args.model, sizes, levels, args.num_requests, args.input_len,
+                           args.output_len, args.vocab, extra, args.repeats)))
+    return 0
 
 
 def _add_bench_rpc(bench: Subcommands) -> None:

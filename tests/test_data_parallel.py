@@ -141,9 +141,10 @@ async def test_an_engine_that_dies_fails_only_its_requests_and_the_server_serves
             with trio.fail_after(30):
                 rest = await first.until(b"data: [DONE]")
             assert b'"error"' not in rest  # the request on the live engine ran to its end
-        os.kill(clients[0].process.pid, signal.SIGKILL)
+        failed = trio.Event()
+        server.state.on_engine_failure = failed.set
+        os.kill(clients[0].process.pid, signal.SIGKILL)  # the last engine
         with trio.fail_after(5):
-            while server.state.engine_alive:  # the server learns of the last engine's death
-                await trio.sleep(0.05)
+            await failed.wait()
         assert (await request(server.url, "GET", "/health")).status == 503
     assert_gone([client.process.pid for client in clients])
