@@ -11,6 +11,7 @@ import logging
 import socket
 import sys
 import traceback
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
@@ -31,19 +32,23 @@ def trio_llm_version() -> str:
 
 
 def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: float,
-                    engine_pid: int | None = None) -> list[str]:
-    """The lines users look for once the engine is up (`engine_pid`: the engine process's, when
-    the engine core runs apart from the server)."""
+                    engine_pids: Sequence[int] = ()) -> list[str]:
+    """The lines users look for once the engine is up (`engine_pids`: the engine processes', when
+    the engine core runs apart from the server; one per data-parallel engine)."""
+    from engine.api import data_parallel_configs  # the engine is up: torch is loaded anyway
     info = engine.info
     layout = (f"{config.tensor_parallel_size} worker processes (tensor parallel)" if config.tensor_parallel_size > 1
               else "a worker process" if config.executor_kind == "mp" else "in-process (a worker thread)")
-    core = (f"its own process (pid {engine_pid})" if engine_pid is not None
-            else "in the server process")
+    core = ("in the server process" if not engine_pids
+            else f"its own process (pid {engine_pids[0]})" if len(engine_pids) == 1
+            else f"{len(engine_pids)} engine processes, data parallel (pids {', '.join(map(str, engine_pids))})")
     return [f"trio-llm {trio_llm_version()}",
             f"model {config.model} ({info.architecture or info.kind}), dtype {info.dtype}, "
             f"context {info.max_model_len} tokens",
             f"engine core: {core}; executor: {layout}, device {config.device}",
-            "CPUs: " + _cpus_line(config),
+            "CPUs: " + ("; ".join(f"engine {rank}: {_cpus_line(part)}"
+                                  for rank, part in enumerate(data_parallel_configs(config)))
+                        if config.data_parallel_size > 1 else _cpus_line(config)),
             f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "
             f"({info.num_kv_blocks * config.block_size} tokens)",
             f"engine ready in {load_seconds:.1f} s"] + (

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from engine.api.llm import LLM
     from engine.api.open import open_engine, open_engine_process
     from engine.config import EngineConfig, LoRAModule
+    from engine.core.data_parallel import data_parallel_configs
     from engine.core.engine_spawn import SpawnedEngine, engine_process_started
     from engine.core.gc_tuning import tune_collector_for_serving
     from engine.core.stats import EngineStats, RequestRecord, StatsObserver
@@ -60,6 +61,7 @@ _WHERE = {
     "open_engine": "engine.api.open",
     "open_engine_process": "engine.api.open",
     "engine_process_started": "engine.core.engine_spawn",
+    "data_parallel_configs": "engine.core.data_parallel",
     "SpawnedEngine": "engine.core.engine_spawn",
     "tune_collector_for_serving": "engine.core.gc_tuning",
     "PoolerConfig": "engine.model_info",
@@ -82,7 +84,8 @@ __all__ = [
     "EngineInput", "EngineStats", "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError",
     "PoolerConfig", "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError",
     "RequestOutput", "RequestOutputKind", "RequestRecord", "SamplingParams", "SpawnedEngine", "StatsObserver",
-    "TinyModelSpec", "Tokenizer", "engine_process_started", "ensure_default_model", "make_model", "open_engine",
+    "TinyModelSpec", "Tokenizer", "data_parallel_configs", "engine_process_started", "ensure_default_model",
+    "make_model", "open_engine",
     "open_engine_process", "shaped_spec", "tune_collector_for_serving",
 ]
 
