@@ -324,9 +324,11 @@ def _add_bench_loop_lag(bench: Subcommands) -> None:
 
 
 def _add_bench_parallel(bench: Subcommands) -> None:
-    par = bench.add_parser("parallel", help="served tok/s with N data-parallel engines against one, alternating rounds")
+    par = bench.add_parser("parallel", help="served tok/s with N data-parallel engines or pipeline stages against "
+                                            "one, alternating rounds")
     par.add_argument("model")
-    par.add_argument("--data-parallel-sizes", default="1,2")
+    par.add_argument("--kind", choices=["data", "pipeline"], default="data")
+    par.add_argument("--sizes", default="1,2", help="--data-parallel-size or --pipeline-parallel-size values")
     par.add_argument("--concurrency", default="16")
     par.add_argument("--num-requests", type=int, default=64)
     par.add_argument("--input-len", type=int, default=128)
@@ -343,9 +345,9 @@ def _bench_parallel(args: argparse.Namespace) -> int:
     from engine.cpu_binding import available_cpus
     extra = shlex.split(args.trio_llm_args) if args.trio_llm_args is not None else \
         ["--cpu-threads-bind", ",".join(map(str, available_cpus()))]
-    sizes = [int(x) for x in args.data_parallel_sizes.split(",")]
+    sizes = [int(x) for x in args.sizes.split(",")]
     levels = [int(x) for x in args.concurrency.split(",")]
-    print(trio.run(partial(parallel.run, args.model, sizes, levels, args.num_requests, args.input_len,
+    print(trio.run(partial(parallel.run, args.model, args.kind, sizes, levels, args.num_requests, args.input_len,
                            args.output_len, args.vocab, extra, args.repeats)))
     return 0
 

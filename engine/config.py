@@ -224,6 +224,9 @@ class EngineConfig:
     # Engines behind one API server, each with its own scheduler, KV cache and workers; requests
     # go to the least loaded, prefix-aware (engine/core/data_parallel.py). Engine processes only.
     data_parallel_size: int = 1
+    # Consecutive layers on each of N stages of worker processes (each stage tensor_parallel_size
+    # ranks), N steps in flight at once so every stage has work (engine/models/parallel.py).
+    pipeline_parallel_size: int = 1
     # MoE models: split the experts over the tensor-parallel ranks instead of sharding each one
     enable_expert_parallel: bool = False
     enable_eplb: bool = False  # rebalance experts by their measured load (see EplbConfig)
@@ -278,9 +281,11 @@ class EngineConfig:
         if self.executor == "inproc" and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs an engine process per rank: executor 'inproc' (uni) keeps "
                              "one process; use 'mp' or 'ray', or leave it unset")
-        if self.executor == "inproc" and self.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 needs worker processes (executor='mp' or 'ray')")
+        if self.executor == "inproc" and self.world_size > 1:
+            raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 needs worker processes "
+                             "(executor='mp' or 'ray')")
         positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
+                    "pipeline_parallel_size",
                     "max_prompts_per_request", "max_image_bytes", "max_image_pixels"]
         optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prompt_embeds_bytes",
                              "renderer_workers"]
@@ -353,7 +358,12 @@ class EngineConfig:
 
     @property
     def executor_kind(self) -> str:
-        return self.executor or ("mp" if self.tensor_parallel_size > 1 else "inproc")
+        return self.executor or ("mp" if self.world_size > 1 else "inproc")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes of one engine: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def renderer_threads(self) -> int:

@@ -66,6 +66,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help='compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
                         '64], "cache_dir": "~/.cache/trio-llm/torch_compile"} (the cache follows XDG_CACHE_HOME)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="worker processes, one per rank")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages of worker processes, each holding consecutive layers (times "
+                        "--tensor-parallel-size ranks each); as many steps in flight as stages")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engines behind this server, each with its own scheduler, KV cache and workers (the "
                         "compute CPUs split between them); requests go to the least loaded, prefix-aware")
@@ -132,7 +135,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "compilation_config": CompilationConfig.from_json(args.compilation_config or "{}"),
             "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
-            "data_parallel_size": args.data_parallel_size,
+            "data_parallel_size": args.data_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
             "executor": "inproc" if args.executor == "uni" else args.executor,
             "pooling_type": args.pooling_type, "chat_template": args.chat_template,
             "generation_config": args.generation_config,

@@ -14,11 +14,12 @@ closes after the final output.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -31,11 +32,11 @@ from engine.core.reporting import RequestTimings
 from engine.core.stats import EngineStats, NullObserver, StatsObserver
 from engine.core_request import EngineCoreRequest
 from engine.errors import EngineDeadError, InvalidRequestError, LoRAError, RequestFailedError
-from engine.executor.base import Executor
+from engine.executor.base import Executor, PendingStep
 from engine.executor.rpc import WorkerError
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.render.tokenizer import Tokenizer
-from engine.sched.output import NewRequestData
+from engine.sched.output import NewRequestData, SchedulerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import RequestUpdate, Scheduler
 
@@ -102,6 +103,13 @@ class ExecutorFailed:
 CoreMessage = AddRequest | AbortRequest | ExecutorFailed | Wake
 
 
+@dataclass
+class _StepInFlight:
+    sched_out: SchedulerOutput
+    pending: PendingStep
+    adopted: Any  # what the EPLB driver committed for this step (None without EPLB)
+
+
 class CoreHandle(Protocol):
     """What `AsyncEngine` drives: an `EngineCore` in this process, or the client of one in the
     engine process (`engine.core.core_client.CoreClient`). All of it is synchronous and never
@@ -143,6 +151,9 @@ class EngineCore:
         self._streams: dict[str, OutputSender] = {}
         self._child_owner: dict[str, RequestTracker] = {}
         self.dead = False
+        # Steps started and not yet published, oldest first: at most the executor's
+        # max_concurrent_batches (one per pipeline stage).
+        self._in_flight: collections.deque[_StepInFlight] = collections.deque()
         self.num_steps = 0
         self._idle = anyio.Event()  # set while the core has no work and waits for messages
         # Requests submitted with each LoRA adapter and not yet ended (queued messages included):
@@ -182,10 +193,15 @@ class EngineCore:
         failure: BaseException | None = None
         try:
             while True:
-                if not self.scheduler.has_work():
+                if not self.scheduler.has_work() and not self._in_flight:
                     await self._wait_for_message()
                 self._drain_inbox()
-                if self.scheduler.has_work() and not await self.step():
+                room = len(self._in_flight) < self.executor.max_concurrent_batches
+                if room and self.scheduler.has_work() and await self._launch():
+                    continue  # another step may start while this one runs (pipeline stages)
+                if self._in_flight:
+                    await self._finish_oldest()
+                elif self.scheduler.has_work():
                     # Work exists but none is schedulable (deferred by a gate): wait for news.
                     await self._wait_for_message()
         except anyio.EndOfStream:
@@ -313,6 +329,15 @@ class EngineCore:
         Cancellation waits for the step in flight to end (the executor's contract), then propagates;
         the core task's owner fails every open request with `EngineDeadError`.
         """
+        launched = await self._launch()
+        while self._in_flight:
+            await self._finish_oldest()
+        return launched
+
+    async def _launch(self) -> bool:
+        """Schedule a step and start it on the executor (`Executor.start_model`), without waiting
+        for its output (an executor that runs one step at a time runs it here). False if nothing
+        was schedulable (and no request was rejected). Cancellation: as `Executor.start_model`."""
         sched_out = self.scheduler.schedule()
         rejected = self.scheduler.take_rejected()
         if rejected:
@@ -321,16 +346,23 @@ class EngineCore:
             return bool(rejected)
         self._report_scheduled(sched_out.new_requests, anyio.current_time())
         adopted = self.eplb.before_step(sched_out) if self.eplb is not None else None
-        result = await self.executor.execute_model(sched_out)
+        self._in_flight.append(_StepInFlight(sched_out, await self.executor.start_model(sched_out), adopted))
+        return True
+
+    async def _finish_oldest(self) -> None:
+        """Await the oldest step in flight and publish its outputs. Cancellation waits for that
+        step to end, then propagates."""
+        step = self._in_flight[0]
+        result = await step.pending.result()
+        self._in_flight.popleft()
         if self.eplb is not None:
-            await self.eplb.after_step(adopted, result.expert_load)
+            await self.eplb.after_step(step.adopted, result.expert_load)
         if result.failed:
             self._fail_requests(result.failed)
-        updates = self.scheduler.update_from_output(sched_out, result)
+        updates = self.scheduler.update_from_output(step.sched_out, result)
         self.num_steps += 1
         self.observer.on_step(iteration_tokens(updates))
         self._publish(updates, anyio.current_time())
-        return True
 
     def _publish(self, updates: list[RequestUpdate], now: float) -> None:
         touched: dict[str, RequestTracker] = {}

@@ -7,10 +7,12 @@ the engine-core task only, so calls never overlap.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 
+from engine.concurrency.to_the_end import run_to_the_end
 from engine.eplb.plan import LayerPlan
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -18,6 +20,23 @@ from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 # Expert moves staged per call to worker processes: one expert's weights delays the next step by
 # a copy (and a send between ranks), a whole layer's by all of them (measured: `trio-llm bench eplb`).
 STAGE_MOVES_PER_CALL = 1
+
+
+class PendingStep:
+    """A step started by `Executor.start_model`: its output, once, from `result()`."""
+
+    def __init__(self, output: ModelRunnerOutput | None = None,
+                 wait: Callable[[], Awaitable[ModelRunnerOutput]] | None = None) -> None:
+        self._output = output
+        self._wait = wait
+
+    async def result(self) -> ModelRunnerOutput:
+        """The step's output. Cancellation waits for the step to end (the executor's contract:
+        the workers must stay consistent), then raises."""
+        if self._output is None:
+            assert self._wait is not None
+            self._output = await run_to_the_end(self._wait)
+        return self._output
 
 
 class Executor(ABC):
@@ -68,6 +87,19 @@ class Executor(ABC):
         """Run one step. Cancellation waits for the step in flight to end (the worker's
         state must stay consistent), then raises: implementations await the step through
         `engine.concurrency.to_the_end.run_to_the_end` (tests/test_executor_contract.py checks each)."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may keep in flight at once (vLLM's name): one, or one per pipeline
+        stage, so that every stage has a step to run."""
+        return 1
+
+    async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:
+        """Start one step and return it without waiting for its output (`PendingStep.result`).
+        Executors that run one step at a time run it to the end here.
+
+        Cancellation: as `execute_model`."""
+        return PendingStep(await self.execute_model(sched_out))
 
     async def eplb_stage_layer(self, plan: LayerPlan) -> None:
         """Stage one MoE layer's expert moves on every worker (`Worker.eplb_stage_layer`), ready for a

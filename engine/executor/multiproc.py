@@ -42,7 +42,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
     def __init__(self, config: EngineConfig, *, worker_command: list[str] | None = None) -> None:
         super().__init__()
         self.config = config
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.world_size
         # Tests swap in a command that starts a misbehaving worker.
         self.worker_command = worker_command or [sys.executable, "-m", "engine.worker.worker_main"]
         self.processes: list[Process] = []
@@ -142,11 +142,16 @@ class MultiprocExecutor(WorkerGroupExecutor):
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
-    """`ModelLoadError` if the model's heads do not split evenly over the ranks, naming sizes that work."""
+    """`ModelLoadError` if the model's heads do not split evenly over the tensor-parallel ranks
+    (naming sizes that work), or it has fewer layers than pipeline stages."""
+    raw = read_config_json(config.model)
+    layers = raw.get("num_hidden_layers")
+    stages = config.pipeline_parallel_size
+    if isinstance(layers, int) and layers < stages:
+        raise ModelLoadError(f"--pipeline-parallel-size {stages} is larger than the model's {layers} layers")
     size = config.tensor_parallel_size
     if size == 1:
         return
-    raw = read_config_json(config.model)
     heads = raw.get("num_attention_heads")
     if not isinstance(heads, int):
         return  # not a decoder config: the worker reports what it cannot split
@@ -156,5 +161,3 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         sizes = [n for n in range(1, common + 1) if common % n == 0]
         raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's {heads} attention heads "
                              f"and {kv_heads} key/value heads; sizes that do: {', '.join(map(str, sizes))}")
-
-

@@ -67,7 +67,7 @@ class RayExecutor(WorkerGroupExecutor):
         super().__init__()
         # The driver's CPU layout names this machine's CPUs; a worker's are its bundle's.
         self.config = replace(config, cpu_layout=None)
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.world_size
         self.threads_per_worker = max(1, usable_cpus() // self.world_size)
         self.actors: list[Any] = []
         self.placements: list[WorkerPlacement] = []
@@ -126,7 +126,10 @@ class RayExecutor(WorkerGroupExecutor):
 
     async def _place_actors(self) -> None:
         bundles = [{"CPU": self.threads_per_worker} for _ in range(self.world_size)]
-        self._pg = placement_group(bundles, strategy="STRICT_PACK")
+        # A stage's tensor-parallel ranks talk every layer: one node. Pipeline stages talk once a
+        # step: they may spread over nodes when one cannot hold them all.
+        packing = "STRICT_PACK" if self.config.pipeline_parallel_size == 1 else "PACK"
+        self._pg = placement_group(bundles, strategy=packing)
         with anyio.move_on_after(PLACEMENT_TIMEOUT) as placing:
             await ray_refs.get(self._pg.ready())
         if placing.cancelled_caught:

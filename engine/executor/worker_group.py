@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 
 from engine.concurrency.gather import gather_first_failure
-from engine.concurrency.to_the_end import run_to_the_end
+from engine.config import EngineConfig
 from engine.errors import EngineDeadError, ModelLoadError
-from engine.executor.base import Executor
+from engine.executor.base import Executor, PendingStep
 from engine.executor.rpc import WorkerConnection, WorkerError, WorkerGroup
 from engine.ipc import wire
 from engine.ipc.fast_socket import STREAM_ENDED
@@ -31,8 +31,10 @@ STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
 
 
 class WorkerGroupExecutor(Executor):
-    """An executor whose workers answer over `WorkerGroup` (subclasses start and stop them)."""
+    """An executor whose workers answer over `WorkerGroup` (subclasses start and stop them).
+    Ranks are numbered stage by stage (engine/models/parallel.py)."""
 
+    config: EngineConfig
     world_size: int
 
     def __init__(self) -> None:
@@ -97,9 +99,23 @@ class WorkerGroupExecutor(Executor):
         return await self._workers().collective_rpc(method, args, kwargs, timeout=timeout, non_block=non_block,
                                                     unique_reply_rank=unique_reply_rank)
 
+    @property
+    def driver_rank(self) -> int:
+        """The rank that samples and replies to steps: the first of the last pipeline stage."""
+        return (self.config.pipeline_parallel_size - 1) * self.config.tensor_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.pipeline_parallel_size
+
     async def load_model(self) -> ModelInfo:
-        info: ModelInfo = await self.collective_rpc("load_model", unique_reply_rank=0)
-        return info
+        """Every rank loads its part; the engine sizes the KV cache by the rank whose blocks take
+        the most bytes (under pipeline parallelism the stages hold different layers)."""
+        if self.config.pipeline_parallel_size == 1:
+            info: ModelInfo = await self.collective_rpc("load_model", unique_reply_rank=0)
+            return info
+        infos: list[ModelInfo] = await self.collective_rpc("load_model")
+        return max(infos, key=lambda each: each.kv_bytes_per_block)
 
     async def initialize_kv_cache(self, num_blocks: int) -> None:
         await self.collective_rpc("initialize_kv_cache", (num_blocks,))
@@ -107,12 +123,22 @@ class WorkerGroupExecutor(Executor):
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Every rank runs the step; only rank 0 samples and replies. Cancellation waits for that
         reply (the executor's contract), then raises; a worker that dies meanwhile fails the call."""
-        try:
-            output: ModelRunnerOutput = await run_to_the_end(
-                partial(self.collective_rpc, "execute_model", (sched_out,), unique_reply_rank=0))
-            return output
-        except WorkerError as exc:
-            raise await self._root_cause(exc) from exc
+        return await (await self.start_model(sched_out)).result()
+
+    async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:
+        """Send the step to every rank now; the driver rank's reply is the `PendingStep`'s output.
+        Ranks run their calls in order, so under pipeline parallelism the first stage starts the
+        next step while the later stages run this one."""
+        future = self._workers().call("execute_model", (sched_out,), unique_reply_rank=self.driver_rank)
+
+        async def output() -> ModelRunnerOutput:
+            try:
+                result: ModelRunnerOutput = await future.result()
+                return result
+            except WorkerError as exc:
+                raise await self._root_cause(exc) from exc
+
+        return PendingStep(wait=output)
 
     async def _root_cause(self, error: WorkerError) -> BaseException:
         """Under tensor parallelism a rank's death shows first as its peers' collective errors

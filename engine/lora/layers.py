@@ -255,7 +255,7 @@ class LoRAServing:
                 linears.append(lora)
             lora.slices[module] = _Slice(target.start, target.end, len(lora.slices) * max_rank)
         for lora in linears:
-            lora.allocate(self.max_loras, max_rank, model.dtype, model.embed_tokens.weight.device)
+            lora.allocate(self.max_loras, max_rank, model.dtype, model.device)
         return linears
 
     def batch(self, names: list[str | None], counts: list[int], device: torch.device) -> LoRABatch | None:

@@ -28,7 +28,7 @@ from engine.models.attention import (
 from engine.models.hf_config import DecoderConfig
 from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
-from engine.models.parallel import TensorParallel
+from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.rope import RotaryEmbedding
 from engine.models.weights import checked_copy, load_named_weights
 
@@ -97,33 +97,47 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str,
-                 tp: TensorParallel = TensorParallel(), experts: ExpertLayout | None = None) -> None:
+                 tp: TensorParallel = TensorParallel(), experts: ExpertLayout | None = None,
+                 stage: PipelineStage = PipelineStage()) -> None:
         """`experts`: how this rank holds an MoE model's expert slots (default: every logical
-        expert once, tensor-sharded like the dense MLP)."""
+        expert once, tensor-sharded like the dense MLP). `stage`: under pipeline parallelism,
+        this rank holds its stage's layers only, the embedding on the first stage, the final
+        norm and LM head on the last (and the embedding there too when the head is tied to it)."""
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.config = cfg
         self.dtype = dtype
         self.tp = tp
+        self.stage = stage
+        self.layer_range = stage.layer_range(cfg.num_layers)
         if cfg.moe is not None and experts is None:
             experts = ExpertLayout(cfg.moe.num_experts, cfg.moe.num_experts)
         self.expert_layout = experts
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, experts, **factory) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False, **factory)
+        keeps_embedding = stage.is_first or (stage.is_last and cfg.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **factory) \
+            if keeps_embedding else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, experts, **factory) for i in self.layer_range)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory) if stage.is_last else None
+        vocab_rows = tp.split(cfg.vocab_size, "vocab_size")  # this rank's rows, as the embedding's
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False, **factory) if stage.is_last else None
         self.rope: RotaryEmbedding | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def setup_rope(self, max_positions: int) -> None:
         cfg = self.config
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                    self.embed_tokens.weight.device, self.dtype)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, self.device,
+                                    self.dtype)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
+            assert self.embed_tokens is not None
             self.lm_head.weight = self.embed_tokens.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None, "only the first pipeline stage embeds tokens"
         return self.embed_tokens(input_ids)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -134,7 +148,8 @@ class DecoderForCausalLM(nn.Module):
         assert self.rope is not None, "setup_rope() must run before forward()"
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.rope, kv_cache, meta)
-        return self.norm(hidden)
+        # A pipeline stage before the last passes its layers' output on, unnormalised.
+        return self.norm(hidden) if self.norm is not None else hidden
 
     @property
     def first_layer(self) -> DecoderLayer:
@@ -169,6 +184,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (gathered from every rank: a collective, so all ranks call it)."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.tp.all_gather_last_dim(self.lm_head(hidden)).float()
 
     # ---- weight loading ---------------------------------------------------------------
@@ -209,9 +225,13 @@ class DecoderForCausalLM(nn.Module):
     def _map_name(self, hf_name: str) -> tuple[str, int | None] | None:
         if "rotary_emb.inv_freq" in hf_name:
             return None
-        if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+        if hf_name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
             return None
-        name = hf_name.removeprefix("model.").replace("self_attn.", "").replace("block_sparse_moe.", "mlp.")
+        staged = self._on_this_stage(
+            hf_name.removeprefix("model.").replace("self_attn.", "").replace("block_sparse_moe.", "mlp."))
+        if staged is None:
+            return None
+        name = staged
         parts = name.split(".")
         if len(parts) == 7 and parts[2:4] == ["mlp", "experts"] and parts[5] in self._EXPERT:
             ours, part = self._EXPERT[parts[5]]
@@ -221,6 +241,19 @@ class DecoderForCausalLM(nn.Module):
             fused, slot = self._FUSED[parts[-2]]
             return ".".join([*parts[:-2], fused, parts[-1]]), slot
         return name, None
+
+    def _on_this_stage(self, name: str) -> str | None:
+        """`name` with its layer renumbered to this stage's module list; None for a tensor another
+        pipeline stage holds."""
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            if int(index) not in self.layer_range:
+                return None
+            return f"layers.{int(index) - self.layer_range.start}.{rest}"
+        if (name.startswith("embed_tokens.") and self.embed_tokens is None) or \
+                (name.startswith("norm.") and self.norm is None):
+            return None
+        return name
 
     def _copy_into(self, param: torch.Tensor, name: str, slot: int | None,
                    tensor: torch.Tensor, hf_name: str) -> None:

@@ -22,7 +22,7 @@ from engine.models.hf_config import (
     read_json_file,
 )
 from engine.models.moe import ExpertLayout
-from engine.models.parallel import TensorParallel
+from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.vision import LlavaVision, VisionConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,15 +66,16 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                  max_positions: int | None = None, tp: TensorParallel = TensorParallel(),
-                 experts: ExpertLayout | None = None) -> DecoderForCausalLM:
+                 experts: ExpertLayout | None = None, stage: PipelineStage = PipelineStage()) -> DecoderForCausalLM:
     """Build and load the model (this rank's shard of it, under tensor or expert parallelism;
-    `experts` places an MoE model's expert slots). Blocking (file I/O, copies): run it off the loop."""
+    `experts` places an MoE model's expert slots; `stage`, its pipeline stage's layers only).
+    Blocking (file I/O, copies): run it off the loop."""
     model_dir = Path(model_dir)
     cfg: DecoderConfig = parse_decoder_config(read_config_json(model_dir))
     files = safetensors_files(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype)
     try:
-        model = DecoderForCausalLM(cfg, torch_dtype, device, tp, experts)  # uninitialised: the weights come next
+        model = DecoderForCausalLM(cfg, torch_dtype, device, tp, experts, stage)  # uninitialised: weights next
     except ValueError as exc:  # a dimension tensor parallelism cannot split
         raise ModelLoadError(str(exc)) from None
     with torch.no_grad():

@@ -69,6 +69,9 @@ class SchedulerConfig:
     encoder_cache_rows: int = 0
     # LoRA: distinct adapters among the running requests at once (--max-loras; 0: no adapters served)
     max_loras: int = 0
+    # Steps in flight at once (pipeline stages): each step takes at most its share of the running
+    # requests, so the next step has requests of its own to run while this one is in flight.
+    micro_batches: int = 1
 
 
 @dataclass
@@ -106,6 +109,10 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache when a request first ran, and those found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Requests in a step that was scheduled and whose output has not come back (pipeline
+        # parallelism keeps several steps in flight): none is scheduled again, nor preempted,
+        # until `update_from_output` has taken its step's result.
+        self.in_flight: set[str] = set()
 
     # ---- intake and abort ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -174,6 +181,7 @@ class Scheduler:
         self._deferred_last_step = len(self.step_skipped_waiting)
         self.step_skipped_waiting.clear()
         out.scheduled = list(scheduled.values())
+        self.in_flight.update(scheduled)
         out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, {}
         out.ec_loads = self.external.build_connector_meta() if self.external is not None else {}
         out.freed_encoder_hashes = self.encoder_cache.take_evicted()
@@ -190,15 +198,23 @@ class Scheduler:
     def _schedule_running(self, scheduled: dict[str, ScheduledRequest], budget: int) -> tuple[int, bool]:
         preempted_any = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        share = -(-len(self.running) // self.config.micro_batches)  # this step's part of the running batch
+        while i < len(self.running) and budget > 0 and len(scheduled) < share:
             request = self.running[i]
+            if request.request_id in self.in_flight:  # its last step's output is not back yet
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new, to_encode = self._plan_encoder(request, request.num_computed_tokens, num_new)
             if num_new == 0:  # its next image cannot be encoded this step
                 i += 1
                 continue
+            stuck = False
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
+                if victim is None:  # every other request is in flight: this one waits a step
+                    stuck = True
+                    break
                 if self.running.index(victim) < i:
                     i -= 1  # an already-scheduled request was chosen (priority policy)
                 budget += self._preempt(victim, scheduled)
@@ -207,6 +223,9 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; self.running shrank, index i now points at the next one
+            if stuck:
+                i += 1
+                continue
             self._commit_encoder(request, request.num_computed_tokens, num_new, to_encode)
             scheduled[request.request_id] = self._chunk(request, num_new)
             budget -= num_new
@@ -346,10 +365,15 @@ class Scheduler:
             self.skipped_waiting.remove(request)
             self.waiting.prepend(request)
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self) -> Request | None:
+        """The running request to preempt (never one in flight: its step still uses its blocks);
+        None when every running request is."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.config.policy == "priority":
-            return max(self.running, key=Request.sort_key)
-        return self.running[-1]
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]
 
     def _preempt(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> int:
         """Free the request's blocks and send it back to waiting; returns budget handed back."""
@@ -378,6 +402,7 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by what the step computed and sampled."""
         updates = []
+        self.in_flight.difference_update(item.request_id for item in sched_out.scheduled)
         for item in sched_out.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -110,7 +110,7 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.capture_sizes = tuple(sorted(set(capture_sizes)))
         self.cache_dir = cache_dir
-        device = model.embed_tokens.weight.device
+        device = model.device
         self.device = device
         for experts in model.moe_layers:
             experts.exclude_from_compilation()

@@ -19,6 +19,7 @@ from engine.lora.layers import LoRAServing, lora_batch
 from engine.model_info import PoolerConfig
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
+from engine.models.parallel import PipelineStage
 from engine.models.pooler import finish, pool
 from engine.models.vision import LlavaVision
 from engine.multimodal import ImageFeature
@@ -68,11 +69,13 @@ class ModelRunner:
                  save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None,
                  grammar: GrammarMasks | None = None, decode_graphs: DecodeGraphs | None = None,
                  step_graph: StepGraph | None = None, num_blocks: int | None = None,
-                 lora: LoRAServing | None = None) -> None:
+                 lora: LoRAServing | None = None, stage: PipelineStage = PipelineStage(), tp_rank: int = 0) -> None:
         """`decode_graphs`: compiled graphs that decode-only steps run on (None: all eager);
         `step_graph`: the compiled graph the other steps run on (None: eager). `lora`: the LoRA
         adapters served.
-        `num_blocks`: the scheduler's blocks (default: all the cache holds)."""
+        `num_blocks`: the scheduler's blocks (default: all the cache holds). `stage`: this rank's
+        pipeline stage (`tp_rank` its place in the stage): a stage after the first takes its input
+        rows from the one before, a stage before the last hands its output on and samples nothing."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -97,6 +100,8 @@ class ModelRunner:
         self.num_encoded = 0  # images run through the vision encoder (metrics, tests)
         self.save_encoder_output = save_encoder_output  # an EC producer's store (driver rank only)
         self.grammar = grammar  # structured outputs (matchers live on the driver, which samples)
+        self.stage = stage
+        self.tp_rank = tp_rank
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -118,6 +123,9 @@ class ModelRunner:
         if not batch:
             return out
         hidden = self._forward(batch)
+        if not self.stage.is_last:
+            self.stage.send_to_next_stage(hidden, self.tp_rank)  # the next stage's input rows
+            return out
         if self.report_expert_load and self.is_driver:
             # A nested list: pickling it round trip costs ~1 us, a tensor's ~130 us (measured).
             out.expert_load = self.model.take_expert_load().tolist()
@@ -197,6 +205,10 @@ class ModelRunner:
             positions.extend(range(item.start_position, item.start_position + item.num_tokens))
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if not self.stage.is_first:  # the previous stage's output rows (pipeline stages run eagerly)
+            rows = self.stage.receive_from_previous_stage(len(token_ids), self.model.config.hidden_size,
+                                                          self.model.dtype, self.device, self.tp_rank)
+            return self._forward_eager(batch, rows, pos)
         embeds = self._embed(batch, input_ids)
         graphs = self.decode_graphs
         num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens != 1), len(batch))  # decodes come first

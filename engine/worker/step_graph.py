@@ -86,7 +86,7 @@ class StepGraph:
                 return step
             settle_vector_isa(self.cache_dir)
         progress("compiling the step graph with AOTInductor (the first start of this model here only)")
-        device = self.model.embed_tokens.weight.device
+        device = self.model.device
         hidden = torch.zeros(TRACE_TOKENS, self.model.config.hidden_size, dtype=self.model.dtype, device=device)
         positions = torch.zeros(TRACE_TOKENS, dtype=torch.long, device=device)
         try:
@@ -102,7 +102,7 @@ class StepGraph:
 
     def _agrees_with_eager(self, step: precompiled_graph.GraphedStep) -> bool:
         """Whether `step` computes what the eager model does on a prompt that fills the scratch block."""
-        device = self.model.embed_tokens.weight.device
+        device = self.model.device
         generator = torch.Generator().manual_seed(0)
         tokens = max(self.block_size, MIN_TOKENS)
         blocks = list(range(self.scratch_block, self.scratch_block + 1)) * -(-tokens // self.block_size)

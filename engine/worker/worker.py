@@ -29,7 +29,7 @@ from engine.models.hf_config import is_llava_config, parse_decoder_config, read_
 from engine.models.loader import load_decoder, load_encoder, load_llava
 from engine.models.moe import expert_layout_for
 from engine.models.packed_linear import slower_than_float32
-from engine.models.parallel import TensorParallel, init_distributed
+from engine.models.parallel import PipelineStage, TensorParallel, init_distributed
 from engine.models.pooler import read_pooler_config
 from engine.models.vision import LlavaVision
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -59,7 +59,11 @@ class Worker:
                  distributed_init_method: str | None = None) -> None:
         self.config = config
         self.rank = rank
-        self.tp = TensorParallel(rank, world_size)
+        # Global rank = pipeline stage * ranks per stage + tensor-parallel rank (engine/models/parallel.py).
+        stages = config.pipeline_parallel_size
+        per_stage = world_size // stages
+        self.tp = TensorParallel(rank % per_stage, per_stage)
+        self.stage = PipelineStage(rank // per_stage, stages, per_stage)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
@@ -74,7 +78,7 @@ class Worker:
         if world_size > 1:
             if distributed_init_method is None:
                 raise ValueError("tensor parallelism needs a distributed_init_method")
-            init_distributed(self.tp, distributed_init_method, self.device)
+            self.tp = init_distributed(self.tp, distributed_init_method, self.device, self.stage)
         self.model: DecoderForCausalLM | BertEncoder | None = None
         self.runner: ModelRunner | EncoderRunner | None = None
         self.pooler = PoolerConfig()
@@ -88,6 +92,8 @@ class Worker:
 
     def _load_model(self) -> ModelInfo:
         raw = read_config_json(self.config.model)
+        if self.stage.size > 1:
+            check_pipeline_parallel(self.config, raw)
         if is_encoder_config(raw):
             return self._load_encoder(raw)
         if is_llava_config(raw):
@@ -97,7 +103,7 @@ class Worker:
         cfg = parse_decoder_config(raw)
         layout = expert_layout_for(cfg.moe, self.config, self.rank)
         self.model = load_decoder(self.config.model, self.config.dtype, self.config.device, max_positions, self.tp,
-                                  layout)
+                                  layout, self.stage)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         self._warn_if_reduced_precision_is_slower()
@@ -156,8 +162,9 @@ class Worker:
         assert isinstance(self.model, DecoderForCausalLM)
         cfg = self.model.config
         element_size = torch.empty((), dtype=self.model.dtype).element_size()
-        # This rank's share: the cache budget applies per rank, as each holds its own heads.
-        per_block = 2 * cfg.num_layers * self.config.block_size * self.model.num_local_kv_heads * cfg.head_dim \
+        # This rank's share: the cache budget applies per rank, as each holds its own heads (and,
+        # under pipeline parallelism, its own layers).
+        per_block = 2 * len(self.model.layers) * self.config.block_size * self.model.num_local_kv_heads * cfg.head_dim \
             * element_size
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
@@ -192,7 +199,7 @@ class Worker:
         shape = ((num_blocks + compiled) * self.config.block_size, self.model.num_local_kv_heads, cfg.head_dim)
         caches = [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
                    torch.zeros(shape, dtype=self.model.dtype, device=self.device))
-                  for _ in range(cfg.num_layers)]
+                  for _ in self.model.layers]
         graphs = step_graph = None
         if compiled:
             cache_dir = use_compile_cache(self.config.compilation_config.cache_dir)
@@ -202,12 +209,12 @@ class Worker:
             if self.config.compilation_config.compile_prompts and not self.model.moe_layers:
                 step_graph = StepGraph(self.model, caches, self.config.block_size, num_blocks, cache_dir)
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
-                                  is_driver=self.rank == 0, pooler=self.pooler,
+                                  is_driver=self.is_driver, pooler=self.pooler,
                                   report_expert_load=self.config.enable_eplb, vision=self.vision,
                                   save_encoder_output=self._ec_saver(),
                                   grammar=GrammarMasks(self.config.tokenizer_path, cfg.vocab_size),
                                   decode_graphs=graphs, step_graph=step_graph, num_blocks=num_blocks,
-                                  lora=self.lora)
+                                  lora=self.lora, stage=self.stage, tp_rank=self.tp.rank)
         with bound_to(self.compute_cpus), torch.inference_mode():
             if graphs is not None:
                 graphs.compile_all()
@@ -218,8 +225,13 @@ class Worker:
         """Whether decode steps run compiled graphs: unless --enforce-eager, for a decoder on one
         rank whose experts (if any) stay where they are loaded. Tensor parallelism's collectives
         and EPLB's weight moves run on the eager model."""
-        return not self.config.eager and self.tp.size == 1 and not self.config.enable_eplb \
+        return not self.config.eager and self.tp.size == 1 and self.stage.size == 1 and not self.config.enable_eplb \
             and isinstance(self.model, DecoderForCausalLM)
+
+    @property
+    def is_driver(self) -> bool:
+        """This rank samples and replies: the first tensor-parallel rank of the last stage."""
+        return self.stage.is_last and self.tp.rank == 0
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_cache() first"
@@ -279,4 +291,16 @@ class Worker:
         """What this rank holds (for operators and tests): its rank and share of the model."""
         assert isinstance(self.model, DecoderForCausalLM), "a loaded decoder"
         return {"rank": self.rank, "world_size": self.tp.size, "local_kv_heads": self.model.num_local_kv_heads,
-                "num_parameters": sum(p.numel() for p in self.model.parameters())}
+                "num_parameters": sum(p.numel() for p in self.model.parameters()),
+                "stage": self.stage.rank, "layers": [self.model.layer_range.start, self.model.layer_range.stop]}
+
+
+def check_pipeline_parallel(config: EngineConfig, raw: dict[str, Any]) -> None:
+    """`ModelLoadError` for what pipeline stages do not run (yet): encoders, vision models, LoRA
+    and moving experts."""
+    refused = [(is_encoder_config(raw), "encoder (BERT) models"), (is_llava_config(raw), "vision-language models"),
+               (config.enable_lora, "LoRA adapters"), (config.enable_eplb, "expert load balancing"),
+               (config.enable_expert_parallel, "expert parallelism")]
+    for applies, what in refused:
+        if applies:
+            raise ModelLoadError(f"pipeline parallelism does not support {what} yet")
