@@ -227,6 +227,9 @@ class EngineConfig:
     # Consecutive layers on each of N stages of worker processes (each stage tensor_parallel_size
     # ranks), N steps in flight at once so every stage has work (engine/models/parallel.py).
     pipeline_parallel_size: int = 1
+    # Layers per stage (vLLM's VLLM_PP_LAYER_PARTITION, "16,8"); None: an even split. The last
+    # stage also runs the LM head: on a model whose head is as large as several layers, give it fewer.
+    pipeline_layer_partition: tuple[int, ...] | None = None
     # MoE models: split the experts over the tensor-parallel ranks instead of sharding each one
     enable_expert_parallel: bool = False
     enable_eplb: bool = False  # rebalance experts by their measured load (see EplbConfig)

@@ -87,3 +87,22 @@ def bound_to(cpus: Sequence[int] | None) -> Iterator[None]:
         yield
     finally:
         bind_this_thread(tuple(before))
+
+
+def split_layout(layout: CpuLayout | None, parts: int) -> list[CpuLayout | None]:
+    """`layout`'s compute CPUs in `parts` contiguous groups, as even as they go (the server CPUs
+    unchanged); with fewer CPUs than parts, part i takes CPU i modulo their number. For processes
+    that share the compute CPUs: data-parallel engines, the ranks of one engine."""
+    if layout is None:
+        return [None] * parts
+    cpus = layout.compute
+    if len(cpus) < parts:
+        return [CpuLayout((cpus[i % len(cpus)],), layout.server) for i in range(parts)]
+    size, extra = divmod(len(cpus), parts)
+    groups: list[CpuLayout | None] = []
+    start = 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        groups.append(CpuLayout(cpus[start:end], layout.server))
+        start = end
+    return groups

@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.http import Reader, open_request, request
 from engine import EngineDeadError, SamplingParams
 from engine.api import open_engine_process
-from engine.core.data_parallel import PrefixMemory, choose_core, prefix_hashes, split_layout, sum_stats
+from engine.core.data_parallel import PrefixMemory, choose_core, prefix_hashes, sum_stats
 from engine.core.stats import EngineStats
-from engine.cpu_binding import CpuLayout
+from engine.cpu_binding import CpuLayout, split_layout
 from tests.conftest import engine_config
 from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.server_fixtures import running_server

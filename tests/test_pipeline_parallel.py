@@ -62,6 +62,20 @@ def test_layers_split_evenly_the_first_stages_taking_the_rest():
         PipelineStage(0, 3).layer_range(2)
 
 
+def test_vllms_layer_partition_places_the_layers(monkeypatch):
+    assert [PipelineStage(r, 2).layer_range(24, (16, 8)) for r in range(2)] == [range(0, 16), range(16, 24)]
+    with pytest.raises(ValueError, match="each of the 2 stages at least one layer and 24 in all"):
+        PipelineStage(0, 2).layer_range(24, (20, 8))
+    from web.cli import _parser
+    from web.options import engine_config as config_from_flags
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "3,1")
+    config = config_from_flags("m", _parser().parse_args(["serve", "m", "-pp", "2"]))
+    assert (config.pipeline_parallel_size, config.pipeline_layer_partition) == (2, (3, 1))
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "three,one")
+    with pytest.raises(ValueError, match="VLLM_PP_LAYER_PARTITION must be layers per stage"):
+        config_from_flags("m", _parser().parse_args(["serve", "m", "-pp", "2"]))
+
+
 class PipelinedFake(FakeExecutor):
     """A fake model of `stages` stages: each takes `per_request` virtual seconds per scheduled
     request, and a stage runs one step at a time, in order (as a worker process does)."""

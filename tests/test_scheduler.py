@@ -122,6 +122,9 @@ def test_abort_frees_blocks_wherever_the_request_is():
     aborted = sched.finish_requests(["running", "waiting", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert {r.request_id for r in aborted} == {"running", "waiting"}
     assert not sched.has_work() and sched.kv.num_used_blocks == 0
+    # No step runs for an empty schedule: the worker hears of it with the next step that does.
+    assert sched.schedule().finished_request_ids == []
+    sched.add_request(make_request("next"))
     assert sched.schedule().finished_request_ids == ["running"]  # the worker forgets it
 
 
@@ -192,3 +195,21 @@ def test_duplicate_request_id_is_refused():
     sched.add_request(make_request("a"))
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("a"))
+
+
+def test_steps_in_flight_split_the_running_batch_and_are_never_rescheduled_or_preempted():
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, micro_batches=2)
+    sched = Scheduler(config, KVBlockManager(64, 4))
+    for rid in "abcd":
+        sched.add_request(make_request(rid, n_prompt=4, max_tokens=8))
+    run_step(sched)  # the four prefills, one step
+    first = sched.schedule()
+    second = sched.schedule()  # the first step's output is not back yet
+    assert len(first.scheduled) == len(second.scheduled) == 2  # each its half of the running batch
+    assert {s.request_id for s in first.scheduled}.isdisjoint(s.request_id for s in second.scheduled)
+    assert sched.schedule().is_empty  # every running request is in flight
+    assert sched._pick_victim() is None  # nor can one be preempted: its step still uses its blocks
+    result = ModelRunnerOutput(sampled_token_ids={s.request_id: 7 for s in first.scheduled})
+    sched.update_from_output(first, result)
+    again = sched.schedule()
+    assert {s.request_id for s in again.scheduled} == {s.request_id for s in first.scheduled}

@@ -136,6 +136,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
             "data_parallel_size": args.data_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
+            "pipeline_layer_partition": layer_partition_from_env() if args.pipeline_parallel_size > 1 else None,
             "executor": "inproc" if args.executor == "uni" else args.executor,
             "pooling_type": args.pooling_type, "chat_template": args.chat_template,
             "generation_config": args.generation_config,
@@ -276,3 +277,15 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
 
 def engine_config(model: str, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=model, **engine_options(args))
+
+
+def layer_partition_from_env() -> tuple[int, ...] | None:
+    """vLLM's VLLM_PP_LAYER_PARTITION ("16,8": layers per pipeline stage), if set; a value that is
+    not a list of integers is a `ValueError` naming it."""
+    value = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if not value:
+        return None
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(f"VLLM_PP_LAYER_PARTITION must be layers per stage, such as 16,8; got {value!r}") from None

@@ -37,8 +37,12 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
     the engine core runs apart from the server; one per data-parallel engine)."""
     from engine.api import data_parallel_configs  # the engine is up: torch is loaded anyway
     info = engine.info
-    layout = (f"{config.tensor_parallel_size} worker processes (tensor parallel)" if config.tensor_parallel_size > 1
-              else "a worker process" if config.executor_kind == "mp" else "in-process (a worker thread)")
+    stages, ranks = config.pipeline_parallel_size, config.tensor_parallel_size
+    layout = (f"{config.world_size} worker processes ({stages} pipeline stages of {ranks})" if stages > 1
+              else f"{ranks} worker processes (tensor parallel)" if ranks > 1
+              else "a worker process" if config.executor_kind != "inproc" else "in-process (a worker thread)")
+    if config.executor_kind == "ray":
+        layout += ", Ray actors"
     core = ("in the server process" if not engine_pids
             else f"its own process (pid {engine_pids[0]})" if len(engine_pids) == 1
             else f"{len(engine_pids)} engine processes, data parallel (pids {', '.join(map(str, engine_pids))})")

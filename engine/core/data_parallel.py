@@ -32,7 +32,7 @@ from engine.config import EngineConfig
 from engine.core.core_client import CoreClient
 from engine.core.engine_core import AddRequest, CoreHandle
 from engine.core.stats import EngineStats
-from engine.cpu_binding import CpuLayout
+from engine.cpu_binding import split_layout
 from engine.errors import EngineDeadError
 
 log = logging.getLogger("trio_llm.engine")
@@ -179,24 +179,6 @@ def data_parallel_configs(config: EngineConfig) -> list[EngineConfig]:
         return [config]
     layouts = split_layout(config.cpu_layout, size)
     return [replace(config, data_parallel_size=1, cpu_layout=layout) for layout in layouts]
-
-
-def split_layout(layout: CpuLayout | None, parts: int) -> list[CpuLayout | None]:
-    """`layout`'s compute CPUs in `parts` contiguous groups, as even as they go (the server CPUs
-    unchanged); with fewer CPUs than parts, part i takes CPU i modulo their number."""
-    if layout is None:
-        return [None] * parts
-    cpus = layout.compute
-    if len(cpus) < parts:
-        return [CpuLayout((cpus[i % len(cpus)],), layout.server) for i in range(parts)]
-    size, extra = divmod(len(cpus), parts)
-    groups: list[CpuLayout | None] = []
-    start = 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        groups.append(CpuLayout(cpus[start:end], layout.server))
-        start = end
-    return groups
 
 
 async def run_data_parallel_rank(client: CoreClient, rank: int, clients: Sequence[CoreClient], *,

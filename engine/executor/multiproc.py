@@ -19,16 +19,19 @@ Lifecycle (use as an async context manager; `open_engine` does):
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import sys
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from typing import Any
 
 import anyio
 from anyio.abc import Process
 
 from engine.config import EngineConfig, usable_cpus
+from engine.cpu_binding import split_layout
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor.rpc import WorkerConnection, WorkerGroup
 from engine.executor.worker_group import WorkerGroupExecutor
@@ -36,6 +39,8 @@ from engine.ipc.fast_socket import FastSocketStream
 from engine.ipc.process import describe_exit, spawn_with_socket, stop_processes
 from engine.models.hf_config import read_config_json
 from engine.worker.messages import Init
+
+log = logging.getLogger("trio_llm.executor")
 
 
 class MultiprocExecutor(WorkerGroupExecutor):
@@ -79,7 +84,10 @@ class MultiprocExecutor(WorkerGroupExecutor):
     async def _start_workers(self) -> list[WorkerConnection]:
         connections = [await self._spawn(rank) for rank in range(self.world_size)]
         threads = max(1, usable_cpus() // self.world_size)
-        inits = [Init(conn.rank, self.world_size, self.config, self._distributed_init_method(), threads, conn.poll)
+        # Bound compute CPUs are split between the ranks, as the unbound ones are by the thread count.
+        layouts = split_layout(self.config.cpu_layout, self.world_size)
+        inits = [Init(conn.rank, self.world_size, replace(self.config, cpu_layout=layouts[conn.rank]),
+                      self._distributed_init_method(), threads, conn.poll)
                  for conn in connections]
         try:
             await self._handshake_all(connections, inits)
@@ -88,6 +96,11 @@ class MultiprocExecutor(WorkerGroupExecutor):
                 for conn in connections:
                     await conn.stream.aclose()
             raise
+        for init, process in zip(inits, self.processes, strict=True):
+            layout = init.config.cpu_layout
+            cpus = layout.describe() if layout is not None else f"not bound, {threads} torch threads"
+            log.info("worker rank %d (stage %d): pid %d on this node, %s", init.rank,
+                     init.rank // self.config.tensor_parallel_size, process.pid, cpus)
         return connections
 
     async def _spawn(self, rank: int) -> WorkerConnection:

@@ -147,7 +147,8 @@ class RayExecutor(WorkerGroupExecutor):
         self.placements = await gather_first_failure(
             [partial(ray_refs.get, actor.placement.remote()) for actor in self.actors])
         for rank, placement in enumerate(self.placements):
-            log.info("worker rank %d (Ray actor): %s", rank, placement.describe())
+            log.info("worker rank %d (stage %d, Ray actor): %s", rank, rank // self.config.tensor_parallel_size,
+                     placement.describe())
 
     async def _start_workers(self) -> list[WorkerConnection]:
         """Every actor connects back and serves; then the usual handshake. An actor that fails

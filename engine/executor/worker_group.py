@@ -110,7 +110,8 @@ class WorkerGroupExecutor(Executor):
 
     async def load_model(self) -> ModelInfo:
         """Every rank loads its part; the engine sizes the KV cache by the rank whose blocks take
-        the most bytes (under pipeline parallelism the stages hold different layers)."""
+        the most bytes (under pipeline parallelism the stages hold different layers).
+        Cancellation stops waiting; the executor is then unusable and must be closed."""
         if self.config.pipeline_parallel_size == 1:
             info: ModelInfo = await self.collective_rpc("load_model", unique_reply_rank=0)
             return info
@@ -128,7 +129,8 @@ class WorkerGroupExecutor(Executor):
     async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:
         """Send the step to every rank now; the driver rank's reply is the `PendingStep`'s output.
         Ranks run their calls in order, so under pipeline parallelism the first stage starts the
-        next step while the later stages run this one."""
+        next step while the later stages run this one. Sending does not wait: cancellation cannot
+        interrupt it; awaiting the result waits for the step (`PendingStep.result`)."""
         future = self._workers().call("execute_model", (sched_out,), unique_reply_rank=self.driver_rank)
 
         async def output() -> ModelRunnerOutput:

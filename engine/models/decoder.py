@@ -109,7 +109,7 @@ class DecoderForCausalLM(nn.Module):
         self.dtype = dtype
         self.tp = tp
         self.stage = stage
-        self.layer_range = stage.layer_range(cfg.num_layers)
+        self.layer_range = stage.layer_range(cfg.num_layers, stage.partition)
         if cfg.moe is not None and experts is None:
             experts = ExpertLayout(cfg.moe.num_experts, cfg.moe.num_experts)
         self.expert_layout = experts

@@ -21,6 +21,7 @@ Global rank = stage * tensor_parallel_size + tensor-parallel rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,7 @@ class PipelineStage:
     rank: int = 0
     size: int = 1
     tp_size: int = 1  # ranks per stage
+    partition: tuple[int, ...] | None = None  # layers per stage, when not an even split
 
     @property
     def is_first(self) -> bool:
@@ -76,11 +78,18 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.rank == self.size - 1
 
-    def layer_range(self, num_layers: int) -> range:
-        """This stage's layers: an even split, the first stages taking one more when it does not
-        divide (so stage 0, whose KV cache the engine sizes by, holds the most)."""
+    def layer_range(self, num_layers: int, partition: Sequence[int] | None = None) -> range:
+        """This stage's layers: `partition[i]` layers on stage i when given (vLLM's
+        VLLM_PP_LAYER_PARTITION), else an even split, the first stages taking one more when it
+        does not divide (so stage 0, whose KV cache the engine sizes by, holds the most)."""
         if num_layers < self.size:
             raise ValueError(f"pipeline_parallel_size ({self.size}) is larger than the model's {num_layers} layers")
+        if partition is not None:
+            if len(partition) != self.size or sum(partition) != num_layers or min(partition) < 1:
+                raise ValueError(f"a layer partition must give each of the {self.size} stages at least one layer "
+                                 f"and {num_layers} in all, got {list(partition)}")
+            start = sum(partition[:self.rank])
+            return range(start, start + partition[self.rank])
         base, extra = divmod(num_layers, self.size)
         start = self.rank * base + min(self.rank, extra)
         return range(start, start + base + (1 if self.rank < extra else 0))

@@ -181,6 +181,10 @@ class Scheduler:
         self._deferred_last_step = len(self.step_skipped_waiting)
         self.step_skipped_waiting.clear()
         out.scheduled = list(scheduled.values())
+        if not out.scheduled:  # no step runs: what the workers must hear goes with the next one
+            self._finished_for_worker = out.finished_request_ids + self._finished_for_worker
+            out.finished_request_ids = []
+            return out
         self.in_flight.update(scheduled)
         out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, {}
         out.ec_loads = self.external.build_connector_meta() if self.external is not None else {}

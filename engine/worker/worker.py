@@ -63,7 +63,7 @@ class Worker:
         stages = config.pipeline_parallel_size
         per_stage = world_size // stages
         self.tp = TensorParallel(rank % per_stage, per_stage)
-        self.stage = PipelineStage(rank // per_stage, stages, per_stage)
+        self.stage = PipelineStage(rank // per_stage, stages, per_stage, config.pipeline_layer_partition)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
