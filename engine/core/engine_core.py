@@ -196,9 +196,11 @@ class EngineCore:
                 if not self.scheduler.has_work() and not self._in_flight:
                     await self._wait_for_message()
                 self._drain_inbox()
-                room = len(self._in_flight) < self.executor.max_concurrent_batches
-                if room and self.scheduler.has_work() and await self._launch():
-                    continue  # another step may start while this one runs (pipeline stages)
+                # Fill the pipeline (one step per stage; one step without pipeline stages), then
+                # publish the oldest: messages are applied between a step's outputs and the next.
+                while len(self._in_flight) < self.executor.max_concurrent_batches and \
+                        self.scheduler.has_work() and await self._launch():
+                    pass
                 if self._in_flight:
                     await self._finish_oldest()
                 elif self.scheduler.has_work():
