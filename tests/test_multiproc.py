@@ -46,11 +46,11 @@ async def test_tensor_parallel_2_generates_what_one_process_does(tiny_model_dir)
     assert len({tuple(o.token_ids) for o in single}) > 1  # the prompts do lead to different outputs
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
-async def test_collective_rpc_reaches_every_rank_and_reports_errors_on_their_own_call(tiny_model_dir, backend,
-                                                                                      request):
-    if backend == "ray":
-        request.getfixturevalue("ray_cluster")
+async def test_collective_rpc_reaches_every_rank_and_reports_errors_on_their_own_call(tiny_model_dir):
+    await check_collective_rpc(tiny_model_dir, "mp")  # and under "ray": tests/test_ray_executor.py
+
+
+async def check_collective_rpc(tiny_model_dir: str, backend: str) -> None:
     config = engine_config(tiny_model_dir, tensor_parallel_size=2, executor=backend)
     async with create_executor(config) as executor:
         await executor.load_model()

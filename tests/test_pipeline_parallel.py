@@ -7,7 +7,6 @@ import trio
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import SamplingParams, open_engine
-from engine.executor import create_executor
 from engine.executor.base import PendingStep
 from engine.models.parallel import PipelineStage
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -20,6 +19,10 @@ from tests.test_ray_executor import LLAMA
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
+    return four_layer_llama(tmp_path_factory)
+
+
+def four_layer_llama(tmp_path_factory) -> tuple[str, list[list[int]]]:
     """A transformers Llama of 4 layers (two per stage) and its greedy continuations of PROMPTS."""
     path, model = save_hf_checkpoint(tmp_path_factory, "llama-pp", LlamaConfig, LlamaForCausalLM,
                                      {**LLAMA, "num_hidden_layers": 4})
@@ -35,25 +38,25 @@ async def greedy(config) -> list[list[int]]:
     return [finals[i] for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2, "executor": "mp"},
-                                    {"pipeline_parallel_size": 2, "executor": "ray"},
-                                    {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "executor": "mp"}],
-                         ids=["pp2-mp", "pp2-ray", "pp2xtp2-mp"])
-async def test_pipeline_stages_generate_transformers_greedy_tokens(llama, layout, request):
-    if layout["executor"] == "ray":
-        request.getfixturevalue("ray_cluster")
+async def test_pipeline_stages_generate_transformers_greedy_tokens(llama):
+    # With Ray: tests/test_ray_executor.py (the one file that starts a Ray cluster).
     path, expected = llama
-    assert await greedy(engine_config(path, dtype="float32", **layout)) == expected
+    assert await greedy(engine_config(path, dtype="float32", pipeline_parallel_size=2, executor="mp")) == expected
 
 
-async def test_each_stage_holds_its_own_layers(llama):
-    config = engine_config(llama[0], pipeline_parallel_size=2, tensor_parallel_size=2, dtype="float32")
-    async with create_executor(config) as executor:
-        await executor.load_model()
-        summaries = await executor.collective_rpc("model_summary")
+async def test_stages_of_tensor_parallel_ranks_hold_their_own_layers_and_generate_greedy_tokens(llama):
+    path, expected = llama
+    config = engine_config(path, pipeline_parallel_size=2, tensor_parallel_size=2, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    async with open_engine(config) as engine:
+        summaries = await engine.core.executor.collective_rpc("model_summary")
+        finals = {}
+        async for index, output in engine.generate_batch(PROMPTS, params):
+            finals[index] = output.outputs[0].token_ids
     assert [(s["rank"], s["stage"], s["layers"]) for s in summaries] == \
         [(0, 0, [0, 2]), (1, 0, [0, 2]), (2, 1, [2, 4]), (3, 1, [2, 4])]
     assert summaries[0]["local_kv_heads"] == 1  # two KV heads over two tensor-parallel ranks, per stage
+    assert [finals[i] for i in range(len(PROMPTS))] == expected
 
 
 def test_layers_split_evenly_the_first_stages_taking_the_rest():

@@ -1,7 +1,9 @@
 """The Ray executor: workers as Ray actors on a local Ray cluster, against transformers and worker loss.
 
-The ordered-RPC and cancelled-step contracts run for it beside `mp` (tests/test_multiproc.py,
-tests/test_executor_contract.py)."""
+The ordered-RPC and cancelled-step contracts run here with the same bodies as for `mp`
+(tests/test_multiproc.py, tests/test_executor_contract.py), and pipeline stages on Ray with
+tests/test_pipeline_parallel.py's: every test that needs Ray lives in this file, so one test
+process starts a Ray cluster, not every process that meets such a test."""
 
 from __future__ import annotations
 
@@ -104,3 +106,20 @@ def test_vllms_backend_flag_picks_the_executor():
     assert backend() == "inproc" and backend("--tensor-parallel-size", "2") == "mp"
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "m", "--distributed-executor-backend", "external_launcher"])
+
+
+async def test_the_cancelled_step_contract_holds_under_ray(ray_cluster, tiny_model_dir):
+    from tests.test_executor_contract import check_a_cancelled_step_ends_before_the_cancellation_is_raised
+    await check_a_cancelled_step_ends_before_the_cancellation_is_raised(tiny_model_dir, "ray")
+
+
+async def test_collective_rpc_under_ray_reaches_every_rank_and_reports_errors_on_their_own_call(ray_cluster,
+                                                                                                tiny_model_dir):
+    from tests.test_multiproc import check_collective_rpc
+    await check_collective_rpc(tiny_model_dir, "ray")
+
+
+async def test_pipeline_stages_on_ray_generate_transformers_greedy_tokens(ray_cluster, tmp_path_factory):
+    from tests.test_pipeline_parallel import four_layer_llama, greedy
+    path, expected = four_layer_llama(tmp_path_factory)
+    assert await greedy(engine_config(path, dtype="float32", pipeline_parallel_size=2, executor="ray")) == expected
