@@ -33,7 +33,7 @@ from engine.api import (
     open_engine_process,
 )
 from engine.ids import random_id
-from web import admin_api, cors, load_tracking, lora_api, openai_api, orca, pooling_api, render_api
+from web import admin_api, cors, load_tracking, lora_api, messages_api, openai_api, orca, pooling_api, render_api
 from web.errors import APIError
 from web.keepalive import KeepAliveGuard
 from web.load_tracking import ServerLoad
@@ -112,6 +112,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     cors.register(app, state.settings.cors)
     _register_error_handlers(app)
     openai_api.register(app, state)
+    messages_api.register(app, state)
     pooling_api.register(app, state)
     render_api.register(app, state)
     admin_api.register(app, state)
@@ -171,11 +172,14 @@ def _check_api_key(api_key: str | None) -> None:
         return
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
+    if not header and "x-api-key" in request.headers:  # Anthropic's clients send the key there
+        scheme, token = "bearer", request.headers["x-api-key"]
     # Digests of both, compared in constant time: the time taken says nothing about how much of
     # the key is right, nor how long it is (vLLM compares the same way).
     given, expected = hashlib.sha256(token.encode()).digest(), hashlib.sha256(api_key.encode()).digest()
     if not hmac.compare_digest(given, expected) or scheme.lower() != "bearer":
-        raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                       code="invalid_api_key")
 
 
 def _register_error_handlers(app: QuartTrio) -> None:

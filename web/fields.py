@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from web import protocol
+from web import anthropic_protocol, protocol
 from web.errors import bad_request
 
 logger = logging.getLogger("trio_llm.requests")
@@ -65,6 +65,13 @@ REFUSED: dict[str, dict[str, str]] = {
     "tokenize": {"mm_processor_kwargs": "the image processor's settings come from the model"},
     "detokenize": {},
     "load_lora_adapter": {}, "unload_lora_adapter": {},
+    "messages": {  # Anthropic's
+        "thinking": "reasoning follows the chat template and --reasoning-parser; it is not configured per request",
+        "service_tier": "there is one service tier",
+        "container": "code execution containers are not available",
+        "mcp_servers": "MCP servers are not called",
+        "context_management": "context is not edited by the server",
+    },
 }
 
 REFUSED["chat/completions/batch"] = REFUSED["chat/completions"]  # the same body, one conversation per item
@@ -76,6 +83,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "rerank": protocol.RerankRequest, "chat/completions/batch": protocol.BatchChatCompletionRequest,
     "tokenize": protocol.TokenizeRequest, "detokenize": protocol.DetokenizeRequest,
     "load_lora_adapter": protocol.LoadLoRAAdapterRequest, "unload_lora_adapter": protocol.UnloadLoRAAdapterRequest,
+    "messages": anthropic_protocol.MessagesRequest,
 }
 ENDPOINT_OF = {model: name for name, model in MODELS.items()}
 

@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -265,37 +265,64 @@ def chat_tools(state: ServerState, req: Any) -> ToolPlan | None:
                       state.settings.tool_call_parser)
 
 
+@dataclass
+class ChatRun:
+    """A chat request under way: its engine stream (its first output already taken) and what
+    answering it needs. The Messages and Responses APIs answer from the same run."""
+
+    first: Any  # (0, the first RequestOutput)
+    outputs: AsyncGenerator[Any]
+    response_id: str
+    created: int
+    model_name: str
+    tool_plan: ToolPlan | None
+    reasoning_parser: str | None
+    top_logprobs: int | None
+    request: ChatCompletionRequest | None = None
+
+    def chat_stream(self) -> ChatStream:
+        req = self.request
+        return ChatStream(self.response_id, self.created, self.model_name, self.top_logprobs,
+                          tool_plan=self.tool_plan, reasoning_parser=self.reasoning_parser,
+                          echo=req.echoed_text() if req else "", token_ids=bool(req and req.return_token_ids),
+                          as_ids=bool(req and req.return_tokens_as_token_ids))
+
+
+async def start_chat(state: ServerState, req: ChatCompletionRequest, id_prefix: str = "chatcmpl-") -> ChatRun:
+    """Render, validate and submit a chat request, and run it up to its first output (so bad input
+    is a 400 before any answer starts). Cancellation aborts the engine request."""
+    engine = generation_engine(state)
+    tools = chat_tools(state, req)
+    prompt_input = await chat_prompt_for(state, engine, req, req.messages, tools.tools if tools else None)
+    params = await chat_sampling_params(state, engine, req, tools)
+    response_id, created = f"{id_prefix}{random_id()}", int(time.time())
+    outputs = engine.generate_batch([req.salted(prompt_input)], params, priority=req.priority,
+                                    request_id=response_id, lora_request=state.lora_request(req.model))
+    first = await first_item(outputs)
+    return ChatRun(first, outputs, response_id, created, state.response_model(req.model),
+                   tools if tools is not None and tools.makes_calls else None, state.settings.reasoning_parser,
+                   params.logprobs if req.logprobs else None, req)
+
+
 async def create_chat_completion(state: ServerState) -> Response:
     """Handles `POST /v1/chat/completions`. The client going away cancels the handler, which aborts
     its engine requests.
     """
     req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
     force_usage = state.settings.enable_force_include_usage  # vLLM's: usage on every chunk, and a last one
-    engine = generation_engine(state)
-    tools = chat_tools(state, req)
-    prompt_input = await chat_prompt_for(state, engine, req, req.messages, tools.tools if tools else None)
-    params = await chat_sampling_params(state, engine, req, tools)
-    tool_plan = tools if tools is not None and tools.makes_calls else None
-    response_id, created = f"chatcmpl-{random_id()}", int(time.time())
-    model_name = state.response_model(req.model)
-    outputs = engine.generate_batch([req.salted(prompt_input)], params, priority=req.priority,
-                                    request_id=response_id, lora_request=state.lora_request(req.model))
-    first = await first_item(outputs)
-    top = params.logprobs if req.logprobs else None
+    run = await start_chat(state, req)
     if req.stream:
-        stream = ChatStream(response_id, created, model_name, top, tool_plan=tool_plan,
-                            reasoning_parser=state.settings.reasoning_parser, echo=req.echoed_text(),
-                            token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
+        stream = run.chat_stream()
         continuous = req.continuous_usage or force_usage
-        body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[1], continuous),
+        body = sse.stream_events(run.first, run.outputs, lambda item: stream.chunk(item[1], continuous),
                                  lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
                                  state.streams)
-        return Response(_prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
+        return Response(prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
                         headers=sse.HEADERS)
-    (final,) = await final_outputs(first, outputs, 1)
+    (final,) = await final_outputs(run.first, run.outputs, 1)
     tokens = sum(len(c.token_ids) for c in final.outputs)
-    return await json_response(state, lambda: chat_response(response_id, created, model_name, final, top,
-                                                            tool_plan, state.settings.reasoning_parser,
+    return await json_response(state, lambda: chat_response(run.response_id, run.created, run.model_name, final,
+                                                            run.top_logprobs, run.tool_plan, run.reasoning_parser,
                                                             req.echoed_text(), req.prompt_logprobs is not None,
                                                             req.return_token_ids, req.return_tokens_as_token_ids),
                                tokens)
@@ -336,7 +363,9 @@ async def create_batch_chat_completion(state: ServerState) -> Response:
     return await json_response(state, build, sum(len(c.token_ids) for f in finals for c in f.outputs))
 
 
-async def _prepend(head: bytes, body: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:
+async def prepend(head: bytes, body: AsyncGenerator[bytes]) -> AsyncGenerator[bytes]:
+    """`head`, then `body`. Closing this (the client went away: cancellation) closes `body`, whose
+    finally aborts its requests."""
     async with aclosing(body):  # closing this closes the body at once (its finally aborts the request)
         yield head
         async for chunk in body:

@@ -169,7 +169,7 @@ def _completion_choice(index: int, output: RequestOutput, completion: Completion
 
 
 # ---- chat ----------------------------------------------------------------------------------------
-def _message(text: str, finish_reason: str | None, tools: ToolPlan | None,
+def chat_message(text: str, finish_reason: str | None, tools: ToolPlan | None,
              reasoning_parser: str | None = None) -> tuple[dict[str, Any], str | None]:
     """The assistant message for `text` (its reasoning split off with a reasoning parser, its tool
     calls found under `tools`), and the finish reason."""
@@ -193,7 +193,7 @@ def chat_response(response_id: str, created: int, model: str, output: RequestOut
                   token_ids: bool = False, as_ids: bool = False) -> dict[str, Any]:
     choices = []
     for completion in output.outputs:
-        message, finish_reason = _message(completion.text, completion.finish_reason, tools, reasoning_parser)
+        message, finish_reason = chat_message(completion.text, completion.finish_reason, tools, reasoning_parser)
         if echo and isinstance(message.get("content"), str):
             message["content"] = echo + message["content"]
         choice = {"index": completion.index, "message": message,
@@ -308,7 +308,8 @@ class ChatStream:
         if finish_reason is None:
             return {}, None
         assert self.tool_plan is not None
-        message, finish_reason = _message(self.held.pop(index), finish_reason, self.tool_plan, self.reasoning_parser)
+        message, finish_reason = chat_message(self.held.pop(index), finish_reason, self.tool_plan,
+                                              self.reasoning_parser)
         delta: dict[str, Any] = {}
         if message.get("reasoning"):
             delta["reasoning"] = delta["reasoning_content"] = message["reasoning"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -18,6 +19,20 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + to_json(payload) + b"\n\n"
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How one API writes its stream: an event's bytes, an error's payload, the closing bytes, and
+    how one engine output's payload splits into events."""
+
+    encode: Callable[[dict[str, Any]], bytes] = event
+    error: Callable[[APIError], dict[str, Any]] = APIError.body
+    done: bytes = DONE
+    split: Callable[[Any], Iterable[dict[str, Any]]] = lambda chunk: _per_choice(chunk)
+
+
+OPENAI = Framing()
 
 
 class StreamStopper:
@@ -54,35 +69,36 @@ def _per_choice(chunk: dict[str, Any]) -> list[dict[str, Any]]:
     return [chunk] if len(choices) <= 1 else [{**chunk, "choices": [choice]} for choice in choices]
 
 
-async def stream_events(first: Any, rest: AsyncGenerator[Any], to_chunk: Callable[[Any], dict[str, Any]],
+async def stream_events(first: Any, rest: AsyncGenerator[Any], to_chunk: Callable[[Any], Any],
                         closing: Callable[[], Iterable[dict[str, Any]]],
-                        stopper: StreamStopper | None = None) -> AsyncGenerator[bytes]:
+                        stopper: StreamStopper | None = None, framing: Framing = OPENAI) -> AsyncGenerator[bytes]:
     """One event per engine output and choice (each carries every token since the previous one;
     with n > 1 or several prompts, one choice per chunk, as vLLM streams them), then the closing
-    chunks and [DONE]. An error mid-stream becomes one error event, and so
-    does the server's shutdown (`stopper`). If the client goes away, the cancellation closes
-    `rest`, which aborts the requests."""
+    chunks and [DONE] (OpenAI's framing; another API's `framing` writes its own). An error
+    mid-stream becomes one error event, and so does the server's shutdown (`stopper`). If the
+    client goes away, the cancellation closes `rest`, which aborts the requests."""
     stopper = stopper or StreamStopper()
     try:
         item = first
         while item is not None:
-            for chunk in _per_choice(to_chunk(item)):
-                yield event(chunk)
+            for chunk in framing.split(to_chunk(item)):
+                yield framing.encode(chunk)
             with stopper.guard() as wait:
                 item = await anext(rest, None)
             if wait.cancelled_caught:
-                yield event(SHUTTING_DOWN.body())
+                yield framing.encode(framing.error(SHUTTING_DOWN))
                 break
         else:
             for chunk in closing():
-                yield event(chunk)
+                yield framing.encode(chunk)
     except InvalidRequestError as exc:
-        yield event(APIError(400, str(exc), param=exc.param).body())
+        yield framing.encode(framing.error(APIError(400, str(exc), param=exc.param)))
     except RequestFailedError as exc:
-        yield event(APIError(500, str(exc), code="request_failed").body())
+        yield framing.encode(framing.error(APIError(500, str(exc), code="request_failed")))
     except EngineDeadError as exc:
-        yield event(APIError(503, str(exc), code="engine_dead").body())
+        yield framing.encode(framing.error(APIError(503, str(exc), code="engine_dead")))
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(1):
             await rest.aclose()
-    yield DONE
+    if framing.done:
+        yield framing.done
