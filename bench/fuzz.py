@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+from web.anthropic_protocol import MessagesRequest
 from web.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,6 +35,7 @@ from web.protocol import (
     ScoreRequest,
     TokenizeRequest,
 )
+from web.responses_protocol import ResponsesRequest
 
 # A valid body per endpoint, and the request model whose fields get mutated.
 ENDPOINTS: dict[str, tuple[dict[str, Any], Any]] = {
@@ -46,6 +48,8 @@ ENDPOINTS: dict[str, tuple[dict[str, Any], Any]] = {
     "/rerank": ({"query": "a cat", "documents": ["a dog", "a car"]}, RerankRequest),
     "/tokenize": ({"prompt": "Hello there"}, TokenizeRequest),
     "/detokenize": ({"tokens": [5, 6, 7]}, DetokenizeRequest),
+    "/v1/messages": ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, MessagesRequest),
+    "/v1/responses": ({"input": "Hi", "max_output_tokens": 4}, ResponsesRequest),
 }
 
 EDGE_INTEGERS = [0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**100,

@@ -15,15 +15,15 @@ from typing import Any, Literal
 from pydantic import Field
 
 from web.errors import bad_request
-from web.protocol import _Body
+from web.protocol import _Body, _Nested
 
 
-class OutputFormat(_Body):
+class OutputFormat(_Nested):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(_Nested):
     """Anthropic's structured outputs (`format`); `effort` is refused (there is no effort knob)."""
 
     format: OutputFormat | None = None

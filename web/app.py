@@ -33,7 +33,18 @@ from engine.api import (
     open_engine_process,
 )
 from engine.ids import random_id
-from web import admin_api, cors, load_tracking, lora_api, messages_api, openai_api, orca, pooling_api, render_api
+from web import (
+    admin_api,
+    cors,
+    load_tracking,
+    lora_api,
+    messages_api,
+    openai_api,
+    orca,
+    pooling_api,
+    render_api,
+    responses_api,
+)
 from web.errors import APIError
 from web.keepalive import KeepAliveGuard
 from web.load_tracking import ServerLoad
@@ -113,6 +124,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     _register_error_handlers(app)
     openai_api.register(app, state)
     messages_api.register(app, state)
+    responses_api.register(app, state)
     pooling_api.register(app, state)
     render_api.register(app, state)
     admin_api.register(app, state)

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from web import anthropic_protocol, protocol
+from web import anthropic_protocol, protocol, responses_protocol
 from web.errors import bad_request
 
 logger = logging.getLogger("trio_llm.requests")
@@ -72,6 +72,20 @@ REFUSED: dict[str, dict[str, str]] = {
         "mcp_servers": "MCP servers are not called",
         "context_management": "context is not edited by the server",
     },
+    "responses": {
+        "reasoning": "reasoning follows the chat template and --reasoning-parser; it is not configured per request",
+        "include": "no extra output fields are produced",
+        "background": "responses run while their request is open",
+        "truncation": "prompts are not truncated to fit (an over-long one is a 400)",
+        "top_logprobs": "logprobs are not returned by the Responses API yet",
+        "prompt": "stored prompt templates are not kept",
+        "conversation": "conversations are chained with previous_response_id",
+        "max_tool_calls": "calls are not limited by count (parallel_tool_calls: false allows one)",
+        "service_tier": "there is one service tier",
+        "prompt_cache_key": "prefix caching needs no key",
+        "safety_identifier": "no safety system is run",
+        "stream_options": "obfuscation is not applied",
+    },
 }
 
 REFUSED["chat/completions/batch"] = REFUSED["chat/completions"]  # the same body, one conversation per item
@@ -83,7 +97,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "rerank": protocol.RerankRequest, "chat/completions/batch": protocol.BatchChatCompletionRequest,
     "tokenize": protocol.TokenizeRequest, "detokenize": protocol.DetokenizeRequest,
     "load_lora_adapter": protocol.LoadLoRAAdapterRequest, "unload_lora_adapter": protocol.UnloadLoRAAdapterRequest,
-    "messages": anthropic_protocol.MessagesRequest,
+    "messages": anthropic_protocol.MessagesRequest, "responses": responses_protocol.ResponsesRequest,
 }
 ENDPOINT_OF = {model: name for name, model in MODELS.items()}
 

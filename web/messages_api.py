@@ -25,7 +25,7 @@ from web.anthropic_protocol import MessagesRequest
 from web.errors import APIError
 from web.openai_api import ChatRun, final_outputs, json_response, prepend, read_request, start_chat
 from web.protocol import ChatCompletionRequest
-from web.responses import chat_message
+from web.responses import DeltaPiece, chat_message, delta_pieces
 from web.state import ServerState
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -67,7 +67,7 @@ async def create_message(state: ServerState) -> Response:
         stream = MessagesStream(run)
         body = sse.stream_events(run.first, run.outputs, stream.events, stream.closing, state.streams,
                                  framing=ANTHROPIC_FRAMING)
-        return Response(prepend(_event(stream.start()), body), content_type="text/event-stream",
+        return Response(prepend(sse.named_event(stream.start()), body), content_type="text/event-stream",
                         headers=sse.HEADERS)
     (final,) = await final_outputs(run.first, run.outputs, 1)
     return await json_response(state, lambda: message_body(run, final), sum(len(c.token_ids) for c in final.outputs))
@@ -117,20 +117,9 @@ class MessagesStream:
         (choice,) = self.chat.chunk(output)["choices"]
         completion = output.outputs[0]
         self.output_tokens += len(completion.token_ids)
-        delta, events = choice["delta"], []
-        if delta.get("reasoning"):
-            events += self._open(("thinking", 0), {"type": "thinking", "thinking": "", "signature": ""})
-            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]}))
-        if delta.get("content"):
-            events += self._open(("text", 0), {"type": "text", "text": ""})
-            events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-        for call in delta.get("tool_calls") or []:
-            if "id" in call:
-                events += self._open(("tool_use", call["index"]), {"type": "tool_use", "id": call["id"],
-                                                                   "name": call["function"]["name"], "input": {}})
-            if call["function"].get("arguments"):
-                events.append(self._delta({"type": "input_json_delta",
-                                           "partial_json": call["function"]["arguments"]}))
+        events: list[dict[str, Any]] = []
+        for piece in delta_pieces(choice["delta"]):
+            events += self._piece(piece)
         if choice["finish_reason"] is not None:
             events += self._close()
             stop_reason, stop_sequence = _stop(choice["finish_reason"], completion.stop_reason)
@@ -140,6 +129,18 @@ class MessagesStream:
                                      "output_tokens": self.output_tokens}})
             self.ended = True
         return events
+
+    def _piece(self, piece: DeltaPiece) -> list[dict[str, Any]]:
+        if piece.kind == "reasoning":
+            return self._open(("thinking", 0), {"type": "thinking", "thinking": "", "signature": ""}) + \
+                [self._delta({"type": "thinking_delta", "thinking": piece.text})]
+        if piece.kind == "text":
+            return self._open(("text", 0), {"type": "text", "text": ""}) + \
+                [self._delta({"type": "text_delta", "text": piece.text})]
+        if piece.call_id is not None:
+            return self._open(("tool_use", piece.key), {"type": "tool_use", "id": piece.call_id, "name": piece.name,
+                                                        "input": {}})
+        return [self._delta({"type": "input_json_delta", "partial_json": piece.text})]
 
     def closing(self) -> list[dict[str, Any]]:
         return [{"type": "message_stop"}] if self.ended else []
@@ -161,11 +162,7 @@ class MessagesStream:
         return [{"type": "content_block_stop", "index": self.index}]
 
 
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"event: " + str(payload["type"]).encode() + b"\ndata: " + to_json(payload) + b"\n\n"
-
-
-ANTHROPIC_FRAMING = sse.Framing(encode=_event, error=lambda error: _error_body(error), done=b"",
+ANTHROPIC_FRAMING = sse.Framing(encode=sse.named_event, error=lambda error: _error_body(error), done=b"",
                                 split=lambda events: events)
 
 

@@ -22,6 +22,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class _Nested(BaseModel):
+    """A nested object whose keys nobody else defines: an unknown key is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class JsonSchemaFormat(_Body):
     """`response_format.json_schema`, OpenAI's shape."""
 

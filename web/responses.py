@@ -318,3 +318,31 @@ class ChatStream:
         if message["tool_calls"]:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         return delta, finish_reason
+
+
+@dataclass(frozen=True)
+class DeltaPiece:
+    """One piece of a streamed chat delta, for APIs that stream answers as separate items
+    (Anthropic's content blocks, the Responses API's output items)."""
+
+    kind: str  # "reasoning", "text" or "tool_call"
+    key: int  # the tool call's index; 0 for reasoning and text
+    text: str  # reasoning, text, or a piece of the call's arguments
+    call_id: str | None = None  # on a tool call's first piece: its id and name
+    name: str | None = None
+
+
+def delta_pieces(delta: dict[str, Any]) -> list[DeltaPiece]:
+    """A chat delta's pieces, in the order the answer has them (reasoning, text, then calls)."""
+    pieces = []
+    if delta.get("reasoning"):
+        pieces.append(DeltaPiece("reasoning", 0, delta["reasoning"]))
+    if delta.get("content"):
+        pieces.append(DeltaPiece("text", 0, delta["content"]))
+    for call in delta.get("tool_calls") or []:
+        function = call["function"]
+        if "id" in call:
+            pieces.append(DeltaPiece("tool_call", call["index"], "", call["id"], function["name"]))
+        if function.get("arguments"):
+            pieces.append(DeltaPiece("tool_call", call["index"], function["arguments"]))
+    return pieces

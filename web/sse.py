@@ -21,6 +21,11 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + to_json(payload) + b"\n\n"
 
 
+def named_event(payload: dict[str, Any]) -> bytes:
+    """An event whose SSE name is its payload's `type` (Anthropic's and the Responses API's)."""
+    return b"event: " + str(payload["type"]).encode() + b"\ndata: " + to_json(payload) + b"\n\n"
+
+
 @dataclass(frozen=True)
 class Framing:
     """How one API writes its stream: an event's bytes, an error's payload, the closing bytes, and
