@@ -5,12 +5,16 @@ event loop while grammars compile, in one run on the default model.
   (an array of short strings), `--output-len` tokens each in both (ignore_eos: once a JSON
   answer closes, its mask allows only EOS, and the request goes on), so both keep the same batch
   and the difference is the constraint's cost per token; round by round, the best of each kept.
+- the budget: the same with a schema of unbounded numbers and strings (`UNBOUNDED`), whose
+  answers run to `--output-len` unless the budget plan closes them in time; the table says how
+  many of them parse.
 - loop lag: the engine's loop-lag probe (every 5 ms) while 16 requests with 16 distinct schemas
   compile and run, against 16 unconstrained requests: p99 of each.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Any
@@ -27,6 +31,11 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"]
           "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12}}}}
 
 
+UNBOUNDED = {"type": "object", "required": ["id", "score", "name", "tags"],
+             "properties": {"id": {"type": "integer"}, "score": {"type": "number"}, "name": {"type": "string"},
+                            "tags": {"type": "array", "items": {"type": "string"}}}}
+
+
 def distinct_schema(i: int) -> dict[str, Any]:
     return {"type": "object", "additionalProperties": False, "required": [f"field_{i}", "n"],
             "properties": {f"field_{i}": {"type": "string", "maxLength": 8 + i}, "n": {"type": "integer"}}}
@@ -40,19 +49,29 @@ class Lags(NullObserver):
         self.lags.append(lag)
 
 
-async def _run_batch(engine: Any, params: list[SamplingParams]) -> tuple[int, float]:
+async def _run_batch(engine: Any, params: list[SamplingParams], texts: list[str] | None = None) -> tuple[int, float]:
     produced = 0
 
     async def one(p: SamplingParams) -> None:
         nonlocal produced
         async for output in engine.generate("Give me a list:", p):
             produced += len(output.outputs[0].token_ids)
+        if texts is not None:
+            texts.append(output.outputs[0].text)
 
     started = time.perf_counter()
     async with anyio.create_task_group() as tg:
         for p in params:
             tg.start_soon(one, p)
     return produced, time.perf_counter() - started
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
 
 
 def _p99(values: list[float]) -> float:
@@ -63,23 +82,29 @@ def _p99(values: list[float]) -> float:
 async def run_all(model: str, concurrencies: list[int], output_len: int, rounds: int) -> list[str]:
     lags = Lags()
     config = EngineConfig(model=model, max_num_seqs=64, loop_lag_interval=0.005)
-    lines = ["| concurrency | unconstrained tok/s | JSON schema tok/s | ratio |", "| --- | --- | --- | --- |"]
+    lines = ["| concurrency | unconstrained tok/s | JSON schema tok/s | ratio | unbounded JSON tok/s | ratio | "
+             "unbounded answers that parse |", "| --- | --- | --- | --- | --- | --- | --- |"]
     async with open_engine(config, observer=lags) as engine:
         free = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0,
                               output_kind=RequestOutputKind.FINAL_ONLY)
         constrained = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0,
                                      output_kind=RequestOutputKind.FINAL_ONLY,
                                      structured_outputs=StructuredOutputs(json=SCHEMA))
-        await _run_batch(engine, [constrained, free])  # warm up (and compile SCHEMA once)
+        unbounded = SamplingParams(max_tokens=output_len, temperature=1.0, output_kind=RequestOutputKind.FINAL_ONLY,
+                                   structured_outputs=StructuredOutputs(json=UNBOUNDED))
+        await _run_batch(engine, [constrained, free, unbounded])  # warm up (and compile the schemas once)
         for concurrency in concurrencies:
-            best = {"free": 0.0, "json": 0.0}
+            best = {"free": 0.0, "json": 0.0, "unbounded": 0.0}
+            answers: list[str] = []
             for _ in range(rounds):
-                for name, params in (("free", free), ("json", constrained)):
+                for name, params in (("free", free), ("json", constrained), ("unbounded", unbounded)):
                     seeded = [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(concurrency)]
-                    tokens, seconds = await _run_batch(engine, seeded)
+                    tokens, seconds = await _run_batch(engine, seeded, answers if name == "unbounded" else None)
                     best[name] = max(best[name], tokens / seconds)
+            parsed = sum(_parses(text) for text in answers)
             lines.append(f"| {concurrency} | {best['free']:.0f} | {best['json']:.0f} | "
-                         f"{best['json'] / best['free']:.2f} |")
+                         f"{best['json'] / best['free']:.2f} | {best['unbounded']:.0f} | "
+                         f"{best['unbounded'] / best['free']:.2f} | {parsed} of {len(answers)} |")
         lag_rows = []
         for name, batch in (
                 ("16 unconstrained requests", [free] * 16),

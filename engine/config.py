@@ -65,6 +65,25 @@ def _json_options(text: str | dict[str, Any], name: str, known: set[str]) -> dic
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """`--structured-outputs-config` (vLLM's flag; our key): `max_integer_digits` bounds a JSON
+    schema's integers that have no `minimum`/`maximum` to that many digits (default 18: any
+    int64 a client's parser reads back exactly); null leaves them unbounded."""
+
+    max_integer_digits: int | None = 18
+
+    def __post_init__(self) -> None:
+        digits = self.max_integer_digits
+        if digits is not None and (type(digits) is not int or not 1 <= digits <= 300):
+            raise ValueError(f"structured_outputs_config.max_integer_digits must be 1-300 or null, got {digits!r}")
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> StructuredOutputsConfig:
+        """From `--structured-outputs-config`'s JSON object; `ValueError` naming an unknown key or a bad value."""
+        return cls(**_json_options(text, "structured_outputs_config", {f.name for f in fields(cls)}))
+
+
+@dataclass(frozen=True)
 class CompilationConfig:
     """`--compilation-config` (a subset of vLLM's keys): the batch sizes the decode graph is warmed
     up at (`cudagraph_capture_sizes`; default powers of two up to 64, capped at max_num_seqs; the
@@ -215,6 +234,7 @@ class EngineConfig:
     # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).
     enforce_eager: bool | None = None
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     max_logprobs: int = 20
     max_prompts_per_request: int = 2048  # prompts (or embeddings inputs) in one request; OpenAI's input limit
     # "inproc" (a worker thread), "mp" (worker processes) or "ray" (workers as Ray actors, engine/executor/

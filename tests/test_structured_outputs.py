@@ -12,7 +12,10 @@ import pydantic
 import pytest
 import trio
 
-from tests.conftest import engine_config
+from engine.render.grammar import bounded_integers, grammar_text
+from engine.structured_outputs import StructuredOutputs
+from engine.worker.grammar_masks import GrammarMasks
+from tests.conftest import TEST_SPEC, engine_config
 from tests.server_fixtures import running_server
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "tags"],
@@ -42,6 +45,63 @@ async def test_json_schema_answers_are_valid_and_close_well_within_200_tokens(cl
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
         assert choice.finish_reason == "stop" and out.usage.completion_tokens < 200
         assert "\n" not in choice.message.content  # compact: no whitespace runs
+
+
+UNBOUNDED = {"type": "object", "required": ["id", "score", "name", "tags", "child"],
+             "properties": {"id": {"type": "integer"}, "score": {"type": "number"}, "name": {"type": "string"},
+                            "tags": {"type": "array", "items": {"type": "string"}},
+                            "child": {"type": "object", "required": ["on"], "properties": {"on": {"type": "boolean"}}}}}
+
+
+async def test_answers_under_a_small_budget_still_parse(client):
+    """Unbounded numbers and strings, sampled at temperature 1 with 64 tokens: without the budget
+    plan most answers are cut inside a number or a string; with it, all 200 close in time."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": UNBOUNDED}}
+    answers, reasons, lengths = [], set(), []
+    for seed in range(10):
+        out = await client.chat.completions.create(model=client.served, messages=chat(), max_tokens=64, n=20,
+                                                   temperature=1.0, seed=seed, response_format=response_format)
+        answers += [c.message.content for c in out.choices]
+        reasons |= {c.finish_reason for c in out.choices}
+        lengths.append(out.usage.completion_tokens)
+    assert len(answers) == 200
+    for answer in answers:
+        jsonschema.validate(json.loads(answer), UNBOUNDED)
+    assert reasons == {"stop"}
+    assert max(lengths) > 20 * 50  # most answers used most of their budget: the plan, not luck, closed them
+
+
+async def test_a_budget_too_small_for_any_answer_ends_with_length(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": UNBOUNDED}}
+    out = await client.chat.completions.create(model=client.served, messages=chat(), max_tokens=10,
+                                               response_format=response_format)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].message.content.startswith("{")
+
+
+def test_integers_without_bounds_get_the_digit_limit_and_bounded_ones_keep_theirs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": ["integer", "null"]},
+                                               "c": {"type": "integer", "maximum": 5},
+                                               "d": {"type": "array", "items": {"type": "integer"}},
+                                               "e": {"enum": [{"type": "integer"}]}}}
+    bounded = bounded_integers(schema, 999)
+    props = bounded["properties"]
+    assert props["a"] == props["b"] | {"type": "integer"} == {"type": "integer", "minimum": -999, "maximum": 999}
+    assert props["c"] == {"type": "integer", "maximum": 5} and props["e"] == schema["properties"]["e"]
+    assert props["d"]["items"] == {"type": "integer", "minimum": -999, "maximum": 999}
+
+
+def test_the_closing_plan_completes_the_grammar_from_where_the_answer_is(tiny_model_dir):
+    masks = GrammarMasks(tiny_model_dir, TEST_SPEC.vocab)
+    text = grammar_text(StructuredOutputs(json=UNBOUNDED))
+    for prefix in ('', '{"id":12345', '{"id":1,"score":2.5,"name":"hello wor', '{"id":1,"score":0,"name":"","tags":["x'):
+        matcher = masks.matcher(text, 2)
+        tokenizer = masks._tokenizers[2]
+        assert matcher.consume_tokens(tokenizer.tokenize_str(prefix))
+        plan = masks.closing_plan(matcher, 100)
+        assert plan is not None and len(plan) < 60
+        jsonschema.validate(json.loads(prefix + tokenizer.decode_str(plan)), UNBOUNDED)
+        assert not matcher.is_accepting()  # planning moved a copy, not the request's matcher
+        assert masks.closing_plan(matcher, len(plan)) is None  # no plan within a smaller limit
 
 
 async def test_n_samples_streaming_and_a_mixed_batch(client):

@@ -128,3 +128,13 @@ def test_the_load_report_reads_the_engines_state():
                                           "named_metrics.num_requests_waiting=7.0")
     assert json.loads(load_report("JSON", stats).removeprefix("JSON ")) == {
         "named_metrics": {"kv_cache_usage_perc": 0.25, "num_requests_waiting": 7.0}}
+
+
+async def test_a_root_path_is_served_with_and_without_the_prefix(tiny_model_dir):
+    """vLLM's --root-path: a proxy may strip the prefix or not; probes hit /health at the root."""
+    async with running_server(engine_config(tiny_model_dir), ServerSettings(root_path="/llm")) as server:
+        for path in ("/llm/v1/models", "/v1/models", "/health", "/llm/health"):
+            assert (await request(server.url, "GET", path)).status == 200, path
+        completion = await request(server.url, "POST", "/llm/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert completion.status == 200 and completion.json()["usage"]["completion_tokens"] == 2
+        assert (await request(server.url, "GET", "/llmx/v1/models")).status == 404  # not the prefix: a path of its own

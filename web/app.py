@@ -15,6 +15,7 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import anyio
 import trio
@@ -55,6 +56,22 @@ from web.state import ServerState
 logger = logging.getLogger(__name__)
 
 
+class RootPathOptional:
+    """`--root-path` as vLLM (ASGI under uvicorn) has it: a proxy may or may not strip the prefix,
+    so a path under it is served without it, and any other path is served as it is (`/health`
+    at the root answers; Quart alone would 404 every path outside the prefix)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        root = scope.get("root_path", "")
+        path = scope.get("path", "")
+        if root and path != root and not path.startswith(root.rstrip("/") + "/"):
+            scope = {**scope, "root_path": ""}
+        await self.app(scope, receive, send)
+
+
 def create_app(engine_config: EngineConfig, settings: ServerSettings | None = None, *,
                executor: Executor | None = None, on_ready: Callable[[], None] | None = None,
                exit_on_failed_start: bool = False) -> QuartTrio:
@@ -76,6 +93,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     app.asgi_app = KeepAliveGuard(app.asgi_app)  # type: ignore[method-assign,assignment]
     load = ServerLoad(app.asgi_app, state.settings.enable_server_load_tracking)
     app.asgi_app = load  # type: ignore[method-assign,assignment]
+    app.asgi_app = RootPathOptional(app.asgi_app)  # type: ignore[method-assign,assignment]
 
     @app.before_serving
     async def start_engine() -> None:

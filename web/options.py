@@ -14,7 +14,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import CompilationConfig, ECTransferConfig, EngineConfig, EplbConfig, LoRAModule
+from engine.config import (
+    CompilationConfig,
+    ECTransferConfig,
+    EngineConfig,
+    EplbConfig,
+    LoRAModule,
+    StructuredOutputsConfig,
+)
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from web.cors import CorsSettings
 from web.settings import ServerSettings
@@ -65,6 +72,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--compilation-config", "-cc", default=None,
                    help='compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
                         '64], "cache_dir": "~/.cache/trio-llm/torch_compile"} (the cache follows XDG_CACHE_HOME)')
+    p.add_argument("--structured-outputs-config", default=None,
+                   help='structured outputs, a JSON object: {"max_integer_digits": 18} (JSON schema integers '
+                        'without bounds get that many digits at most; null: unbounded)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="worker processes, one per rank")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="pipeline stages of worker processes, each holding consecutive layers (times "
@@ -133,6 +143,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "adaptive_cpu_threads": args.adaptive_cpu_threads,
             "enforce_eager": args.enforce_eager,
             "compilation_config": CompilationConfig.from_json(args.compilation_config or "{}"),
+            "structured_outputs_config": StructuredOutputsConfig.from_json(args.structured_outputs_config or "{}"),
             "enable_prompt_embeds": args.enable_prompt_embeds,
             "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
             "data_parallel_size": args.data_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,

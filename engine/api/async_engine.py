@@ -79,7 +79,8 @@ class AsyncEngine:
         self.renderer = Renderer(tokenizer, info.vocab_size, self.render_limiter, embeds_limits,
                                  image_spec=image_spec, image_limits=image_limits)
         eos = info.eos_token_ids[0] if info.eos_token_ids else None
-        self.grammars = GrammarCompiler(tokenizer.backend, info.vocab_size, eos, self.render_limiter)
+        self.grammars = GrammarCompiler(tokenizer.backend, info.vocab_size, eos, self.render_limiter,
+                                        config.structured_outputs_config.max_integer_digits)
 
     # ---- the main entry points -------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,

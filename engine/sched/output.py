@@ -24,6 +24,7 @@ class NewRequestData:
     token_type_ids: list[int] | None = None  # segment ids (BERT sentence pairs)
     mm_features: list[Any] = field(default_factory=list)  # ImageFeatures, with their pixel values
     lora_name: str | None = None  # the LoRA adapter the request runs with (None: the base model)
+    max_tokens: int | None = None  # the output tokens it may generate, resolved (constrained outputs plan to it)
 
 
 @dataclass

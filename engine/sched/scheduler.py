@@ -196,7 +196,7 @@ class Scheduler:
                 out.new_requests.append(NewRequestData(
                     request.request_id, list(request.prompt_token_ids), request.sampling_params,
                     request.prompt_embeds, request.pooling_params, request.token_type_ids,
-                    list(request.mm_features), request.lora_name))
+                    list(request.mm_features), request.lora_name, request.max_tokens))
         return out
 
     def _schedule_running(self, scheduled: dict[str, ScheduledRequest], budget: int) -> tuple[int, bool]:

@@ -27,7 +27,7 @@ from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.worker.decode_graphs import DecodeGraphs
-from engine.worker.grammar_masks import GrammarMasks
+from engine.worker.grammar_masks import Budget, GrammarMasks
 from engine.worker.sampler import SamplingRow, sample, top_logprobs
 from engine.worker.step_graph import StepGraph
 
@@ -44,6 +44,13 @@ class RequestState:
     matcher: Any = None  # an llguidance matcher: the request's structured outputs
     grammar_active: bool = True  # False while a reasoning model is still reasoning
     lora_name: str | None = None  # the LoRA adapter this request runs with (None: the base model)
+    budget: Budget | None = None  # with a matcher and a known max_tokens: its output budget
+
+    def grammar_budget(self) -> Budget | None:
+        """The budget as of this step (the tokens still to sample, this one included)."""
+        if self.budget is not None:
+            self.budget.remaining = self.budget.max_tokens - len(self.output_token_ids)
+        return self.budget
 
     def advance_grammar(self, token: int) -> None:
         """After a sampled token: the matcher consumes it, or (still reasoning) the grammar starts
@@ -176,10 +183,14 @@ class ModelRunner:
             if self.lora is None:
                 raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
             self.lora.hold(new.lora_name)  # in memory (read again if evicted): a failure fails this request
+        budget = None
+        if matcher is not None and new.max_tokens is not None:
+            eos = new.sampling_params.eos_token_ids
+            budget = Budget(new.max_tokens, eos[0] if eos else None)
         return RequestState(new.prompt_token_ids, new.sampling_params, generator, embeds, new.pooling_params,
                             mm_features=list(new.mm_features), matcher=matcher,
                             grammar_active=spec is None or spec.starts_active(new.prompt_token_ids),
-                            lora_name=new.lora_name)
+                            lora_name=new.lora_name, budget=budget)
 
     def _run_encoder(self, encoder_inputs: dict[str, list[int]]) -> None:
         """Encode this step's images (all in one batch) into the encoder cache."""
@@ -290,7 +301,8 @@ class ModelRunner:
             return
         rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
         if self.grammar is not None:
-            self.grammar.apply(logits, [s.matcher if s.grammar_active else None for s in states])
+            self.grammar.apply(logits, [s.matcher if s.grammar_active else None for s in states],
+                               [s.grammar_budget() for s in states])
         try:
             results = [sample(logits, rows, self.generator)]
             sampled = [ids]
