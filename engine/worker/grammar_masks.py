@@ -10,13 +10,15 @@ The output budget: a constrained answer cut by `max_tokens` does not parse. In i
 it is (`closing_plan`: the grammar's forced tokens, else the first allowed of a few closing
 tokens: quotes, brackets, `0`, `false`, ..., on a copy of its matcher), and once that plan plus
 EOS comes within `STEER_MARGIN` tokens of what the budget leaves, the request is steered along
-it: its answer is complete before its budget ends. The plan is a valid completion, not always the shortest one; the answer ends
-`length` only when no plan of that many tokens was found (or the budget was too small from the
-start).
+it: its answer is complete before its budget ends. The plan is a valid completion, not always
+the shortest one; the answer ends `length` only when no plan of that many tokens was found (or
+the budget was too small from the start, or one token lengthened the ending by more than the
+margin).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,7 @@ class Budget:
     eos_token_id: int | None
     remaining: int = 0
     plan: list[int] | None = None  # once steering starts: the tokens still to force, then EOS
+    check_at: int = 0  # plan again once `remaining` is down to this (0: from STEER_WINDOW on)
 
 
 class GrammarMasks:
@@ -56,9 +59,9 @@ class GrammarMasks:
         self._vocab_size = vocab_size
         self._tokenizers: dict[int | None, llguidance.LLTokenizer] = {}  # by the EOS the grammar ends with
         self._closers: list[int] = []  # single-token CLOSERS, in order
-        self._closer_ids = torch.zeros(0, dtype=torch.int64)
         self._words = (vocab_size + 31) // 32
-        self._scratch = torch.empty(self._words, dtype=torch.int32)  # a plan's masks
+        # A plan's masks, read word by word from Python (a tensor's per-element access costs ~1 us).
+        self._scratch = (ctypes.c_uint32 * self._words)()
 
     def matcher(self, grammar: str, eos_token_id: int | None) -> llguidance.LLMatcher:
         """A matcher at the start of a compiled grammar, ending with `eos_token_id` (the first EOS
@@ -70,7 +73,6 @@ class GrammarMasks:
             if not self._closers:
                 pieces = (tokenizer.tokenize_str(text) for text in CLOSERS)
                 self._closers = list(dict.fromkeys(ids[0] for ids in pieces if len(ids) == 1))
-                self._closer_ids = torch.tensor(self._closers, dtype=torch.int64)
         matcher = llguidance.LLMatcher(tokenizer, grammar)
         if matcher.is_error():
             raise ValueError(f"grammar error: {matcher.get_error()}")
@@ -100,10 +102,14 @@ class GrammarMasks:
 
     def _steer(self, matcher: llguidance.LLMatcher, budget: Budget) -> int | None:
         """The token to force this step, if the request must start or go on with its ending now."""
-        if budget.plan is None and budget.remaining <= STEER_WINDOW and not matcher.is_stopped():
+        check_at = budget.check_at or STEER_WINDOW
+        if budget.plan is None and budget.remaining <= check_at and not matcher.is_stopped():
             plan = self.closing_plan(matcher, budget.remaining)
             if plan is not None and len(plan) + 1 + STEER_MARGIN >= budget.remaining:
                 budget.plan = plan
+            # Far from needing it: plan again when a margin's growth of the ending could make it
+            # needed (planning costs ~0.1 ms a request; every step of the window would cost ~20%).
+            budget.check_at = budget.remaining - 1 if plan is None else len(plan) + 1 + 2 * STEER_MARGIN
         if budget.plan is None:
             return None
         if budget.plan:
@@ -124,17 +130,15 @@ class GrammarMasks:
         return None
 
     def _first_closer(self, matcher: llguidance.LLMatcher) -> list[int]:
-        matcher.unsafe_compute_mask_ptr(self._scratch.data_ptr(), self._words * 4)
-        closers = self._closer_ids
-        allowed = ((self._scratch[closers >> 5] >> (closers & 31)) & 1).nonzero()
-        if len(allowed):
-            return [self._closers[int(allowed[0])]]
-        words = self._scratch.nonzero()
-        if not len(words):
-            return []
-        word = int(words[0])
-        bits = int(self._scratch[word]) & 0xFFFFFFFF
-        return [word * 32 + (bits & -bits).bit_length() - 1]
+        mask = self._scratch
+        matcher.unsafe_compute_mask_ptr(ctypes.addressof(mask), self._words * 4)
+        for token in self._closers:
+            if mask[token >> 5] >> (token & 31) & 1:
+                return [token]
+        for word, bits in enumerate(mask):  # none of them: the first token allowed
+            if bits:
+                return [word * 32 + (bits & -bits).bit_length() - 1]
+        return []
 
     @staticmethod
     def accept(matcher: llguidance.LLMatcher, token: int) -> None:
