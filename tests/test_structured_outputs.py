@@ -12,6 +12,7 @@ import pydantic
 import pytest
 import trio
 
+from engine.config import StructuredOutputsConfig
 from engine.render.grammar import bounded_integers, grammar_text
 from engine.structured_outputs import StructuredOutputs
 from engine.worker.grammar_masks import GrammarMasks
@@ -93,7 +94,8 @@ def test_integers_without_bounds_get_the_digit_limit_and_bounded_ones_keep_their
 def test_the_closing_plan_completes_the_grammar_from_where_the_answer_is(tiny_model_dir):
     masks = GrammarMasks(tiny_model_dir, TEST_SPEC.vocab)
     text = grammar_text(StructuredOutputs(json=UNBOUNDED))
-    for prefix in ('', '{"id":12345', '{"id":1,"score":2.5,"name":"hello wor', '{"id":1,"score":0,"name":"","tags":["x'):
+    for prefix in ('', '{"id":12345', '{"id":1,"score":2.5,"name":"hello wor',
+                   '{"id":1,"score":0,"name":"","tags":["x'):
         matcher = masks.matcher(text, 2)
         tokenizer = masks._tokenizers[2]
         assert matcher.consume_tokens(tokenizer.tokenize_str(prefix))
@@ -268,3 +270,11 @@ async def test_prompt_logprobs_in_completions_and_chat(client):
     too_many = await request(url, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1,
                                                                "prompt_logprobs": 1000})
     assert too_many.status == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_the_structured_outputs_config_takes_its_one_key_and_refuses_others():
+    assert StructuredOutputsConfig.from_json('{"max_integer_digits": null}').max_integer_digits is None
+    assert StructuredOutputsConfig.from_json("{}").max_integer_digits == 18
+    for text, words in (('{"backend": "xgrammar"}', "backend"), ('{"max_integer_digits": 0}', "1-300")):
+        with pytest.raises(ValueError, match=words):
+            StructuredOutputsConfig.from_json(text)
