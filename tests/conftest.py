@@ -23,8 +23,17 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 def engine_config(model_dir: str, **overrides) -> EngineConfig:
+    """A small engine's config. Servers built on it run their engine core in the server's process
+    (`executor="inproc"`) unless a test asks for more: an engine process costs ~1.4 s of CPU to
+    start, and the suite starts a server per test in most HTTP files. The engine process itself is
+    tested where it matters (test_engine_process, test_multiproc, test_data_parallel, the CLI
+    tests), and by any test that passes `executor`."""
     options = {"model": model_dir, "num_kv_blocks": 256, "block_size": 16, "max_num_seqs": 32}
     options.update(overrides)
+    parallel = any(options.get(name, 1) > 1 for name in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                            "data_parallel_size"))
+    if "executor" not in overrides and not parallel:
+        options["executor"] = "inproc"
     return EngineConfig(**options)
 
 

@@ -38,7 +38,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 8, 41], list(range(30, 70)), "a text prompt"]
 async def test_outputs_are_the_in_process_engines(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, n=2, stop=["zz"],
                             output_kind=RequestOutputKind.CUMULATIVE)
-    config = engine_config(tiny_model_dir)
+    config = engine_config(tiny_model_dir, executor=None)
     async with open_engine(config) as engine:
         here = await finals(engine, PROMPTS, params)
     async with open_engine_process(config) as engine:
@@ -70,7 +70,7 @@ def same_logprobs(here: list, there: list) -> bool:
 
 
 async def test_a_duplicate_id_and_an_abort_leave_the_engine_serving(tiny_model_dir):
-    async with open_engine_process(engine_config(tiny_model_dir)) as engine:
+    async with open_engine_process(engine_config(tiny_model_dir, executor=None)) as engine:
         params = SamplingParams(max_tokens=400, ignore_eos=True)
         outputs = engine.generate([1, 2, 3], params, request_id="dup")
         assert not (await outputs.__anext__()).finished
@@ -85,7 +85,7 @@ async def test_a_duplicate_id_and_an_abort_leave_the_engine_serving(tiny_model_d
 
 
 async def test_kill_9_of_the_engine_process_fails_requests_and_health_at_once(tiny_model_dir):
-    async with running_server(engine_config(tiny_model_dir, max_model_len=512)) as server:
+    async with running_server(engine_config(tiny_model_dir, max_model_len=512, executor=None)) as server:
         failed = trio.Event()
         server.state.on_engine_failure = failed.set
         engine_process = server.engine.core.process
@@ -106,7 +106,7 @@ async def test_kill_9_of_the_engine_process_fails_requests_and_health_at_once(ti
 
 
 async def test_kill_9_while_idle_fails_health_at_once(tiny_model_dir):
-    async with running_server(engine_config(tiny_model_dir)) as server:
+    async with running_server(engine_config(tiny_model_dir, executor=None)) as server:
         assert (await request(server.url, "GET", "/health")).status == 200
         failed = trio.Event()
         server.state.on_engine_failure = failed.set
@@ -128,7 +128,8 @@ async def test_leaving_the_block_ends_open_requests_and_the_process(tiny_model_d
         except EngineDeadError as exc:
             errors.append(exc)
 
-    async with trio.open_nursery() as nursery, open_engine_process(engine_config(tiny_model_dir)) as engine:
+    config = engine_config(tiny_model_dir, executor=None)
+    async with trio.open_nursery() as nursery, open_engine_process(config) as engine:
         pid = engine.core.pid
         await nursery.start(consume, engine)  # generating when the block is left
     assert len(errors) == 1 and "closed before the request finished" in str(errors[0])
@@ -137,7 +138,7 @@ async def test_leaving_the_block_ends_open_requests_and_the_process(tiny_model_d
 
 async def test_cancelling_the_owner_stops_the_process(tiny_model_dir):
     with trio.move_on_after(60) as scope:
-        async with open_engine_process(engine_config(tiny_model_dir)) as engine:
+        async with open_engine_process(engine_config(tiny_model_dir, executor=None)) as engine:
             pid = engine.core.pid
             scope.cancel()
             await trio.sleep_forever()
@@ -148,10 +149,10 @@ async def test_cancelling_the_owner_stops_the_process(tiny_model_dir):
 async def test_start_up_failures_are_the_in_process_ones(tmp_path):
     missing = tmp_path / "no-model"
     with pytest.raises(ModelLoadError) as here:
-        async with open_engine(engine_config(str(missing))):
+        async with open_engine(engine_config(str(missing), executor=None)):
             pass
     with pytest.raises(ModelLoadError) as there:
-        async with open_engine_process(engine_config(str(missing))):
+        async with open_engine_process(engine_config(str(missing), executor=None)):
             pass
     assert str(there.value) == str(here.value)
 
@@ -160,7 +161,7 @@ async def test_an_engine_process_started_early_is_adopted_then_stopped_with_the_
     """`trio-llm serve` starts the engine process before importing the server; the engine opened
     later runs in that very process, and closing it stops the process."""
     async with engine_process_started() as spawned:
-        async with open_engine_process(engine_config(tiny_model_dir), spawned=spawned) as engine:
+        async with open_engine_process(engine_config(tiny_model_dir, executor=None), spawned=spawned) as engine:
             assert engine.core.pid == spawned.process.pid
             (output,) = await finals(engine, PROMPTS[:1], SamplingParams(max_tokens=3, ignore_eos=True))
             assert len(output.outputs[0].token_ids) == 3
@@ -182,6 +183,6 @@ async def test_an_engine_process_never_adopted_is_stopped_on_leaving_the_block()
 def test_the_server_runs_the_engine_apart_unless_one_process_is_asked_for(tiny_model_dir):
     from web.settings import ServerSettings
     from web.state import ServerState
-    assert engine_in_own_process(ServerState(engine_config(tiny_model_dir), ServerSettings()))
+    assert engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor=None), ServerSettings()))
     assert engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor="mp"), ServerSettings()))
     assert not engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor="inproc"), ServerSettings()))
