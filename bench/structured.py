@@ -14,7 +14,6 @@ event loop while grammars compile, in one run on the default model.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from engine.api import EngineConfig, SamplingParams, ensure_default_model, open_
 from engine.core.stats import NullObserver
 from engine.sampling_params import RequestOutputKind
 from engine.structured_outputs import StructuredOutputs
+from web.tools import is_json
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
           "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12}}}}
@@ -66,13 +66,6 @@ async def _run_batch(engine: Any, params: list[SamplingParams], texts: list[str]
     return produced, time.perf_counter() - started
 
 
-def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except json.JSONDecodeError:
-        return False
-
 
 def _p99(values: list[float]) -> float:
     ordered = sorted(values)
@@ -101,7 +94,7 @@ async def run_all(model: str, concurrencies: list[int], output_len: int, rounds:
                     seeded = [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(concurrency)]
                     tokens, seconds = await _run_batch(engine, seeded, answers if name == "unbounded" else None)
                     best[name] = max(best[name], tokens / seconds)
-            parsed = sum(_parses(text) for text in answers)
+            parsed = sum(is_json(text) for text in answers)
             lines.append(f"| {concurrency} | {best['free']:.0f} | {best['json']:.0f} | "
                          f"{best['json'] / best['free']:.2f} | {best['unbounded']:.0f} | "
                          f"{best['unbounded'] / best['free']:.2f} | {parsed} of {len(answers)} |")

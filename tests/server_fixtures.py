@@ -27,6 +27,20 @@ class RunningServer:
         return self.state.engine
 
 
+def record_chat_prompts(server: RunningServer) -> list[list[dict]]:
+    """The conversations the server's engine renders from now on, in order (each as the chat
+    template receives it)."""
+    seen: list[list[dict]] = []
+    original = server.engine.chat_prompt
+
+    async def recording(messages, **kwargs):
+        seen.append(messages)
+        return await original(messages, **kwargs)
+
+    server.engine.chat_prompt = recording
+    return seen
+
+
 @asynccontextmanager
 async def running_server(engine_config, settings: ServerSettings | None = None, executor=None):
     settings = settings or ServerSettings()

@@ -12,9 +12,10 @@ import pytest
 
 from engine.outputs import CompletionOutput, RequestOutput
 from tests.conftest import engine_config
-from tests.server_fixtures import running_server
+from tests.server_fixtures import record_chat_prompts, running_server
 from web.messages_api import MessagesRequest, MessagesStream
 from web.openai_api import ChatRun
+from web.protocol import ChatCompletionRequest
 from web.settings import ServerSettings
 
 TEMPLATE = ("{% if tools %}TOOLS{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
@@ -113,14 +114,7 @@ async def test_output_config_format_constrains_the_text_to_the_schema(clients):
 
 async def test_a_tool_result_goes_back_to_the_model_as_a_tool_message(clients, server):
     claude, _, served = clients
-    rendered = []
-    original = server.engine.chat_prompt
-
-    async def spy(messages, **kwargs):
-        rendered.append(messages)
-        return await original(messages, **kwargs)
-
-    server.engine.chat_prompt = spy
+    rendered = record_chat_prompts(server)
     await claude.messages.create(model=served, max_tokens=4, tools=TOOLS, tool_choice={"type": "none"}, messages=[
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": [{"type": "text", "text": "checking"},
@@ -178,7 +172,7 @@ def _output(text: str, finish: str | None, tokens: int) -> tuple[int, RequestOut
 def test_reasoning_streams_as_a_thinking_block_before_the_text_block():
     first = _output("<think>a", None, 1)
     run = ChatRun(first=first, outputs=None, response_id="msg_x", created=0, model_name="m", tool_plan=None,
-                  reasoning_parser="qwen3", top_logprobs=None)
+                  reasoning_parser="qwen3", top_logprobs=None, request=ChatCompletionRequest(messages=[]))
     stream = MessagesStream(run)
     events = stream.events(first) + stream.events(_output("b</think>", None, 2)) + \
         stream.events(_output("answer", "stop", 1)) + stream.closing()

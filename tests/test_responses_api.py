@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import engine_config
-from tests.server_fixtures import running_server
+from tests.server_fixtures import record_chat_prompts, running_server
 from web.responses_api import ResponseStore, StoredResponse
 from web.settings import ServerSettings
 
@@ -39,15 +39,7 @@ async def client(server):
 @pytest.fixture
 def rendered(server):
     """The chat messages each request rendered, in order."""
-    seen: list[list[dict]] = []
-    original = server.engine.chat_prompt
-
-    async def spy(messages, **kwargs):
-        seen.append(messages)
-        return await original(messages, **kwargs)
-
-    server.engine.chat_prompt = spy
-    return seen
+    return record_chat_prompts(server)
 
 
 async def test_a_response_is_the_chat_answer_and_carries_usage(client):

@@ -162,7 +162,7 @@ class MessagesStream:
         return [{"type": "content_block_stop", "index": self.index}]
 
 
-ANTHROPIC_FRAMING = sse.Framing(encode=sse.named_event, error=lambda error: _error_body(error), done=b"",
+ANTHROPIC_FRAMING = sse.Framing(encode=sse.named_event, error=_error_body, done=b"",
                                 split=lambda events: events)
 
 

@@ -278,14 +278,13 @@ class ChatRun:
     tool_plan: ToolPlan | None
     reasoning_parser: str | None
     top_logprobs: int | None
-    request: ChatCompletionRequest | None = None
+    request: ChatCompletionRequest
 
     def chat_stream(self) -> ChatStream:
         req = self.request
         return ChatStream(self.response_id, self.created, self.model_name, self.top_logprobs,
-                          tool_plan=self.tool_plan, reasoning_parser=self.reasoning_parser,
-                          echo=req.echoed_text() if req else "", token_ids=bool(req and req.return_token_ids),
-                          as_ids=bool(req and req.return_tokens_as_token_ids))
+                          tool_plan=self.tool_plan, reasoning_parser=self.reasoning_parser, echo=req.echoed_text(),
+                          token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
 
 
 async def start_chat(state: ServerState, req: ChatCompletionRequest, id_prefix: str = "chatcmpl-") -> ChatRun:

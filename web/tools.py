@@ -153,7 +153,7 @@ def _call(name: str, arguments: Any) -> dict[str, Any]:
 def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of what the model wrote under `plan`."""
     if plan.mode == "named":
-        return None, [_call(plan.named or "", text)] if _is_json(text) else []
+        return None, [_call(plan.named or "", text)] if is_json(text) else []
     if plan.mode == "required":
         try:
             calls = json.loads(text)
@@ -165,7 +165,8 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
     return text, []
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
+    """Whether `text` is one whole JSON value."""
     try:
         json.loads(text)
         return True
