@@ -56,6 +56,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
+    # vLLM's: the logprobs of these token ids (besides the chosen token's) at every generated position,
+    # instead of the top N. Scoring a fixed set of labels needs no top-k over the vocabulary.
+    logprob_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -81,6 +84,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(bias.items()) if isinstance(bias, dict) else tuple(bias or ()))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logprob_token_ids is not None:
+            object.__setattr__(self, "logprob_token_ids", tuple(self.logprob_token_ids))
         object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
@@ -149,6 +154,10 @@ class SamplingParams:
         if allowed is not None and (not allowed or not all(_is_int(t) and t >= 0 for t in allowed)):
             raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids",
                                       param="allowed_token_ids")
+        named = self.logprob_token_ids
+        if named is not None and (not named or not all(_is_int(t) and t >= 0 for t in named)):
+            raise InvalidRequestError("logprob_token_ids must be a non-empty list of token ids",
+                                      param="logprob_token_ids")
 
     def _validate_types(self) -> None:
         """Numbers of the right type, finite: a NaN compares false to everything and would pass."""
@@ -168,6 +177,11 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether each generated token's logprobs are returned (top N, or the named ids')."""
+        return self.logprobs is not None or self.logprob_token_ids is not None
 
     @property
     def greedy(self) -> bool:

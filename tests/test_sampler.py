@@ -72,6 +72,14 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     assert sample(LOGITS, rows(params, outputs=[[3, 3]]), DEFAULT).token_ids == [0]
 
 
+def test_logprob_token_ids_report_the_named_tokens_in_order():
+    params = SamplingParams(temperature=0, logprob_token_ids=[3, 1])
+    ids, lps, ranks = sample(LOGITS, rows(params), DEFAULT).logprobs[0]
+    assert ids == [0, 3, 1] and ranks == [1, 4, 2]  # the chosen token, then those named, not the top N
+    assert lps == torch.log_softmax(LOGITS[0], dim=-1)[[0, 3, 1]].tolist()
+    assert sample(LOGITS, rows(SamplingParams(temperature=0)), DEFAULT).logprobs == [None]
+
+
 def test_logprobs_report_rank_and_top_candidates():
     out = sample(LOGITS, rows(SamplingParams(temperature=0, logprobs=2)), DEFAULT)
     ids, lps, ranks = out.logprobs[0]

@@ -272,6 +272,38 @@ async def test_prompt_logprobs_in_completions_and_chat(client):
     assert too_many.status == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
 
 
+async def test_logprob_token_ids_on_completions_chat_and_chat_batch(client):
+    from bench.http import request
+
+    url = str(client.base_url).removesuffix("/v1/")
+    top = await client.completions.create(model=client.served, prompt=[5, 6, 7], max_tokens=2, temperature=0,
+                                          logprobs=4)
+    ranked = [{int(t.removeprefix("token_id:")): lp for t, lp in position.items()}
+              for position in (await request(url, "POST", "/v1/completions", {
+                  "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "logprobs": 4,
+                  "return_tokens_as_token_ids": True})).json()["choices"][0]["logprobs"]["top_logprobs"]]
+    named = sorted(ranked[0], key=ranked[0].get)[:3]  # three of the top four, least likely first
+    body = (await request(url, "POST", "/v1/completions", {
+        "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "logprob_token_ids": named,
+        "return_tokens_as_token_ids": True})).json()
+    first = body["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert body["choices"][0]["text"] == top.choices[0].text  # asking for logprobs changes no token
+    assert {int(t.removeprefix("token_id:")) for t in first} <= set(named) | set(ranked[0])
+    for token in named:
+        assert first[f"token_id:{token}"] == pytest.approx(ranked[0][token], abs=1e-5)
+    chat_body = {"messages": chat(), "max_tokens": 3, "temperature": 0, "logprob_token_ids": named,
+                 "return_tokens_as_token_ids": True}
+    for path in ("/v1/chat/completions", "/v1/chat/completions/batch"):
+        sent = {**chat_body, "messages": [chat()]} if path.endswith("batch") else chat_body
+        content = (await request(url, "POST", path, sent)).json()["choices"][0]["logprobs"]["content"]
+        assert len(content) == 3
+        for position in content:  # the named tokens, in the order named, at every position
+            assert [entry["token"] for entry in position["top_logprobs"]] == [f"token_id:{t}" for t in named]
+    bad = await request(url, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1,
+                                                          "logprob_token_ids": [10**7]})
+    assert bad.status == 400 and bad.json()["error"]["param"] == "logprob_token_ids"
+
+
 def test_the_structured_outputs_config_takes_its_one_key_and_refuses_others():
     assert StructuredOutputsConfig.from_json('{"max_integer_digits": null}').max_integer_digits is None
     assert StructuredOutputsConfig.from_json("{}").max_integer_digits == 18

@@ -198,7 +198,7 @@ async def create_completion(state: ServerState) -> Response:
     first = await first_item(outputs)
     with_text = _prompt_texts(engine) if req.echo else _as_it_is
     if req.stream:
-        stream = CompletionStream(response_id, created, model_name, req.n, req.echo, req.logprobs is not None,
+        stream = CompletionStream(response_id, created, model_name, req.n, req.echo, params.wants_logprobs,
                                   token_ids=req.return_token_ids, as_ids=req.return_tokens_as_token_ids)
         body = sse.stream_events(first, outputs, lambda item: stream.chunk(item[0], with_text(*item),
                                                                            req.continuous_usage or force_usage),
@@ -208,7 +208,7 @@ async def create_completion(state: ServerState) -> Response:
     finals = [with_text(i, output) for i, output in enumerate(await final_outputs(first, outputs, len(prompts)))]
     tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return await json_response(state, lambda: completion_response(
-        response_id, created, model_name, req.n, req.echo, req.logprobs is not None, finals,
+        response_id, created, model_name, req.n, req.echo, params.wants_logprobs, finals,
         req.prompt_logprobs is not None, req.return_token_ids, req.return_tokens_as_token_ids), tokens)
 
 
@@ -238,6 +238,14 @@ async def chat_prompt_for(state: ServerState, engine: AsyncEngine, req: Any, mes
         template_kwargs["tools"] = tools
     return await engine.chat_prompt(history_for_template(checked_messages(messages)),
                                     continue_final_message=req.continue_final_message, **template_kwargs)
+
+
+def chat_top_logprobs(req: Any, params: SamplingParams) -> int | tuple[int, ...] | None:
+    """Which logprobs each chat token lists: the top N (`logprobs` with `top_logprobs`), the tokens
+    `logprob_token_ids` names (it implies `logprobs`), or none."""
+    if params.logprob_token_ids is not None:
+        return params.logprob_token_ids
+    return params.logprobs if req.logprobs else None
 
 
 async def chat_sampling_params(state: ServerState, engine: AsyncEngine, req: Any,
@@ -277,7 +285,7 @@ class ChatRun:
     model_name: str
     tool_plan: ToolPlan | None
     reasoning_parser: str | None
-    top_logprobs: int | None
+    top_logprobs: int | tuple[int, ...] | None  # see chat_top_logprobs
     request: ChatCompletionRequest
 
     def chat_stream(self) -> ChatStream:
@@ -300,7 +308,7 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, id_prefix: 
     first = await first_item(outputs)
     return ChatRun(first, outputs, response_id, created, state.response_model(req.model),
                    tools if tools is not None and tools.makes_calls else None, state.settings.reasoning_parser,
-                   params.logprobs if req.logprobs else None, req)
+                   chat_top_logprobs(req, params), req)
 
 
 async def create_chat_completion(state: ServerState) -> Response:
@@ -347,7 +355,7 @@ async def create_batch_chat_completion(state: ServerState) -> Response:
     outputs = engine.generate_batch(prompts, params, priority=req.priority, request_id=response_id,
                                     lora_request=state.lora_request(req.model))
     finals = await final_outputs(await first_item(outputs), outputs, len(prompts))
-    top = params.logprobs if req.logprobs else None
+    top = chat_top_logprobs(req, params)
 
     def build() -> dict[str, Any]:
         bodies = [chat_response(response_id, created, model_name, final, top, None,

@@ -96,6 +96,7 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
     allowed_token_ids: list[int] | None = None
+    logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs instead of the top N
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
 
@@ -161,6 +162,7 @@ class _Sampling(_Body):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs": self.structured(),
             "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids,
+            "logprob_token_ids": self.logprob_token_ids,
             "bad_words": tuple(self.bad_words or ()), "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

@@ -50,12 +50,15 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n: int,
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top: int | tuple[int, ...],
                   as_ids: bool = False) -> dict[str, Any]:
+    """The chat shape. `top`: how many of the most likely tokens each position lists, or which
+    token ids it lists, in that order (`logprob_token_ids`)."""
     content = []
     for token_id, position in zip(token_ids, positions, strict=True):
         chosen = position[token_id]
-        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_n]
+        ranked = ([(t, position[t]) for t in top] if isinstance(top, tuple)
+                  else sorted(position.items(), key=lambda item: item[1].rank)[:top])
         content.append({**_chat_token(_token(token_id, chosen.decoded_token, as_ids), chosen.logprob),
                         "top_logprobs": [_chat_token(_token(t, lp.decoded_token, as_ids), lp.logprob)
                                          for t, lp in ranked]})
@@ -188,7 +191,7 @@ def chat_message(text: str, finish_reason: str | None, tools: ToolPlan | None,
 
 
 def chat_response(response_id: str, created: int, model: str, output: RequestOutput,
-                  top_logprobs: int | None, tools: ToolPlan | None = None,
+                  top_logprobs: int | tuple[int, ...] | None, tools: ToolPlan | None = None,
                   reasoning_parser: str | None = None, echo: str = "", prompt_logprobs: bool = False,
                   token_ids: bool = False, as_ids: bool = False) -> dict[str, Any]:
     choices = []
@@ -219,7 +222,7 @@ class ChatStream:
     response_id: str
     created: int
     model: str
-    top_logprobs: int | None
+    top_logprobs: int | tuple[int, ...] | None  # see chat_logprobs
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # With tools, each choice's text is held until it finishes, then sent as content and/or whole

@@ -65,8 +65,8 @@ class RequestTracker:
         self.params = params = children[0].sampling_params
         self.tokenizer = tokenizer
         self.children = [ChildSequence(i, r, IncrementalDetokenizer(tokenizer, r.sampling_params),
-                                       logprobs=[] if params.logprobs is not None else None,
-                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
+                                       logprobs=[] if params.wants_logprobs else None,
+                                       cumulative_logprob=0.0 if params.wants_logprobs else None)
                          for i, r in enumerate(children)]
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)

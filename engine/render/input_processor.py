@@ -111,7 +111,8 @@ class InputProcessor:
                                       "tokens)", param="prompt_logprobs")
         vocab = self.info.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logprob_token_ids", params.logprob_token_ids or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise InvalidRequestError(f"{name} {bad[:8]} are out of vocabulary (size {vocab})", param=name)

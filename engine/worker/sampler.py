@@ -37,7 +37,7 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator) -> SamplerOutput:
     """logits: [B, V] float32, one row per entry of `rows`."""
     raw_logprobs = None
-    if any(r.params.logprobs is not None for r in rows):
+    if any(r.params.wants_logprobs for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = apply_penalties(logits, rows)
     logits = apply_logit_bias(logits, rows)
@@ -47,17 +47,26 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
         for i, r in enumerate(rows):
-            if r.params.logprobs is not None:
-                logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs)
+            if r.params.wants_logprobs:
+                logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs or 0,
+                                           r.params.logprob_token_ids)
     return SamplerOutput(token_ids, logprobs)
 
 
-def top_logprobs(row_logprobs: torch.Tensor, token_id: int, num: int) -> TokenLogprobs:
-    """The chosen token's logprob and rank, then the `num` most likely tokens."""
+def top_logprobs(row_logprobs: torch.Tensor, token_id: int, num: int,
+                 named: tuple[int, ...] | None = None) -> TokenLogprobs:
+    """The chosen token's logprob and rank, then the `num` most likely tokens, or, given `named`
+    (logprob_token_ids), those tokens' logprobs and ranks in the order named."""
     chosen_lp = row_logprobs[token_id]
     rank = int((row_logprobs > chosen_lp).sum()) + 1
     ids, lps, ranks = [token_id], [float(chosen_lp)], [rank]
-    if num > 0:
+    if named:
+        index = torch.tensor(named, dtype=torch.long, device=row_logprobs.device)
+        values = row_logprobs[index]
+        ids += list(named)
+        lps += values.tolist()
+        ranks += ((row_logprobs[None, :] > values[:, None]).sum(dim=1) + 1).tolist()
+    elif num > 0:
         top = torch.topk(row_logprobs, num)
         ids += top.indices.tolist()
         lps += top.values.tolist()
