@@ -87,6 +87,7 @@ CHECKED_ELSEWHERE = {
     "guided_json": "test_structured_outputs", "guided_regex": "test_structured_outputs",
     "guided_choice": "test_structured_outputs", "guided_grammar": "test_structured_outputs",
     "logit_bias": "test_structured_outputs", "allowed_token_ids": "test_structured_outputs",
+    "logprob_token_ids": "test_structured_outputs",
     "bad_words": "test_structured_outputs", "truncate_prompt_tokens": "test_structured_outputs",
     "return_token_ids": "test_fields::test_token_ids_in_answers",
     "prompt_token_ids": "test_fields::test_token_ids_in_answers",

@@ -44,6 +44,31 @@ async def test_the_openai_client_form_generates_what_the_token_prompt_does(serve
     assert by_embeds.usage.prompt_tokens == len(ids) and len(by_embeds.choices) == 1
 
 
+async def test_a_chat_prompt_embeds_part_generates_what_its_text_does(server, tiny_model_dir):
+    """vLLM's `{"type": "prompt_embeds", "data": ...}` content part: the template is rendered
+    around it, its rows take the place of the text it embeds."""
+    text = "tell me a story about the sea"
+    ids = (await request(server.url, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False})).json()
+    part = {"type": "prompt_embeds", "data": encode(embedding_table(tiny_model_dir)[ids["tokens"]])}
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    by_text = (await request(server.url, "POST", "/v1/chat/completions", {
+        **body, "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": [{"type": "text", "text": text}]}]})).json()
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    async with client:
+        by_embeds = await client.chat.completions.create(
+            model=server.state.model_name, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": [part]}])
+    assert by_embeds.choices[0].message.content == by_text["choices"][0]["message"]["content"]
+    assert by_embeds.usage.prompt_tokens == by_text["usage"]["prompt_tokens"]
+    broken = await request(server.url, "POST", "/v1/chat/completions", {
+        **body, "messages": [{"role": "user", "content": [{"type": "prompt_embeds", "data": "not base64!"}]}]})
+    assert broken.status == 400 and broken.json()["error"]["param"] == "prompt_embeds"
+    missing = await request(server.url, "POST", "/v1/chat/completions", {
+        **body, "messages": [{"role": "user", "content": [{"type": "prompt_embeds"}]}]})
+    assert missing.status == 400 and "needs its data" in missing.json()["error"]["message"]
+
+
 def hostile_payloads(marker) -> dict[str, tuple[str, str]]:
     """name -> (base64 payload, a phrase the 400 must contain)"""
     def raw_b64(data: bytes) -> str:
@@ -110,8 +135,12 @@ async def test_a_server_without_the_flag_says_how_to_enable_it(tiny_model_dir):
     async with running_server(engine_config(tiny_model_dir)) as plain:
         response = await request(plain.url, "POST", "/v1/completions",
                                  {"prompt_embeds": saved(torch.zeros(2, HIDDEN)), "max_tokens": 2})
+        chat = await request(plain.url, "POST", "/v1/chat/completions", {
+            "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "prompt_embeds", "data": saved(torch.zeros(2, HIDDEN))}]}]})
     assert response.status == 400
     assert "--enable-prompt-embeds" in response.json()["error"]["message"]
+    assert chat.status == 400 and "--enable-prompt-embeds" in chat.json()["error"]["message"]
 
 
 async def test_large_bodies_take_the_view_path_with_the_same_results(server, tiny_model_dir, monkeypatch, tmp_path):

@@ -262,17 +262,18 @@ class _ChatTemplating(_Body):
 
 
 def checked_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages, with content a string or a list of `text` and `image_url` parts (the engine
-    renders the parts; a model without vision refuses images)."""
+    """The messages, with content a string or a list of `text`, `image_url` and `prompt_embeds`
+    parts (the engine renders the parts; a model without vision refuses images, a server without
+    --enable-prompt-embeds refuses embeddings)."""
     out = []
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list):
             for part in content:
-                if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+                if not isinstance(part, dict) or part.get("type") not in ("text", "image_url", "prompt_embeds"):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise bad_request(f"messages[{i}]: unsupported content part {kind!r}; supported: text, "
-                                      "image_url", "messages")
+                                      "image_url, prompt_embeds", "messages")
         elif content is None:
             message = {**message, "content": ""}
         elif not isinstance(content, str):

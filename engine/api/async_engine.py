@@ -34,7 +34,7 @@ from engine.lora_request import LoRARequest, configured_adapters
 from engine.model_info import ModelInfo
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.render.chat import extract_images, render_chat
+from engine.render.chat import EMBEDS_SENTINEL, ChatMedia, extract_media, render_chat
 from engine.render.grammar import GrammarCompiler
 from engine.render.input_processor import InputProcessor
 from engine.render.multimodal import ImageLimits, ImageSpec
@@ -300,9 +300,9 @@ class AsyncEngine:
         Template rendering and tokenization of long prompts run in worker threads; cancellation
         drops their results once the threads return."""
         spec = self.renderer.image_spec
-        messages, images = extract_images(messages, self.tokenizer.chat_template,
-                                          spec.image_token if spec else "<image>")
-        if images and spec is None:
+        messages, media = extract_media(messages, self.tokenizer.chat_template,
+                                        spec.image_token if spec else "<image>")
+        if media.images and spec is None:
             raise InvalidRequestError("this model does not take images", param="messages")
         if continue_final_message:
             if template_kwargs.get("add_generation_prompt"):
@@ -312,11 +312,32 @@ class AsyncEngine:
         prompt = await self.apply_chat_template(messages, **template_kwargs)
         if continue_final_message:
             prompt = _cut_after_final_message(prompt, messages)
+        if media.embeds:
+            return await self._with_embeds_parts(prompt, media)
         token_ids = await self._tokenize(prompt, add_special_tokens=False)
         prompt_input: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": token_ids}
-        if images:
-            prompt_input["multi_modal_data"] = {"image": images}
+        if media.images:
+            prompt_input["multi_modal_data"] = {"image": media.images}
         return prompt_input
+
+    async def _with_embeds_parts(self, prompt: str, media: ChatMedia) -> dict[str, Any]:
+        """The rendered template's text tokenized around its prompt_embeds parts: token ids, and
+        where in them each part's rows go (`prompt_embeds_parts`, decoded by the renderer)."""
+        if media.images:
+            raise InvalidRequestError("prompt_embeds parts cannot be combined with images in one request",
+                                      param="messages")
+        pieces = prompt.split(EMBEDS_SENTINEL)
+        if len(pieces) != len(media.embeds) + 1:
+            raise InvalidRequestError(f"the chat template rendered {len(pieces) - 1} of the {len(media.embeds)} "
+                                      "prompt_embeds parts; each must appear once", param="messages")
+        token_ids: list[int] = []
+        positions = []
+        for index, piece in enumerate(pieces):
+            if index:
+                positions.append(len(token_ids))
+            if piece:
+                token_ids += await self._tokenize(piece, add_special_tokens=False)
+        return {"prompt_token_ids": token_ids, "prompt_embeds_parts": list(zip(positions, media.embeds, strict=True))}
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], *, chat_template: str | None = None,
                                   **kwargs: Any) -> str:

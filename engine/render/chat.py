@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -45,19 +46,32 @@ def _compile(template: str) -> jinja2.Template:
 
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil")
+# Where a `prompt_embeds` content part sits in the rendered template: the text around it is
+# tokenized, the part's rows take its place (no token of any vocabulary spells this).
+EMBEDS_SENTINEL = "\x00trio-llm:prompt_embeds\x00"
 
 
-def extract_images(messages: list[dict[str, Any]], template: str | None,
-                   image_token: str) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Messages ready for the chat template, and the images their content parts carry, in order.
+@dataclass
+class ChatMedia:
+    """What a conversation's content parts carry besides text, in prompt order."""
+
+    images: list[Any] = field(default_factory=list)
+    embeds: list[Any] = field(default_factory=list)  # prompt_embeds payloads (vLLM's `data`)
+
+
+def extract_media(messages: list[dict[str, Any]], template: str | None,
+                  image_token: str) -> tuple[list[dict[str, Any]], ChatMedia]:
+    """Messages ready for the chat template, and the images and prompt embeddings their content
+    parts carry, in order.
 
     Content given as a list of parts (OpenAI's form) is kept as parts (`{"type": "image"}` for an
     image) when the template handles them (it names the "image" type), and flattened to text
     otherwise, with one `image_token` line per image before the message's text (vLLM's "string"
-    content format)."""
+    content format). A `prompt_embeds` part (vLLM's: `{"type": "prompt_embeds", "data": base64}`)
+    becomes `EMBEDS_SENTINEL` in the text, where it stood."""
     parts_aware = template is not None and ("'image'" in template or '"image"' in template)
     out: list[dict[str, Any]] = []
-    images: list[Any] = []
+    media = ChatMedia()
     for i, message in enumerate(validate_messages(messages)):
         content = message.get("content")
         if not isinstance(content, list):
@@ -67,19 +81,28 @@ def extract_images(messages: list[dict[str, Any]], template: str | None,
         texts: list[str] = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                texts.append(str(part.get("text", "")))
+            if kind in ("text", "prompt_embeds"):
+                texts.append(str(part.get("text", "")) if kind == "text" else _embeds_part(part, i, media))
                 parts.append({"type": "text", "text": texts[-1]})
             elif kind in IMAGE_PART_TYPES:
-                images.append(_image_source(part, kind, i))
+                media.images.append(_image_source(part, kind, i))
                 parts.append({"type": "image"})
             else:
                 raise InvalidRequestError(f"messages[{i}]: unsupported content part type {kind!r}; supported: "
-                                          f"text, {', '.join(IMAGE_PART_TYPES)}", param="messages")
+                                          f"text, prompt_embeds, {', '.join(IMAGE_PART_TYPES)}", param="messages")
         num_images = len(parts) - len(texts)
         flat = f"{image_token}\n" * num_images + "".join(texts)
         out.append({**message, "content": parts if parts_aware else flat})
-    return out, images
+    return out, media
+
+
+def _embeds_part(part: dict[str, Any], index: int, media: ChatMedia) -> str:
+    data = part.get("data")
+    if not isinstance(data, str) or not data:
+        raise InvalidRequestError(f"messages[{index}]: a prompt_embeds part needs its data (base64 of a "
+                                  "torch.save tensor)", param="messages")
+    media.embeds.append(data)
+    return EMBEDS_SENTINEL
 
 
 def _image_source(part: dict[str, Any], kind: str, index: int) -> Any:

@@ -82,7 +82,7 @@ class InputProcessor:
         return EngineCoreRequest(request_id, engine_input.prompt, tuple(engine_input.token_ids),
                                  POOLING_SAMPLING_PARAMS, max_tokens=1, arrival_time=arrival_time,
                                  priority=priority, cache_key=engine_input.cache_key(request_id),
-                                 prompt_embeds=engine_input.embeds, pooling_params=params,
+                                 prompt_embeds=engine_input.prompt_embeds(), pooling_params=params,
                                  token_type_ids=None if token_type_ids is None else tuple(token_type_ids))
 
     def _check_against_model(self, params: SamplingParams, engine_input: EngineInput) -> None:
@@ -152,8 +152,8 @@ class InputProcessor:
             cache_key = (*(cache_key or ()), f"lora:{lora_name}")
         return EngineCoreRequest(request_id, engine_input.prompt, tuple(token_ids), params, max_tokens=max_tokens,
                                  arrival_time=arrival_time, priority=priority, cache_key=cache_key,
-                                 prompt_embeds=engine_input.embeds, mm_features=tuple(engine_input.mm_features),
-                                 lora_name=lora_name)
+                                 prompt_embeds=engine_input.prompt_embeds(),
+                                 mm_features=tuple(engine_input.mm_features), lora_name=lora_name)
 
 
 def _truncated(engine_input: EngineInput, keep: int | None) -> EngineInput:

@@ -22,6 +22,7 @@ import torch
 
 from engine.concurrency.gather import gather_first_failure
 from engine.concurrency.offload import run_sized
+from engine.core_request import PromptEmbeds
 from engine.errors import InvalidRequestError
 from engine.multimodal import ImageFeature
 from engine.render.multimodal import ImageLimits, ImageSpec, expand_placeholders, process_images
@@ -51,10 +52,18 @@ class EngineInput:
     prompt: str | None
     token_ids: list[int]
     embeds: torch.Tensor | None = None
+    # Where `embeds`' rows go: (first position, rows) per span; None: over the whole prompt.
+    embeds_spans: tuple[tuple[int, int], ...] | None = None
     token_type_ids: list[int] | None = None  # segment ids of a sentence pair (cross-encoders)
     # Requests with different salts never share prefix-cache blocks (vLLM's `cache_salt`).
     cache_salt: str | None = None
     mm_features: list[ImageFeature] = field(default_factory=list)  # images, in prompt order
+
+    def prompt_embeds(self) -> PromptEmbeds | None:
+        """The given embedding rows with the positions they take, as the engine core runs them."""
+        if self.embeds is None:
+            return None
+        return PromptEmbeds(self.embeds, self.embeds_spans) if self.embeds_spans else PromptEmbeds.whole(self.embeds)
 
     def cache_key(self, request_id: str) -> tuple[str, ...] | None:
         """The prefix-cache namespace of this prompt. Embeddings prompts get their own per request:
@@ -119,6 +128,8 @@ class Renderer:
         return rendered
 
     async def _render_mapping_prompt(self, prompt: Mapping[str, Any]) -> EngineInput:
+        if prompt.get("prompt_embeds_parts"):
+            return await self._with_embeds_parts(prompt.get("prompt_token_ids") or [], prompt["prompt_embeds_parts"])
         if prompt.get("multi_modal_data"):
             return await self._with_images(await self._render_text_or_ids(prompt), prompt["multi_modal_data"])
         if prompt.get("prompt_embeds") is not None:
@@ -153,6 +164,27 @@ class Renderer:
             return EngineInput(prompt["prompt"], await self.tokenize(prompt["prompt"]))
         raise InvalidRequestError("a prompt mapping needs 'prompt' (text), 'prompt_token_ids' or 'prompt_embeds'",
                                   param="prompt")
+
+    async def _with_embeds_parts(self, token_ids: Sequence[int], parts: Sequence[tuple[int, Any]]) -> EngineInput:
+        """Token ids with embedding rows inserted: each part `(position in token_ids, payload)` puts
+        its rows before that token (a chat's prompt_embeds content parts). Payloads decode
+        concurrently in worker threads; cancellation drops their results once the threads return."""
+        ids = self.check_token_ids(token_ids, allow_empty=True)
+        decoded = await gather_first_failure([partial(self.decode_embeds, payload) for _, payload in parts])
+        out: list[int] = []
+        spans = []
+        cursor = 0
+        for (position, _), rows in zip(parts, decoded, strict=True):
+            if not cursor <= position <= len(ids):
+                raise InvalidRequestError("prompt_embeds_parts positions must be in order within the prompt",
+                                          param="prompt_embeds")
+            out += ids[cursor:position]
+            spans.append((len(out), int(rows.shape[0])))
+            out += [0] * rows.shape[0]
+            cursor = position
+        out += ids[cursor:]
+        embeds = torch.cat([rows.to(decoded[0].dtype) for rows in decoded])
+        return EngineInput(None, out, embeds, embeds_spans=tuple(spans))
 
     async def _embeds_input(self, payload: Any) -> EngineInput:
         embeds = await self.decode_embeds(payload)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine.core_request import PromptEmbeds
 from engine.lora.layers import LoRAServing, lora_batch
 from engine.model_info import PoolerConfig
 from engine.models.attention import SequenceChunk, build_metadata
@@ -37,7 +38,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_embeds: torch.Tensor | None = None
+    prompt_embeds: PromptEmbeds | None = None
     pooling: PoolingParams | None = None
     output_token_ids: list[int] = field(default_factory=list)
     mm_features: list[ImageFeature] = field(default_factory=list)  # with pixel values, kept for re-encoding
@@ -274,9 +275,9 @@ class ModelRunner:
             state = self.requests[item.request_id]
             embeds = state.prompt_embeds
             start, end = item.start_position, item.start_position + item.num_tokens
-            if embeds is not None and start < embeds.shape[0]:
-                count = min(item.num_tokens, embeds.shape[0] - start)
-                hidden[offset:offset + count] = embeds[start:start + count]
+            if embeds is not None:  # given rows over their placeholder positions
+                for lo, hi, row in embeds.overlaps(start, end):
+                    hidden[offset + lo - start:offset + hi - start] = embeds.rows[row:row + hi - lo]
             for feature in state.mm_features:  # image rows over their placeholders
                 if feature.overlaps(start, end):
                     lo, hi = max(start, feature.offset), min(end, feature.end)
