@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from engine.cpu_binding import CpuLayout
@@ -81,6 +81,52 @@ class StructuredOutputsConfig:
     def from_json(cls, text: str | dict[str, Any]) -> StructuredOutputsConfig:
         """From `--structured-outputs-config`'s JSON object; `ValueError` naming an unknown key or a bad value."""
         return cls(**_json_options(text, "structured_outputs_config", {f.name for f in fields(cls)}))
+
+
+_POOLING_TASKS = ("embed", "token_embed", "classify")
+
+
+@dataclass(frozen=True)
+class PoolerOptions:
+    """`--pooler-config` (vLLM's flag and key names, the keys below): what a pooling model serves
+    and how. `task`: the pooling task it serves (default: `classify` for a model with a
+    classification head, `embed` with `token_embed` otherwise); `pooling_type`: MEAN, CLS or LAST
+    over the hidden states (default: the model's sentence-transformers config); `use_activation`:
+    the default for requests that leave it unset (embed: L2-normalize; classify: softmax or
+    sigmoid; default true); `enable_chunked_processing`: embed inputs longer than the context in
+    chunks of at most the context's length, pooled as their token-weighted mean; `max_embed_len`:
+    the longest input accepted for embedding (default: the context's length)."""
+
+    task: str | None = None
+    pooling_type: str | None = None
+    use_activation: bool | None = None
+    enable_chunked_processing: bool = False
+    max_embed_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.task is not None and self.task not in _POOLING_TASKS:
+            raise ValueError(f"pooler_config.task must be one of {', '.join(_POOLING_TASKS)}, got {self.task!r}")
+        if self.pooling_type is not None:
+            kind = str(self.pooling_type).lower()
+            if kind not in ("mean", "cls", "last"):
+                raise ValueError(f"pooler_config.pooling_type must be MEAN, CLS or LAST, got {self.pooling_type!r}")
+            object.__setattr__(self, "pooling_type", kind)
+        for name in ("use_activation", "enable_chunked_processing"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"pooler_config.{name} must be true or false, got {value!r}")
+        size = self.max_embed_len
+        if size is not None and (type(size) is not int or size < 1):
+            raise ValueError(f"pooler_config.max_embed_len must be a positive integer, got {size!r}")
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> PoolerOptions:
+        """From `--pooler-config`'s JSON object; `ValueError` naming an unknown key or a bad value
+        (vLLM's `seq_pooling_type` is taken as `pooling_type`)."""
+        raw = dict(_json_options(text, "pooler_config", {f.name for f in fields(cls)} | {"seq_pooling_type"}))
+        if "seq_pooling_type" in raw:
+            raw["pooling_type"] = raw.pop("seq_pooling_type")
+        return cls(**raw)
 
 
 @dataclass(frozen=True)
@@ -255,7 +301,11 @@ class EngineConfig:
     enable_eplb: bool = False  # rebalance experts by their measured load (see EplbConfig)
     eplb_config: EplbConfig = field(default_factory=EplbConfig)
     renderer_workers: int | None = None  # threads for long tokenizations and embeddings decoding; see below
-    pooling_type: str | None = None  # "mean", "cls" or "last": overrides the model's pooling config
+    pooling_type: str | None = None  # "mean", "cls" or "last" (older spelling of pooler_config's pooling_type)
+    pooler_config: PoolerOptions = field(default_factory=PoolerOptions)
+    # vLLM's --runner: "generate" serves generation only, "pooling" pooling only, "auto" what the
+    # model can (a decoder both, an encoder pooling).
+    runner: str = "auto"
     enable_prompt_embeds: bool = False  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
     max_prompt_embeds_bytes: int | None = None  # decoded payload limit; default: a float32 tensor filling the context
     served_model_name: str | None = None
@@ -296,6 +346,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.pooling_type is not None and self.pooling_type not in ("mean", "cls", "last"):
             raise ValueError(f"pooling_type must be mean, cls or last, got {self.pooling_type!r}")
+        if self.pooling_type is not None and self.pooler_config.pooling_type is None:
+            object.__setattr__(self, "pooler_config", replace(self.pooler_config, pooling_type=self.pooling_type))
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.prefix_caching_hash_algo not in _HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {_HASH_ALGOS}, got "
                              f"{self.prefix_caching_hash_algo!r}")

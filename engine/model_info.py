@@ -8,7 +8,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling: str = "last"
-    normalize: bool = True
+    normalize: bool = True  # embeddings are L2-normalized unless a request says otherwise
+    activation: bool = True  # classification logits become probabilities unless a request says otherwise
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: `dimensions` is refused
     # A late-interaction (ColBERT) model: its outputs are per-token vectors, scored by MaxSim;
     # it has no single-vector embedding.

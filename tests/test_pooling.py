@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from bench.http import request
 from engine import open_engine
+from engine.config import PoolerOptions
 from engine.pooling_params import PoolingParams
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
@@ -306,9 +307,26 @@ async def test_classify_answers_as_vllm_with_the_heads_labels(tmp_path, minilm_d
         assert [d["probs"] for d in data] == [pytest.approx(row, abs=1e-5) for row in expected.tolist()]
         assert [d["label"] for d in data] == [config.id2label[int(i)] for i in expected.argmax(-1)]
         assert data[0]["num_classes"] == 3 and response.json()["usage"]["prompt_tokens"] > 0
+        raw = await request(server.url, "POST", "/classify", {"input": SENTENCES[:2], "use_activation": False})
+        logits = torch.tensor([d["probs"] for d in raw.json()["data"]])  # use_activation false: the logits
+        assert torch.allclose(torch.softmax(logits, -1), expected, atol=1e-5)
+        assert not torch.allclose(logits.sum(-1), torch.ones(2), atol=1e-3)
+        pooled = await request(server.url, "POST", "/pooling", {"input": SENTENCES[:2], "task": "classify"})
+        assert [d["data"] for d in pooled.json()["data"]] == [pytest.approx(r, abs=1e-5) for r in expected.tolist()]
+        embed = await request(server.url, "POST", "/v1/embeddings", {"input": "a classifier"})
+        assert embed.status == 400 and embed.json()["error"]["message"].startswith(
+            "Try switching the model's pooling_task via --pooler-config")
+    switched = engine_config(str(tmp_path), num_kv_blocks=None, pooler_config=PoolerOptions(task="embed"))
+    async with running_server(switched) as embedder:
+        vector = await request(embedder.url, "POST", "/v1/embeddings", {"input": "a classifier"})
+        assert len(vector.json()["data"][0]["embedding"]) == 64
+        refused = await request(embedder.url, "POST", "/classify", {"input": "no longer"})
+        assert refused.json()["error"]["message"].startswith("Try switching the model's pooling_task via")
     async with running_server(engine_config(str(minilm_dir), num_kv_blocks=None)) as plain:
         refused = await request(plain.url, "POST", "/classify", {"input": "no head"})
-        assert refused.status == 400 and "classification head" in refused.json()["error"]["message"]
+        assert refused.status == 400 and refused.json()["error"]["type"] == "BadRequestError"
+        assert refused.json()["error"]["message"].startswith("Unsupported task: 'classify' Supported tasks: "
+                                                             "['embed', 'token_embed']")
 
 
 async def test_embeddings_take_chat_messages_and_normalize(tiny_model_dir):
@@ -326,3 +344,59 @@ async def test_embeddings_take_chat_messages_and_normalize(tiny_model_dir):
         assert abs(norm - 1) < 1e-4 and abs(raw_norm - 1) > 1e-3
         both = await request(server.url, "POST", "/v1/embeddings", {"input": "x", "messages": messages})
         assert both.status == 400
+        activated = await request(server.url, "POST", "/v1/embeddings", {"input": "abc", "use_activation": False})
+        assert activated.json()["data"][0]["embedding"] == raw.json()["data"][0]["embedding"]
+        disagree = await request(server.url, "POST", "/v1/embeddings", {"input": "abc", "normalize": True,
+                                                                         "use_activation": False})
+        assert disagree.status == 400 and disagree.json()["error"]["param"] == "use_activation"
+
+
+async def test_padding_to_max_length_pads_with_the_pad_token(server):
+    plain = await embed(server, {"input": SENTENCES[0]})
+    padded = await embed(server, {"input": SENTENCES[0], "padding": "max_length"})
+    limit = server.state.engine.processor.pooling_input_limit
+    assert padded["usage"]["prompt_tokens"] == limit > plain["usage"]["prompt_tokens"]
+    assert padded["data"][0]["embedding"] != plain["data"][0]["embedding"]  # mean pooling counts the pads
+    same = await embed(server, {"input": SENTENCES[0], "padding": "do_not_pad"})
+    assert same["data"][0]["embedding"] == plain["data"][0]["embedding"]
+
+
+async def test_cohere_v2_embed_answers_in_cohere_shape(server):
+    texts = SENTENCES[:2]
+    openai_vectors = [d["embedding"] for d in (await embed(server, {"input": texts}))["data"]]
+    response = await request(server.url, "POST", "/v2/embed", {
+        "model": server.state.model_name, "texts": texts, "embedding_types": ["float", "base64", "binary", "ubinary"]})
+    assert response.status == 200, response.body[:300]
+    body = response.json()
+    assert body["texts"] == texts and body["meta"]["api_version"] == {"version": "2"}
+    assert body["meta"]["tokens"]["input_tokens"] > 0 and body["id"].startswith("embd-")
+    floats = body["embeddings"]["float"]
+    assert [pytest.approx(v, abs=1e-6) for v in openai_vectors] == floats
+    decoded = [np.frombuffer(base64.b64decode(b), dtype="<f4").tolist() for b in body["embeddings"]["base64"]]
+    assert decoded == [pytest.approx(v, abs=1e-6) for v in floats]
+    for vector, unsigned, signed in zip(floats, body["embeddings"]["ubinary"], body["embeddings"]["binary"],
+                                        strict=True):
+        bits = np.unpackbits(np.array(unsigned, dtype=np.uint8)).tolist()
+        assert bits == [int(x >= 0) for x in vector] and signed == [u - 128 for u in unsigned]
+    long_text = " ".join(SENTENCES) * 3
+    ends = {}
+    for side in ("END", "START"):
+        cut = await request(server.url, "POST", "/v2/embed", {"texts": [long_text], "truncate": side, "max_tokens": 8})
+        ends[side] = cut.json()["embeddings"]["float"][0]
+        assert cut.json()["meta"]["tokens"]["input_tokens"] == 8
+    assert ends["END"] != ends["START"]
+    over = await request(server.url, "POST", "/v2/embed", {"texts": [long_text], "truncate": "NONE", "max_tokens": 8})
+    assert over.status == 400 and "truncate=NONE" in over.json()["error"]["message"]
+    typed = await request(server.url, "POST", "/v2/embed", {"texts": texts, "input_type": "search_query"})
+    assert typed.status == 400 and typed.json()["error"]["param"] == "input_type"
+    images = await request(server.url, "POST", "/v2/embed", {"images": ["data:image/png;base64,AA=="]})
+    assert images.status == 400 and images.json()["error"]["param"] == "images"
+
+
+def test_input_type_prefixes_come_from_the_models_config(tmp_path):
+    from web.cohere_embed import read_prefixes
+    assert read_prefixes(tmp_path) == {}
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "q: "}}))
+    assert read_prefixes(tmp_path) == {"query": "q: "}
+    (tmp_path / "config.json").write_text(json.dumps({"task_instructions": {"search_document": "doc: "}}))
+    assert read_prefixes(tmp_path) == {"search_document": "doc: "}

@@ -36,6 +36,7 @@ from engine.api import (
 from engine.ids import random_id
 from web import (
     admin_api,
+    cohere_embed,
     cors,
     load_tracking,
     lora_api,
@@ -144,6 +145,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
     messages_api.register(app, state)
     responses_api.register(app, state)
     pooling_api.register(app, state)
+    cohere_embed.register(app, state)
     render_api.register(app, state)
     admin_api.register(app, state)
     lora_api.register(app, state)

@@ -88,6 +88,10 @@ REFUSED: dict[str, dict[str, str]] = {
     },
 }
 
+REFUSED["v2/embed"] = {
+    "images": "images are not embedded (no image embedding model is served)",
+    "inputs": "mixed text and image inputs are not embedded; send texts",
+}
 REFUSED["chat/completions/batch"] = REFUSED["chat/completions"]  # the same body, one conversation per item
 
 MODELS: dict[str, type[BaseModel]] = {
@@ -98,8 +102,14 @@ MODELS: dict[str, type[BaseModel]] = {
     "tokenize": protocol.TokenizeRequest, "detokenize": protocol.DetokenizeRequest,
     "load_lora_adapter": protocol.LoadLoRAAdapterRequest, "unload_lora_adapter": protocol.UnloadLoRAAdapterRequest,
     "messages": anthropic_protocol.MessagesRequest, "responses": responses_protocol.ResponsesRequest,
+    "v2/embed": protocol.CohereEmbedRequest,
 }
 ENDPOINT_OF = {model: name for name, model in MODELS.items()}
+
+
+def path_of(endpoint: str) -> str:
+    """The route of an endpoint named in the table (every one under /v1, but Cohere's /v2/embed)."""
+    return f"/{endpoint}" if endpoint.startswith("v2/") else f"/v1/{endpoint}"
 
 
 def _asks_for_something(value: Any) -> bool:
@@ -127,7 +137,7 @@ def _check(extra: dict[str, Any], refused: dict[str, str], endpoint: str, prefix
     if not unknown:
         return
     if not allow_unknown:
-        raise bad_request(f"Unknown field {unknown[0]!r} for /v1/{endpoint} (start the server with "
+        raise bad_request(f"Unknown field {unknown[0]!r} for {path_of(endpoint)} (start the server with "
                           "--allow-unknown-fields to ignore fields it does not know)", unknown[0])
     logger.warning("The following fields were present in the request but ignored: %s", set(unknown))
 
@@ -140,7 +150,8 @@ def api_reference() -> str:
              "neither OpenAI nor vLLM defines are refused too, unless the server runs with",
              "`--allow-unknown-fields`.", ""]
     for endpoint, model in MODELS.items():
-        lines += [f"## `/v1/{endpoint}`", "", "Implemented: " + ", ".join(f"`{n}`" for n in model.model_fields), ""]
+        implemented = ", ".join(f"`{n}`" for n in model.model_fields)
+        lines += [f"## `{path_of(endpoint)}`", "", "Implemented: " + implemented, ""]
         refused = REFUSED.get(endpoint, {})
         if refused:
             lines += ["| refused field | why |", "| --- | --- |"]

@@ -20,6 +20,7 @@ from engine.config import (
     EngineConfig,
     EplbConfig,
     LoRAModule,
+    PoolerOptions,
     StructuredOutputsConfig,
 )
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
@@ -105,7 +106,15 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                         "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
                         "uni, or mp with tensor parallelism")
     p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
-                   help="how embeddings pool hidden states (default: the model's config; decoders: last)")
+                   help="how embeddings pool hidden states (default: the model's config; decoders: last); "
+                        "--pooler-config's pooling_type says the same")
+    p.add_argument("--pooler-config", default=None,
+                   help='vLLM\'s pooling options as JSON: {"task": "embed"|"classify", "pooling_type": '
+                        '"MEAN"|"CLS"|"LAST", "use_activation": bool, "enable_chunked_processing": bool, '
+                        '"max_embed_len": int}')
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate: serve generation only; pooling: serve embeddings, pooling, score and rerank "
+                        "only; auto: what the model can")
     p.add_argument("--enable-prompt-embeds", action="store_true",
                    help="accept prompt_embeds (base64 torch.save tensors) in completions")
     p.add_argument("--renderer-workers", type=int, default=None,
@@ -150,6 +159,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "pipeline_layer_partition": layer_partition_from_env() if args.pipeline_parallel_size > 1 else None,
             "executor": "inproc" if args.executor == "uni" else args.executor,
             "pooling_type": args.pooling_type, "chat_template": args.chat_template,
+            "pooler_config": PoolerOptions.from_json(args.pooler_config or "{}"), "runner": args.runner,
             "generation_config": args.generation_config,
             "enable_expert_parallel": args.enable_expert_parallel, "enable_eplb": args.enable_eplb,
             "eplb_config": EplbConfig.from_json(args.eplb_config or "{}"),

@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -108,6 +109,28 @@ def tokenize_inputs(tokenizer: Tokenizer, inputs: list[str | list[int]], truncat
     return prompts if truncate is None else [p[:truncate] for p in prompts]
 
 
+def padded(engine: AsyncEngine, prompts: list[list[int]], padding: str | None) -> list[list[int]]:
+    """vLLM's `padding: "max_length"`: every input filled with the pad token up to the longest input
+    the server takes (as the tokenizer pads); an input longer than that is left as is (the length
+    limit answers it)."""
+    if padding != "max_length":
+        return prompts
+    pad = engine.tokenizer.token_to_id(engine.tokenizer.pad_token)
+    if pad is None:
+        raise bad_request("padding max_length needs a pad token; this tokenizer has none", "padding")
+    length = engine.processor.pooling_input_limit
+    return [p + [pad] * (length - len(p)) for p in prompts]
+
+
+def activated(logits: torch.Tensor, use_activation: bool) -> torch.Tensor:
+    """Classification logits as probabilities (softmax over the labels; a sigmoid for a single
+    label), or as they are."""
+    logits = logits.float()
+    if not use_activation:
+        return logits
+    return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
+
+
 def tokenize_pairs(tokenizer: Tokenizer, firsts: list[str], seconds: list[str],
                    truncate: int | None) -> list[dict[str, list[int]]]:
     prompts = []
@@ -132,8 +155,12 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest, object_na
         inputs = [rendered["prompt_token_ids"]]
     prompts = await offload(state, tokenize_inputs, engine.tokenizer, inputs, truncate, size=_input_size(inputs))
     task = getattr(req, "task", "embed")
-    outputs = await engine.encode(prompts, PoolingParams(task=task, dimensions=req.dimensions,
-                                                         normalize=req.normalize))
+    params = PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize,
+                            use_activation=req.use_activation)
+    outputs = await engine.encode(padded(engine, prompts, req.padding), params)
+    if task == "classify":  # /pooling with a classifier: probabilities unless use_activation is false
+        use = engine.info.pooler.activation if req.use_activation is None else req.use_activation
+        outputs = [replace(output, data=activated(output.data, use)) for output in outputs]
     if req.encoding_format in ("bytes", "bytes_only"):
         raw, headers = await offload(state, embeddings_bytes, outputs, req, state.model_name,
                                      size=_output_size(outputs))
@@ -145,18 +172,19 @@ async def create_embeddings(state: ServerState, req: EmbeddingRequest, object_na
 
 async def create_classification(state: ServerState, req: ClassificationRequest) -> Response:
     """Handles `POST /classify`: the classification head's probabilities per input (softmax over
-    the labels; a sigmoid for a single-label head), with the most likely label, as vLLM answers.
+    the labels; a sigmoid for a single-label head; logits with `use_activation: false`), with the
+    most likely label, as vLLM answers.
     The client going away cancels the handler, which aborts its engine requests."""
     engine = state.engine_for_request()
     inputs = req.inputs()
     truncate = checked_truncation(engine, req.truncate_prompt_tokens)
     prompts = await offload(state, tokenize_inputs, engine.tokenizer, inputs, truncate, size=_input_size(inputs))
-    outputs = await engine.encode(prompts, PoolingParams(task="classify"))
+    outputs = await engine.encode(padded(engine, prompts, req.padding), PoolingParams(task="classify"))
     labels = engine.info.labels
+    use = engine.info.pooler.activation if req.use_activation is None else req.use_activation
     data = []
     for index, output in enumerate(outputs):
-        logits = output.data.float()
-        probs = torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)
+        probs = activated(output.data, use)
         best = int(probs.argmax())
         data.append({"index": index, "label": labels[best] if best < len(labels) else str(best),
                      "probs": probs.tolist(), "num_classes": probs.numel()})
@@ -229,7 +257,7 @@ def embeddings_bytes(outputs: list[PoolingRequestOutput], req: EmbeddingRequest,
 def score_type_for(engine: AsyncEngine, requested: str | None) -> str:
     """A cross-encoder scores pairs with its head; a late-interaction (ColBERT) model by MaxSim over
     token embeddings; other models by the cosine of their embeddings, or MaxSim when asked."""
-    cross, late = bool(engine.info.num_labels), engine.info.pooler.late_interaction
+    cross, late = "classify" in engine.pooling_tasks, engine.info.pooler.late_interaction
     kind = requested or ("cross-encoder" if cross else "late-interaction" if late else "embedding")
     if (kind == "cross-encoder") != cross:
         reason = ("has no classification head: it cannot score as a cross-encoder" if not cross

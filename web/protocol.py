@@ -415,6 +415,10 @@ class EmbeddingRequest(_Body):
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     normalize: bool | None = None  # L2-normalise (default: as the model's pooling config says)
+    use_activation: bool | None = None  # vLLM's newer name for normalize
+    # vLLM's: "max_length" pads every input with the pad token to the longest input the server takes
+    # (for models trained at a fixed length without an attention mask); "do_not_pad" (default) does not.
+    padding: Literal["max_length", "do_not_pad"] | None = None
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
@@ -430,6 +434,8 @@ class ClassificationRequest(_Body):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    use_activation: bool | None = None  # probabilities (softmax / sigmoid; the default) or raw logits
+    padding: Literal["max_length", "do_not_pad"] | None = None  # as EmbeddingRequest's
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
@@ -437,7 +443,23 @@ class ClassificationRequest(_Body):
 
 
 class PoolingRequest(EmbeddingRequest):
-    task: Literal["embed", "token_embed"] = "embed"
+    task: str = "embed"  # embed, token_embed or classify, as the model serves (the engine refuses others)
+
+
+EmbeddingType = Literal["float", "binary", "ubinary", "base64"]
+
+
+class CohereEmbedRequest(_Body):
+    """`POST /v2/embed` (Cohere's Embed API v2, as vLLM takes it; web/cohere_embed.py)."""
+
+    model: str | None = None
+    texts: list[str] | None = None
+    input_type: str | None = None
+    output_dimension: int | None = None
+    embedding_types: list[EmbeddingType] | None = None
+    truncate: Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = Field(default=None, ge=1)
+    priority: int = 0
 
 
 class ScoreRequest(_Body):

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import torch
 
+from engine.api.chunked_pooling import ChunkPlan
 from engine.api.merge import merge_pending
 from engine.concurrency.use_counts import UseCounts
 from engine.config import EngineConfig
@@ -32,6 +33,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.ids import random_id
 from engine.lora_request import LoRARequest, configured_adapters
 from engine.model_info import ModelInfo
+from engine.models.pooler import finish
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.render.chat import EMBEDS_SENTINEL, ChatMedia, extract_media, render_chat
@@ -68,6 +70,7 @@ class AsyncEngine:
         self._lora_lock = anyio.Lock()  # one adapter load or unload at a time
         self._adapter_streams = UseCounts()  # open generate calls per adapter
         self.processor = InputProcessor(config, info, tokenizer, self.loras)
+        self.pooling_tasks = self.processor.pooling_tasks  # what /pooling, /classify and /score may ask
         self._loop_lag = loop_lag or LoopLagReadings()
         self.render_limiter = anyio.CapacityLimiter(config.renderer_threads)
         embeds_limits = None
@@ -136,15 +139,33 @@ class AsyncEngine:
         self.processor.check_pooling(params)
         self.processor.check_priority(priority)
         request_id = request_id or random_id()
-        request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        results: list[PoolingRequestOutput | None] = [None] * len(prompts)
+        rendered = await self._render_all(prompts)
+        if params.task == "embed" and self.config.pooler_config.enable_chunked_processing:
+            return await self._encode_in_chunks(rendered, params, request_id, priority)
+        return await self._encode_rendered(rendered, params, request_id, priority)
+
+    async def _encode_rendered(self, rendered: list[EngineInput], params: PoolingParams, request_id: str,
+                               priority: int) -> list[PoolingRequestOutput]:
+        request_ids = [f"{request_id}-{i}" for i in range(len(rendered))]
+        results: list[PoolingRequestOutput | None] = [None] * len(rendered)
         build = partial(self._pooling_request, params=params, priority=priority)
-        async with aclosing(self._run(prompts, request_ids, build, RequestOutputKind.FINAL_ONLY)) as outputs:
+        async with aclosing(self._run_rendered(rendered, request_ids, build, RequestOutputKind.FINAL_ONLY)) \
+                as outputs:
             async for index, output in outputs:
                 results[index] = output
         if any(r is None for r in results):
             raise EngineDeadError("the engine stopped before every prompt was pooled")
         return results  # type: ignore[return-value]
+
+    async def _encode_in_chunks(self, rendered: list[EngineInput], params: PoolingParams, request_id: str,
+                                priority: int) -> list[PoolingRequestOutput]:
+        """--pooler-config enable_chunked_processing: inputs longer than one step are embedded in
+        chunks, pooled raw, and combined as their token-weighted mean, then cut to `dimensions` and
+        normalized (exact for MEAN pooling; for CLS and LAST the mean of the chunks' vectors)."""
+        plan = ChunkPlan.of(rendered, self.processor.pooling_input_limit, self.config.pooler_config.max_embed_len)
+        raw = replace(params, normalize=False, dimensions=None, use_activation=None)
+        outputs = await self._encode_rendered(plan.chunks, raw, request_id, priority)
+        return plan.combine(outputs, rendered, lambda vector: finish(vector, params, self.info.pooler))
 
     async def _generate(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None,
                         request_ids: list[str], priority: int, lora_request: LoRARequest | None = None
@@ -249,6 +270,13 @@ class AsyncEngine:
                    make_request: Callable[[str, EngineInput], EngineCoreRequest],
                    output_kind: RequestOutputKind) -> AsyncGenerator[tuple[int, Any]]:
         rendered = await self._render_all(prompts)
+        async with aclosing(self._run_rendered(rendered, request_ids, make_request, output_kind)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def _run_rendered(self, rendered: list[EngineInput], request_ids: list[str],
+                            make_request: Callable[[str, EngineInput], EngineCoreRequest],
+                            output_kind: RequestOutputKind) -> AsyncGenerator[tuple[int, Any]]:
         requests = [make_request(rid, engine_input) for rid, engine_input in zip(request_ids, rendered, strict=True)]
         # One output stream for the whole batch: each request gets a clone of the send side,
         # so the outputs of every prompt arrive on one receive side without extra tasks.

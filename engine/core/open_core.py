@@ -24,6 +24,7 @@ from engine.model_info import ModelInfo
 from engine.models.hf_config import read_generation_defaults
 from engine.models.moe import check_expert_options
 from engine.render.chat import resolve_chat_template
+from engine.render.pooling_tasks import served_pooling_tasks
 from engine.render.tokenizer import Tokenizer
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.prefix_hash import PrefixHasher
@@ -44,6 +45,7 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
         raise ModelLoadError(
             f"the KV cache budget ({config.kv_cache_memory_bytes} bytes) holds {num_blocks * config.block_size} "
             f"tokens, fewer than max_model_len ({max_model_len}); raise kv_cache_memory_bytes or lower max_model_len")
+    served_pooling_tasks(config, model_info)  # a --runner or --pooler-config task the model cannot serve
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + model_info.eos_token_ids))
     return replace(model_info, num_kv_blocks=num_blocks, max_model_len=max_model_len, eos_token_ids=eos)
 

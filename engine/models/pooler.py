@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.config import PoolerOptions
 from engine.errors import ModelLoadError
 from engine.model_info import PoolerConfig
 from engine.models.hf_config import read_json_file
@@ -23,10 +24,16 @@ POOLING_TYPES = ("mean", "cls", "last")
 
 
 def read_pooler_config(model_dir: str | Path, raw_config: dict[str, Any], default_pooling: str,
-                       override: str | None = None) -> PoolerConfig:
-    """The model's pooling; `override` (EngineConfig.pooling_type) replaces its pooling mode."""
+                       options: PoolerOptions | None = None) -> PoolerConfig:
+    """The model's pooling, with what `options` (--pooler-config) sets in its place: the pooling
+    type, and `use_activation` as the default normalization (embed) and activation (classify)."""
     config = _read_pooler_config(Path(model_dir), raw_config, default_pooling)
-    return config if override is None else replace(config, pooling=override)
+    options = options or PoolerOptions()
+    if options.pooling_type is not None:
+        config = replace(config, pooling=options.pooling_type)
+    if options.use_activation is not None:
+        config = replace(config, normalize=options.use_activation, activation=options.use_activation)
+    return config
 
 
 def _read_pooler_config(model_dir: Path, raw_config: dict[str, Any], default_pooling: str) -> PoolerConfig:
@@ -34,7 +41,7 @@ def _read_pooler_config(model_dir: Path, raw_config: dict[str, Any], default_poo
     dims = tuple(int(d) for d in matryoshka) if matryoshka else None
     modules_path = model_dir / "modules.json"
     if not modules_path.is_file():
-        return PoolerConfig(default_pooling, True, dims)
+        return PoolerConfig(default_pooling, True, matryoshka_dimensions=dims)
     try:
         modules = read_json_file(modules_path)
         pooling_dir = next((m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")), None)
@@ -45,7 +52,7 @@ def _read_pooler_config(model_dir: Path, raw_config: dict[str, Any], default_poo
             pooling = _pooling_mode(cfg)
     except (AttributeError, TypeError) as exc:  # JSON of the wrong shape
         raise ModelLoadError(f"{model_dir}: unreadable sentence-transformers pooling config: {exc}") from exc
-    return PoolerConfig(pooling, normalize, dims)
+    return PoolerConfig(pooling, normalize, matryoshka_dimensions=dims)
 
 
 def _pooling_mode(cfg: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ processor`). Plain Python over the tokenizer: no event loop, so it is tested wit
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from engine.config import EngineConfig
@@ -16,6 +17,7 @@ from engine.errors import InvalidRequestError
 from engine.lora_request import LoRARegistry, LoRARequest, configured_adapters
 from engine.model_info import ModelInfo
 from engine.pooling_params import PoolingParams
+from engine.render.pooling_tasks import capable_pooling_tasks, served_pooling_tasks
 from engine.render.renderer import EngineInput
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
@@ -32,10 +34,19 @@ class InputProcessor:
         self.loras = loras if loras is not None else configured_adapters(config.lora_modules)
 
     def check_can_generate(self) -> None:
-        """A pooling model (BERT and its kin) serves embeddings, pooling, score and rerank only."""
+        """A pooling model (BERT and its kin, or any model under --runner pooling) serves
+        embeddings, pooling, score and rerank only."""
         if self.info.kind == "encoder":
             raise InvalidRequestError(f"this model ({self.info.architecture}) is a pooling model and cannot "
                                       "generate; use embeddings, pooling, score or rerank", param="model")
+        if self.config.runner == "pooling":
+            raise InvalidRequestError("this server runs its model with --runner pooling: it serves embeddings, "
+                                      "pooling, score and rerank, not generation", param="model")
+
+    @functools.cached_property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        """The pooling tasks this engine serves (engine/render/pooling_tasks.py)."""
+        return served_pooling_tasks(self.config, self.info)
 
     def bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word as token ids, with and without a leading space (as vLLM bans them)."""
@@ -55,13 +66,18 @@ class InputProcessor:
                                       param="priority")
 
     def check_pooling(self, params: PoolingParams) -> None:
-        info = self.info
-        if params.task == "classify" and not info.num_labels:
-            raise InvalidRequestError(f"this model ({info.architecture}) has no classification head", param="task")
-        if params.task == "embed" and info.pooler.late_interaction:
-            raise InvalidRequestError(f"this model ({info.architecture}) is a late-interaction model: it gives "
-                                      "token embeddings (/pooling with task token_embed) and scores by MaxSim "
-                                      "(/score, /rerank), not a single embedding", param="task")
+        """A task the engine serves (vLLM's wording for the others), and options the model supports."""
+        info, served = self.info, self.pooling_tasks
+        if params.task not in served:
+            if served and params.task in capable_pooling_tasks(info):
+                raise InvalidRequestError(f"Try switching the model's pooling_task via --pooler-config "
+                                          f"'{{\"task\": \"{params.task}\"}}': this server serves "
+                                          f"{list(served)}", param="task")
+            hint = (" This model is a late-interaction model: it gives token embeddings (/pooling with task "
+                    "token_embed) and scores by MaxSim (/score, /rerank)." if info.pooler.late_interaction else
+                    " The server runs its model with --runner generate." if not served else "")
+            raise InvalidRequestError(f"Unsupported task: {params.task!r} Supported tasks: {list(served)}.{hint}",
+                                      param="task")
         if params.dimensions is not None and not info.pooler.supports_dimensions(params.dimensions):
             supported = info.pooler.matryoshka_dimensions
             raise InvalidRequestError(
@@ -69,11 +85,17 @@ class InputProcessor:
                 (f" (Matryoshka dimensions up to {max(supported)})" if supported else
                  " (it does not declare Matryoshka support)"), param="dimensions")
 
+    @property
+    def pooling_input_limit(self) -> int:
+        """The longest input one pooling request takes: the context, or one step if smaller (a
+        pooling prompt is not chunked across steps)."""
+        return min(self.info.max_model_len, self.config.token_budget)
+
     def pooling_request(self, request_id: str, engine_input: EngineInput, params: PoolingParams,
                         priority: int, arrival_time: float) -> EngineCoreRequest:
         """One prefill-only request; its prompt must fit the context and one step (it is not chunked)."""
         length = len(engine_input.token_ids)
-        limit = min(self.info.max_model_len, self.config.token_budget)
+        limit = self.pooling_input_limit
         if length > limit:
             raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your request "
                                       f"has {length} input tokens. Please reduce the length of the input prompt "

@@ -98,7 +98,7 @@ class Worker:
             return self._load_encoder(raw)
         if is_llava_config(raw):
             return self._load_llava()
-        self.pooler = read_pooler_config(self.config.model, raw, "last", self.config.pooling_type)
+        self.pooler = read_pooler_config(self.config.model, raw, "last", self.config.pooler_config)
         max_positions = self.config.max_model_len
         cfg = parse_decoder_config(raw)
         layout = expert_layout_for(cfg.moe, self.config, self.rank)
@@ -174,7 +174,7 @@ class Worker:
         if self.tp.size > 1:
             raise ModelLoadError("tensor parallelism is not supported for encoder (BERT) models")
         self.model = load_encoder(self.config.model, self.config.dtype, self.config.device)
-        self.pooler = replace(read_pooler_config(self.config.model, raw, "cls", self.config.pooling_type),
+        self.pooler = replace(read_pooler_config(self.config.model, raw, "cls", self.config.pooler_config),
                               late_interaction=self.model.config.late_interaction)
         cfg = self.model.config
         # Encoders keep no KV cache; blocks are only the scheduler's accounting of a step's tokens.
