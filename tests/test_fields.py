@@ -88,6 +88,7 @@ CHECKED_ELSEWHERE = {
     "guided_choice": "test_structured_outputs", "guided_grammar": "test_structured_outputs",
     "logit_bias": "test_structured_outputs", "allowed_token_ids": "test_structured_outputs",
     "logprob_token_ids": "test_structured_outputs",
+    "use_beam_search": "test_beam_search", "length_penalty": "test_beam_search", "early_stopping": "test_beam_search",
     "bad_words": "test_structured_outputs", "truncate_prompt_tokens": "test_structured_outputs",
     "return_token_ids": "test_fields::test_token_ids_in_answers",
     "prompt_token_ids": "test_fields::test_token_ids_in_answers",

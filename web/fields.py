@@ -25,8 +25,6 @@ logger = logging.getLogger("trio_llm.requests")
 
 _SAMPLING_VLLM = {
     "best_of": "only n independent samples are generated (no best-of selection)",
-    "use_beam_search": "beam search is not implemented",
-    "length_penalty": "only used by beam search, which is not implemented",
     "spaces_between_special_tokens": "detokenization always joins special tokens without spaces",
     "logits_processors": "custom logits processors are not supported",
     "guided_decoding_backend": "the one backend is llguidance",

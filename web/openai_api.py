@@ -23,6 +23,7 @@ from engine.api import AsyncEngine, EngineDeadError, RequestOutput, RequestOutpu
 from engine.concurrency.offload import run_sized
 from engine.ids import random_id
 from web import sse
+from web.beam_search_api import beam_chat, beam_completion
 from web.errors import APIError, bad_request
 from web.fields import check_fields
 from web.protocol import (
@@ -190,6 +191,9 @@ async def create_completion(state: ServerState) -> Response:
     prompts = req.prompts()
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt")
+    if req.use_beam_search:
+        beams = await beam_completion(state, engine, req, prompts)
+        return await json_response(state, lambda: beams, beams["usage"]["completion_tokens"])
     params = completion_sampling_params(engine, req)
     model_name = state.response_model(req.model)
     response_id, created = f"cmpl-{random_id()}", int(time.time())
@@ -317,6 +321,11 @@ async def create_chat_completion(state: ServerState) -> Response:
     """
     req: ChatCompletionRequest = await read_request(state, ChatCompletionRequest)
     force_usage = state.settings.enable_force_include_usage  # vLLM's: usage on every chunk, and a last one
+    if req.use_beam_search:
+        engine = generation_engine(state)
+        prompt = await chat_prompt_for(state, engine, req, req.messages, None)
+        beams = await beam_chat(state, engine, req, prompt)
+        return await json_response(state, lambda: beams, beams["usage"]["completion_tokens"])
     run = await start_chat(state, req)
     if req.stream:
         stream = run.chat_stream()
@@ -341,7 +350,8 @@ async def create_batch_chat_completion(state: ServerState) -> Response:
     tools and n > 1 are refused, as vLLM refuses them. The client going away cancels the handler,
     which aborts every conversation's request."""
     req: BatchChatCompletionRequest = await read_request(state, BatchChatCompletionRequest)
-    for name, asked in (("stream", req.stream), ("tools", req.tools), ("n", req.n != 1)):
+    for name, asked in (("stream", req.stream), ("tools", req.tools), ("n", req.n != 1),
+                        ("use_beam_search", req.use_beam_search)):
         if asked:
             raise bad_request(f"{name} is not supported by /v1/chat/completions/batch", name)
     if not req.messages:

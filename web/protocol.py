@@ -99,6 +99,11 @@ class _Sampling(_Body):
     logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs instead of the top N
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's beam search: `n` beams, scored by cumulative logprob / length ** length_penalty;
+    # early_stopping as Hugging Face's (true, false or "never"). web/beam_search_api.py.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         pairs = []

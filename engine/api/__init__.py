@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine.api.async_engine import AsyncEngine
     from engine.api.llm import LLM
     from engine.api.open import open_engine, open_engine_process
+    from engine.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from engine.config import EngineConfig, LoRAModule
     from engine.core.data_parallel import data_parallel_configs
     from engine.core.engine_spawn import SpawnedEngine, engine_process_started
@@ -42,6 +43,9 @@ _WHERE = {
     "SHAPES": "engine.models.tiny",
     "shaped_spec": "engine.models.tiny",
     "AsyncEngine": "engine.api.async_engine",
+    "BeamSearchOutput": "engine.beam_search_params",
+    "BeamSearchParams": "engine.beam_search_params",
+    "BeamSearchSequence": "engine.beam_search_params",
     "CompletionOutput": "engine.outputs",
     "EngineConfig": "engine.config",
     "EngineDeadError": "engine.errors",
@@ -80,7 +84,8 @@ _WHERE = {
 
 __all__ = [
     "ARCHITECTURES", "LLM", "SHAPES", "LoRAError", "LoRAModule", "LoRARequest",
-    "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDeadError",
+    "AsyncEngine", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput",
+    "EngineConfig", "EngineDeadError",
     "EngineInput", "EngineStats", "Executor", "InvalidRequestError", "Logprob", "ModelInfo", "ModelLoadError",
     "PoolerConfig", "PoolingParams", "PoolingRequestOutput", "PositionLogprobs", "RequestFailedError",
     "RequestOutput", "RequestOutputKind", "RequestRecord", "SamplingParams", "SpawnedEngine", "StatsObserver",

@@ -22,8 +22,10 @@ from typing import Any
 import anyio
 import torch
 
+from engine.api.beam_search import check_beam_search, run_beam_search
 from engine.api.chunked_pooling import ChunkPlan
 from engine.api.merge import merge_pending
+from engine.beam_search_params import BeamSearchOutput, BeamSearchParams
 from engine.concurrency.use_counts import UseCounts
 from engine.config import EngineConfig
 from engine.core.engine_core import AddRequest, CoreHandle, OutputItem
@@ -126,6 +128,21 @@ class AsyncEngine:
                                            lora_request)) as outputs:
             async for item in outputs:
                 yield item
+
+    async def beam_search(self, prompt: Prompt, params: BeamSearchParams, request_id: str | None = None, *,
+                          priority: int = 0, lora_request: LoRARequest | None = None) -> BeamSearchOutput:
+        """The best `params.beam_width` continuations of a text or token-id prompt by beam search
+        (engine/api/beam_search.py): each step runs every beam as a one-token request, and the
+        beams share the prompt's KV blocks through the prefix cache. Invalid input raises
+        `InvalidRequestError` before anything runs. Cancellation aborts the step in flight."""
+        self.processor.check_can_generate()
+        (rendered,) = await self._render_all([prompt])
+        if rendered.embeds is not None or rendered.mm_features:
+            raise InvalidRequestError("beam search takes text or token-id prompts (not embeddings or images)",
+                                      param="prompt")
+        check_beam_search(self, len(rendered.token_ids), params)
+        return await run_beam_search(self, rendered.token_ids, params, request_id or random_id(),
+                                     rendered.cache_salt, lora_request, priority)
 
     async def encode(self, prompts: Sequence[Prompt], pooling_params: PoolingParams | None = None,
                      request_id: str | None = None, *, priority: int = 0) -> list[PoolingRequestOutput]:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from engine.api.async_engine import AsyncEngine
 from engine.api.open import open_engine
+from engine.beam_search_params import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.executor.inproc import InProcExecutor
 from engine.lora_request import LoRARequest
@@ -67,6 +68,26 @@ class LLM:
         params = sampling_params or SamplingParams()
         items: list[tuple[str, Any, LoRARequest | None]] = [("chat", c, None) for c in conversations]
         return anyio.run(self._run_batch, items, params, use_tqdm, backend="trio")
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """One `BeamSearchOutput` per prompt (text or token ids), in prompt order: its best
+        `params.beam_width` beams, best first (vLLM's `LLM.beam_search`). The prompts' searches run
+        concurrently, their steps batched together."""
+        return anyio.run(self._beam_search, _as_batch(prompts), params, lora_request, backend="trio")
+
+    async def _beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams,
+                           lora_request: LoRARequest | None) -> list[BeamSearchOutput]:
+        results: list[BeamSearchOutput | None] = [None] * len(prompts)
+
+        async def search(engine: AsyncEngine, index: int) -> None:
+            results[index] = await engine.beam_search(prompts[index], params, lora_request=lora_request)
+
+        async with (open_engine(self.config, executor=self._executor, tokenizer=self._tokenizer) as engine,
+                    anyio.create_task_group() as tg):
+            for index in range(len(prompts)):
+                tg.start_soon(search, engine, index)
+        return [r for r in results if r is not None]
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
