@@ -27,6 +27,8 @@ from pydantic import BaseModel
 from web.anthropic_protocol import MessagesRequest
 from web.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
+    CohereEmbedRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -50,6 +52,8 @@ ENDPOINTS: dict[str, tuple[dict[str, Any], Any]] = {
     "/detokenize": ({"tokens": [5, 6, 7]}, DetokenizeRequest),
     "/v1/messages": ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, MessagesRequest),
     "/v1/responses": ({"input": "Hi", "max_output_tokens": 4}, ResponsesRequest),
+    "/v2/embed": ({"texts": ["Hello there"]}, CohereEmbedRequest),
+    "/classify": ({"input": "Hello there"}, ClassificationRequest),
 }
 
 EDGE_INTEGERS = [0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**100,
