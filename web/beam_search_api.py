@@ -67,7 +67,8 @@ async def search_all(state: ServerState, engine: AsyncEngine, prompts: list[Any]
 
 async def beam_completion(state: ServerState, engine: AsyncEngine, req: CompletionRequest,
                           prompts: list[Any]) -> dict[str, Any]:
-    """`use_beam_search` on /v1/completions: the body, choice `prompt index * n + beam` (best first)."""
+    """`use_beam_search` on /v1/completions: the body, choice `prompt index * n + beam` (best first).
+    Cancellation (the client went away) cancels every prompt's search."""
     params = beam_params(req, req.max_tokens or 16)
     outputs = await search_all(state, engine, prompts, params, req)
     choices = [{"index": p * req.n + b, "text": seq.text, "logprobs": None, "finish_reason": seq.finish_reason,
@@ -80,7 +81,8 @@ async def beam_completion(state: ServerState, engine: AsyncEngine, req: Completi
 
 async def beam_chat(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest,
                     prompt: dict[str, Any]) -> dict[str, Any]:
-    """`use_beam_search` on /v1/chat/completions: the body, one choice per beam (best first)."""
+    """`use_beam_search` on /v1/chat/completions: the body, one choice per beam (best first).
+    Cancellation (the client went away) cancels the search."""
     if prompt.get("multi_modal_data"):
         raise bad_request("use_beam_search takes text messages (not images)", "messages")
     length = len(prompt["prompt_token_ids"])
