@@ -46,6 +46,8 @@ class ModelInfo:
     # Vision-language models (LLaVA): the image placeholder token and the rows each image fills.
     image_token_id: int | None = None
     image_rows: int = 0
+    quantization: str | None = None  # the linear layers' weight-only quantization ("int8"), if any
+    weight_bytes: int = 0  # this rank's weights as held (quantized layers as int8 rows and scales)
     # Set by the engine, not the worker:
     num_kv_blocks: int = 0
     max_model_len: int = 0

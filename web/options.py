@@ -105,6 +105,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="where the model runs: mp (worker processes of this machine), ray (Ray actors, on the "
                         "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
                         "uni, or mp with tensor parallelism")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                   help="weight-only int8 for the linear layers, quantized per output channel at load (default: "
+                        "as stored; a GGUF file of quantized tensors runs as int8)")
     p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
                    help="how embeddings pool hidden states (default: the model's config; decoders: last); "
                         "--pooler-config's pooling_type says the same")
@@ -159,6 +162,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "pipeline_layer_partition": layer_partition_from_env() if args.pipeline_parallel_size > 1 else None,
             "executor": "inproc" if args.executor == "uni" else args.executor,
             "pooling_type": args.pooling_type, "chat_template": args.chat_template,
+            "quantization": args.quantization,
             "pooler_config": PoolerOptions.from_json(args.pooler_config or "{}"), "runner": args.runner,
             "generation_config": args.generation_config,
             "enable_expert_parallel": args.enable_expert_parallel, "enable_eplb": args.enable_eplb,

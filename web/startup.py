@@ -49,6 +49,8 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
     return [f"trio-llm {trio_llm_version()}",
             f"model {config.model} ({info.architecture or info.kind}), dtype {info.dtype}, "
             f"context {info.max_model_len} tokens",
+            f"weights: {info.weight_bytes / 2**20:.1f} MiB per rank, " +
+            (f"linear layers {info.quantization} weight-only" if info.quantization else "not quantized"),
             f"engine core: {core}; executor: {layout}, device {config.device}",
             "CPUs: " + ("; ".join(f"engine {rank}: {_cpus_line(part)}"
                                   for rank, part in enumerate(data_parallel_configs(config)))

@@ -177,6 +177,21 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
 
+    def quantize_linears(self, method: str | None) -> None:
+        """Weight-only quantization of every large linear layer, the LM head included (`method`:
+        "int8"; None: none). Call once the weights are final, before `pack_linears`."""
+        if method is None:
+            return
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights as they are held (int8 rows and scales for quantized layers)."""
+        tensors = list(self.parameters()) + list(self.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+
     @property
     def packed_linears(self) -> list[tuple[str, Linear]]:
         """The packed linear layers by name, in module order (the compiled graph's extra inputs)."""

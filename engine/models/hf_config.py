@@ -97,6 +97,10 @@ def read_json_file(path: Path, *, missing: str | None = None) -> Any:
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """The model's config.json, or for a GGUF file the config its metadata amounts to."""
+    if str(model_dir).endswith(".gguf"):
+        from engine.models.gguf_file import gguf_config
+        return gguf_config(model_dir)
     path = require_model_dir(model_dir) / "config.json"
     config: dict[str, Any] = read_json_file(path, missing="a model directory needs an HF config.json")
     return config

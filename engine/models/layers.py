@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.int8_linear import can_quantize, int8_linear, kernel_dtype, quantize_per_channel
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
 
@@ -35,13 +36,31 @@ class Linear(nn.Module):
         # The LoRA adapters that change this layer's output, when the engine serves any
         # (engine/lora/layers.py): their delta is added for the rows of each adapter's requests.
         self.lora: OutputDelta | None = None
+        # Weight-only int8 once `quantize` ran (engine/models/int8_linear.py): the rows and their scales.
+        self.qweight: torch.Tensor | None
+        self.qscales: torch.Tensor | None
+        self.register_buffer("qweight", None)
+        self.register_buffer("qscales", None)
+
+    def quantize(self, keep_weight: bool = False) -> bool:
+        """Store the weight as int8 rows with per-row scales, where that applies (a large CPU
+        weight); returns whether it did. As with `pack`, the float weight is then dropped unless
+        `keep_weight` (a tied LM head: the embedding still reads it)."""
+        if not can_quantize(self.weight):
+            return False
+        q, scales = quantize_per_channel(self.weight)
+        self.qweight = q
+        self.qscales = scales.to(kernel_dtype(self.weight.dtype))
+        if not keep_weight:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+        return True
 
     def pack(self, keep_weight: bool = False) -> bool:
         """Lay the weight out for oneDNN, where that applies (`packed_linear.can_pack`); returns
         whether it did. The stored weight is then dropped (a meta tensor keeps its shape) unless
         `keep_weight` (a tied LM head: the embedding still reads it). Call once the weights are
         final: loading into a packed layer is an error."""
-        packed = pack_weight(self.weight)
+        packed = None if self.qweight is not None else pack_weight(self.weight)
         if packed is None:
             return False
         self.packed = packed
@@ -50,7 +69,13 @@ class Linear(nn.Module):
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = packed_linear(x, self.packed, bias) if self.packed is not None else F.linear(x, self.weight, bias)
+        if self.qweight is not None:
+            assert self.qscales is not None
+            y = int8_linear(x, self.qweight, self.qscales, bias)
+        elif self.packed is not None:
+            y = packed_linear(x, self.packed, bias)
+        else:
+            y = F.linear(x, self.weight, bias)
         return y if self.lora is None else self.lora.add_delta(x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -13,6 +14,7 @@ from tqdm import tqdm
 from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
 from engine.models.decoder import DecoderForCausalLM
+from engine.models.gguf_file import gguf_weights, is_gguf, is_quantized
 from engine.models.hf_config import (
     DecoderConfig,
     LlavaConfig,
@@ -21,6 +23,7 @@ from engine.models.hf_config import (
     read_config_json,
     read_json_file,
 )
+from engine.models.int8_linear import QUANTIZATIONS
 from engine.models.moe import ExpertLayout
 from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.vision import LlavaVision, VisionConfig
@@ -66,23 +69,42 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                  max_positions: int | None = None, tp: TensorParallel = TensorParallel(),
-                 experts: ExpertLayout | None = None, stage: PipelineStage = PipelineStage()) -> DecoderForCausalLM:
+                 experts: ExpertLayout | None = None, stage: PipelineStage = PipelineStage(),
+                 quantization: str | None = None) -> DecoderForCausalLM:
     """Build and load the model (this rank's shard of it, under tensor or expert parallelism;
-    `experts` places an MoE model's expert slots; `stage`, its pipeline stage's layers only).
-    Blocking (file I/O, copies): run it off the loop."""
+    `experts` places an MoE model's expert slots; `stage`, its pipeline stage's layers only), from
+    an HF directory or a GGUF file, with its linear layers quantized as `quantization` says
+    (`resolve_quantization`). Blocking (file I/O, copies): run it off the loop."""
     model_dir = Path(model_dir)
-    cfg: DecoderConfig = parse_decoder_config(read_config_json(model_dir))
-    files = safetensors_files(model_dir)
+    raw = read_config_json(model_dir)
+    cfg: DecoderConfig = parse_decoder_config(raw)
+    weights = (gguf_weights(model_dir, raw) if is_gguf(model_dir) else iterate_weights(safetensors_files(model_dir)))
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype)
     try:
         model = DecoderForCausalLM(cfg, torch_dtype, device, tp, experts, stage)  # uninitialised: weights next
     except ValueError as exc:  # a dimension tensor parallelism cannot split
         raise ModelLoadError(str(exc)) from None
     with torch.no_grad():
-        model.load_weights(iterate_weights(files))
+        model.load_weights(weights)
+        model.quantize_linears(resolve_quantization(quantization, model_dir, raw))
     model.setup_rope(max_positions or cfg.max_position_embeddings)
     model.pack_linears()
     return model.eval()
+
+
+def resolve_quantization(requested: str | None, model_dir: Path, raw: dict[str, Any]) -> str | None:
+    """The weight-only quantization to run: `requested` (--quantization), else int8 for a GGUF file
+    of quantized tensors (they were dequantized at load) and None otherwise. A checkpoint's own
+    `quantization_config` is refused (one line, naming its method): none is read yet."""
+    method = (raw.get("quantization_config") or {}).get("quant_method") if isinstance(raw, dict) else None
+    if method is not None:
+        raise ModelLoadError(f"{model_dir}: quantization_config method {method!r} is not supported; load the float "
+                             "checkpoint with --quantization int8, or a GGUF file")
+    if requested not in (None, *QUANTIZATIONS):
+        raise ModelLoadError(f"unsupported quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
+    if requested is None and is_gguf(model_dir) and is_quantized(model_dir):
+        return "int8"
+    return requested
 
 
 def load_llava(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", max_positions: int | None = None,

@@ -26,6 +26,7 @@ from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.bert import BertEncoder, is_encoder_config
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.hf_config import is_llava_config, parse_decoder_config, read_config_json
+from engine.models.layers import Linear
 from engine.models.loader import load_decoder, load_encoder, load_llava
 from engine.models.moe import expert_layout_for
 from engine.models.packed_linear import slower_than_float32
@@ -103,7 +104,7 @@ class Worker:
         cfg = parse_decoder_config(raw)
         layout = expert_layout_for(cfg.moe, self.config, self.rank)
         self.model = load_decoder(self.config.model, self.config.dtype, self.config.device, max_positions, self.tp,
-                                  layout, self.stage)
+                                  layout, self.stage, self.config.quantization)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         self._warn_if_reduced_precision_is_slower()
@@ -166,9 +167,11 @@ class Worker:
         # under pipeline parallelism, its own layers).
         per_block = 2 * len(self.model.layers) * self.config.block_size * self.model.num_local_kv_heads * cfg.head_dim \
             * element_size
+        quantization = "int8" if any(m.qweight is not None for _, m in self.model.named_modules()
+                                     if isinstance(m, Linear)) else None
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
-                         self.pooler)
+                         self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes)
 
     def _load_encoder(self, raw: dict[str, Any]) -> ModelInfo:
         if self.tp.size > 1:

@@ -1,0 +1,129 @@
+"""`trio-llm bench quantized`: decode tok/s of float32, bfloat16 and weight-only int8 against
+llama.cpp (llama-cpp-python's `Llama`) on the same weights as GGUF F32 and Q8_0, and against the
+memory-bandwidth floor, in one run.
+
+Like for like: one checkpoint (exported to GGUF for llama.cpp by bench/gguf_export.py), the same
+random token prompts, the same output length (greedy, no early stop), the same thread count on
+both sides, the sides alternating first in each of `repeats` rounds, the median printed. Our side
+runs the compiled engine at 1 and 16 concurrent streams. llama-cpp-python's `Llama` runs one
+sequence at a time (its server serves requests one after another), so its 16-stream figure is 16
+requests back to back: what a client of its server gets. The floor is one token per weight read
+at batch 1: the bytes of the weights over the measured memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from bench.gguf_export import export_gguf
+from bench.roofline import read_bandwidth
+from bench.throughput import BenchSpec, _engine_run
+from engine.config import EngineConfig
+from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
+from engine.executor.inproc import InProcExecutor
+from engine.models.hf_config import read_config_json
+from engine.worker.worker import Worker
+
+OURS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
+LLAMA_CPP = ("F32", "Q8_0")
+
+
+@dataclass
+class Side:
+    name: str
+    weight_bytes: int = 0
+    rates: dict[int, list[float]] = field(default_factory=dict)  # streams -> tok/s per round
+
+    def median(self, streams: int) -> float:
+        return statistics.median(self.rates[streams])
+
+
+class OurEngine:
+    """One loaded (and compiled) engine per variant, kept across rounds."""
+
+    def __init__(self, model_dir: str, dtype: str, quantization: str | None, threads: int, max_seqs: int) -> None:
+        self.config = EngineConfig(model=model_dir, dtype=dtype, quantization=quantization, max_num_seqs=max_seqs,
+                                   cpu_layout=parse_cpu_threads_bind(",".join(map(str, range(threads))),
+                                                                     available_cpus()),
+                                   adaptive_cpu_threads=False, enforce_eager=False, executor="inproc")
+        self.worker = Worker(self.config)
+        self.executor = InProcExecutor(self.config, self.worker)
+
+    def rate(self, prompts: list[list[int]], spec: BenchSpec) -> float:
+        return trio.run(_engine_run, self.config, self.executor, prompts, spec)
+
+    @property
+    def weight_bytes(self) -> int:
+        model = self.worker.model
+        return int(getattr(model, "weight_bytes", 0))
+
+
+class LlamaCpp:
+    def __init__(self, gguf_path: Path, threads: int, context: int) -> None:
+        from llama_cpp import Llama
+        self.llm: Any = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=context,
+                         n_batch=context, verbose=False, seed=0)
+        self.weight_bytes = gguf_path.stat().st_size
+
+    def rate(self, prompts: list[list[int]], spec: BenchSpec) -> float:
+        """Each prompt's `output_len` greedy tokens, one request after another."""
+        start = time.perf_counter()
+        for prompt in prompts:
+            self.llm.reset()
+            for produced, _ in enumerate(self.llm.generate(prompt, temp=0.0, top_k=1, reset=True), 1):
+                if produced == spec.output_len:
+                    break
+        return len(prompts) * spec.output_len / (time.perf_counter() - start)
+
+
+def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32, output_len: int = 32,
+        repeats: int = 3, threads: int = 2, with_llama_cpp: bool = True) -> tuple[list[Side], float, str]:
+    torch.set_num_threads(threads)
+    contenders: dict[str, OurEngine | LlamaCpp] = {}
+    for name, (dtype, quantization) in OURS.items():
+        contenders[name] = OurEngine(model_dir, dtype, quantization, threads, max(streams))
+    workdir = Path(tempfile.mkdtemp(prefix="trio-llm-gguf-"))
+    if with_llama_cpp:
+        for qtype in LLAMA_CPP:
+            path = export_gguf(model_dir, workdir / f"model-{qtype}.gguf", qtype)
+            contenders[f"llama.cpp {qtype}"] = LlamaCpp(path, threads, input_len + output_len + 8)
+    vocab = int(read_config_json(model_dir)["vocab_size"])
+    sides = {name: Side(name) for name in contenders}
+    names = list(contenders)
+    for level in streams:
+        spec = BenchSpec(num_prompts=level, input_len=input_len, output_len=output_len, concurrency=level)
+        rng = random.Random(level)
+        prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(level)]
+        for name in names:  # warm-up: load, compile each batch size once, fill caches
+            contenders[name].rate(prompts[:level], BenchSpec(level, input_len, 2, level))
+            sides[name].weight_bytes = contenders[name].weight_bytes
+        for round_index in range(repeats):
+            order = names if round_index % 2 == 0 else names[::-1]
+            for name in order:
+                sides[name].rates.setdefault(level, []).append(contenders[name].rate(prompts, spec))
+    settings = (f"threads={threads} on both sides, prompts of {input_len} random tokens, {output_len} greedy output "
+                f"tokens each, median of {repeats} rounds alternating the order")
+    return list(sides.values()), read_bandwidth(), settings
+
+
+def report(sides: list[Side], bandwidth: float, settings: str, streams: tuple[int, ...] = (1, 16)) -> str:
+    head = "| weights | MiB | " + " | ".join(f"tok/s at {s}" for s in streams) + \
+        " | floor tok/s at 1 (bytes / bandwidth) | at 1: share of floor |"
+    lines = [settings, f"memory bandwidth (a large copy): {bandwidth / 1e9:.1f} GB/s", "", head,
+             "| --- " * (len(streams) + 4) + "|"]
+    base = {s: next(x for x in sides if x.name == "float32").median(s) for s in streams}
+    for side in sides:
+        floor = bandwidth / side.weight_bytes if side.weight_bytes else float("nan")
+        cells = [f"{side.median(s):.1f} ({side.median(s) / base[s]:.2f}x f32)" for s in streams]
+        lines.append(f"| {side.name} | {side.weight_bytes / 2**20:.0f} | " + " | ".join(cells) +
+                     f" | {floor:.1f} | {side.median(1) / floor:.2f} |")
+    return "\n".join(lines)

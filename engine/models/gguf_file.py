@@ -1,0 +1,180 @@
+"""GGUF files (llama.cpp's format), read with the `gguf` package: an HF-style config from the
+file's metadata, and its tensors under HF names, dequantized to float32 (`trio-llm serve
+model.gguf --tokenizer HF_DIR`, as vLLM takes them).
+
+Quantized tensors (Q8_0, Q4_0, Q4_K, Q6_K, ...) are not run in their block formats: they are
+dequantized once at load, and the engine runs the model as float or, by default for a quantized
+file, as int8 weight-only (engine/models/int8_linear.py), whose kernel is the fast one here
+(docs/decisions.md, "Quantized weights"). llama.cpp stores the Llama family's Q and K rows
+permuted for its rotary layout; they are put back in HF order. Anything malformed (a truncated
+file, an unknown quantization type, a tensor of the wrong shape, a header claiming absurd
+counts) is a `ModelLoadError` of one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import ModelLoadError
+
+# The block formats (and plain ones) this loader dequantizes; the names are GGML's.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MAX_COUNT = 1 << 16  # tensors, or metadata keys, a header may claim
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str) -> Any:
+    """The file's `GGUFReader` (memory-mapped), once its header's counts are sane."""
+    from gguf import GGUFReader
+
+    file = Path(path)
+    if not file.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    try:
+        with file.open("rb") as f:
+            header = f.read(24)
+        if len(header) < 24 or header[:4] != b"GGUF":
+            raise ValueError("no GGUF header")
+        tensors, keys = struct.unpack("<QQ", header[8:24])
+        if tensors > MAX_COUNT or keys > MAX_COUNT:
+            raise ValueError(f"the header claims {tensors} tensors and {keys} metadata keys")
+        return GGUFReader(path, "r")
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # the gguf package raises what numpy and struct raise on a bad file
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def _value(reader: Any, key: str) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except Exception as exc:
+        raise ModelLoadError(f"GGUF metadata {key!r} is unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def _tensors(reader: Any) -> dict[str, Any]:
+    return {tensor.name: tensor for tensor in reader.tensors}
+
+
+def gguf_config(path: str | Path) -> dict[str, Any]:
+    """The HF `config.json` the file's metadata amounts to (architecture, sizes, rope, EOS)."""
+    reader = _reader(str(path))
+    quantization_types(path)  # an unsupported tensor type is named before anything else
+    arch = _value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    tensors = _tensors(reader)
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path}: the GGUF file has no token_embd.weight")
+
+    def number(key: str, default: Any = None) -> Any:
+        value = _value(reader, f"{arch}.{key}")
+        if value is None and default is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return default if value is None else value
+
+    heads = int(number("attention.head_count"))
+    config = {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "hidden_size": int(number("embedding_length")), "num_hidden_layers": int(number("block_count")),
+        "intermediate_size": int(number("feed_forward_length")), "num_attention_heads": heads,
+        "num_key_value_heads": int(number("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(number("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(number("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(number("context_length")),
+        "vocab_size": int(embed.shape[1]) if len(embed.shape) > 1 else 0,
+        "tie_word_embeddings": "output.weight" not in tensors, "dtype": "float32",
+        "eos_token_id": _value(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _value(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    key_length = _value(reader, f"{arch}.attention.key_length")
+    if key_length is not None:
+        config["head_dim"] = int(key_length)
+    if arch == "qwen2":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    return config
+
+
+def quantization_types(path: str | Path) -> set[str]:
+    """The GGML types of the file's tensors; an unsupported one is refused, naming it and its tensor."""
+    types = set()
+    for name, tensor in _tensors(_reader(str(path))).items():
+        kind = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+        if kind not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path}: tensor {name} has GGML type {kind}, which is not supported; supported: "
+                                 f"{', '.join(SUPPORTED_TYPES)}")
+        types.add(kind)
+    return types
+
+
+def is_quantized(path: str | Path) -> bool:
+    """Whether any tensor is stored in a block format (not F32, F16 or BF16)."""
+    return bool(quantization_types(path) - {"F32", "F16", "BF16"})
+
+
+def gguf_weights(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor under its HF name, as float32, in HF layout."""
+    from gguf import quants
+
+    quantization_types(path)
+    arch = config["model_type"]
+    for name, tensor in _tensors(_reader(str(path))).items():
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r}")
+        try:
+            data = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            shape = tuple(int(d) for d in reversed(tensor.shape))  # GGML lists the fastest dimension first
+            value = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)  # a copy: the file is read-only
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: tensor {name} is unreadable ({type(exc).__name__}: {exc})") from None
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+            value = unpermute_rotary(value, heads, name)
+        yield hf_name, value
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """The HF name of a llama.cpp tensor name (None: not one the supported architectures have)."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_rotary(weight: torch.Tensor, heads: int, name: str) -> torch.Tensor:
+    """Undo llama.cpp's permutation of a Llama Q or K projection (its rows, per head, interleave
+    the two rotary halves)."""
+    rows = weight.shape[0]
+    if heads < 1 or rows % (2 * heads):
+        raise ModelLoadError(f"GGUF tensor {name} has {rows} rows, which {heads} heads cannot split")
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)

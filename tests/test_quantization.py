@@ -1,0 +1,132 @@
+"""Quantized weights: weight-only int8 against the float model on transformers-made checkpoints,
+GGUF files made from them (F32 exact, Q8_0 within tolerance), and hostile GGUF files refused in
+one line."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from bench.gguf_export import export_gguf
+from engine import EngineConfig, ModelLoadError, open_engine
+from engine.models.loader import load_decoder
+from tests.conftest import engine_config
+from tests.helpers import final_output, greedy
+from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
+
+VOCAB = 512
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None)
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
+            "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True})}
+PROMPTS = [[5, 9, 200, 31, 77, 100, 3, 8], [40, 41, 42, 43, 44]]
+# int8 rows with bfloat16 activations move a logit by at most this share of the largest logit.
+INT8_TOLERANCE = 0.03
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def reference(request, tmp_path_factory):
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    return save_hf_checkpoint(tmp_path_factory, f"quant-{request.param}", config_cls, model_cls,
+                              {**COMMON, **extra})
+
+
+def logits(decoder, prompt: list[int]) -> torch.Tensor:
+    return decoder_logits(decoder, decoder.embed(torch.tensor(prompt)))
+
+
+def test_int8_logits_stay_within_tolerance_of_the_float_model(reference):
+    path, _ = reference
+    float_model, int8_model = load_decoder(path, "float32"), load_decoder(path, "float32", quantization="int8")
+    assert all(m.qweight is not None for m in int8_model.modules() if hasattr(m, "qweight"))
+    assert int8_model.weight_bytes < 0.6 * float_model.weight_bytes
+    for prompt in PROMPTS:
+        ours, exact = logits(int8_model, prompt), logits(float_model, prompt)
+        assert (ours - exact).abs().max() <= INT8_TOLERANCE * exact.abs().max()
+
+
+async def test_int8_greedy_tokens_equal_transformers_on_the_reference_checkpoints(reference):
+    path, hf_model = reference
+    expected = transformers_greedy(hf_model, PROMPTS, 12)
+    async with open_engine(engine_config(str(path), dtype="float32", quantization="int8")) as engine:
+        assert engine.info.quantization == "int8" and engine.info.weight_bytes > 0
+        for prompt, tokens in zip(PROMPTS, expected, strict=True):
+            assert (await final_output(engine, prompt, greedy(12))).outputs[0].token_ids == tokens
+
+
+async def test_a_gguf_file_generates_what_its_checkpoint_does(reference, tmp_path):
+    path, hf_model = reference
+    expected = transformers_greedy(hf_model, PROMPTS, 12)
+    f32 = export_gguf(path, tmp_path / "model-f32.gguf", "F32")
+    config = engine_config(str(f32), tokenizer=str(path), dtype="float32")
+    async with open_engine(config) as engine:
+        assert engine.info.quantization is None
+        for prompt, tokens in zip(PROMPTS, expected, strict=True):
+            assert (await final_output(engine, prompt, greedy(12))).outputs[0].token_ids == tokens
+    q8 = load_decoder(export_gguf(path, tmp_path / "model-q8.gguf", "Q8_0"), "float32")
+    exact = load_decoder(path, "float32")
+    assert any(m.qweight is not None for m in q8.modules() if hasattr(m, "qweight"))  # Q8_0 runs as int8
+    for prompt in PROMPTS:
+        assert (logits(q8, prompt) - logits(exact, prompt)).abs().max() <= INT8_TOLERANCE * logits(
+            exact, prompt).abs().max()
+
+
+def test_a_gguf_model_needs_a_tokenizer(tmp_path):
+    with pytest.raises(ValueError, match="--tokenizer"):
+        EngineConfig(model=str(tmp_path / "model.gguf"))
+
+
+def test_hostile_gguf_files_are_refused_in_one_line(reference, tmp_path):
+    import gguf
+
+    path, _ = reference
+    good = export_gguf(path, tmp_path / "good.gguf", "Q8_0").read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good[:len(good) // 2])
+    absurd = tmp_path / "absurd.gguf"
+    absurd.write_bytes(good[:8] + struct.pack("<QQ", 1 << 40, 3) + good[24:])
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"\x00" * 64)
+    unknown = tmp_path / "unknown.gguf"
+    writer = gguf.GGUFWriter(str(unknown), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((512, 66), dtype=np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    _finish(writer)
+    wrong_shape = tmp_path / "wrong-shape.gguf"
+    _rewrite_with(path, wrong_shape, {"blk.0.ffn_up.weight": np.zeros((100, 64), dtype=np.float32)})
+    cases = {truncated: "not a readable GGUF file", absurd: "claims 1099511627776 tensors",
+             not_gguf: "not a readable GGUF file", unknown: "IQ2_XXS",
+             wrong_shape: r"up_proj.weight. has shape \(100, 64\)"}
+    for file, words in cases.items():
+        with pytest.raises(ModelLoadError, match=words) as refused:
+            load_decoder(file, "float32")
+        assert "\n" not in str(refused.value), str(refused.value)
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _rewrite_with(model_dir, out, replaced: dict) -> None:
+    """A GGUF of `model_dir` (F32) whose named tensors are replaced by others."""
+    import gguf
+
+    from engine.models.gguf_file import _reader
+
+    source = export_gguf(model_dir, out.with_suffix(".src.gguf"), "F32")
+    reader = _reader(str(source))
+    arch = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name.startswith((f"{arch}.", "tokenizer.ggml.eos")):
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, replaced.get(tensor.name, tensor.data))
+    _finish(writer)
