@@ -20,6 +20,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_throughput(bench)
     _add_bench_forward(bench)
     _add_bench_roofline(bench)
+    _add_bench_quantized(bench)
     _add_bench_serve(bench)
     _add_bench_neighbour(bench)
     _add_bench_loop_lag(bench)
@@ -200,6 +201,8 @@ def _add_bench_throughput(bench: Subcommands) -> None:
     tp.add_argument("--no-transformers", action="store_true")
     tp.add_argument("--repeats", type=int, default=3, help="alternating runs per contender; the best is reported")
     tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    tp.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
+                    help="int8 linear layers on the engine's side (and the bare forward's: the same worker)")
     tp.set_defaults(run=_bench_throughput)
 
 
@@ -215,6 +218,28 @@ def _add_bench_forward(bench: Subcommands) -> None:
     fw.add_argument("--profile", type=int, default=None, metavar="BATCH",
                     help="also print a torch.profiler table of decode steps at this batch size, both ways")
     fw.set_defaults(run=_bench_forward)
+
+
+def _add_bench_quantized(bench: Subcommands) -> None:
+    qz = bench.add_parser("quantized", help="decode tok/s of float32, bfloat16, int8 and w8a8 against llama.cpp's F32 "
+                                            "and Q8_0 on the same weights, and the memory-bandwidth floor")
+    qz.add_argument("--model", default=None, help="an HF decoder directory (e.g. make-model --shape qwen2.5-0.5b)")
+    qz.add_argument("--input-len", type=int, default=32)
+    qz.add_argument("--output-len", type=int, default=32)
+    qz.add_argument("--streams", default="1,16", help="comma-separated concurrency levels")
+    qz.add_argument("--threads", type=int, default=2, help="threads on both sides")
+    qz.add_argument("--repeats", type=int, default=3, help="rounds, alternating the order; the median is printed")
+    qz.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (llama-cpp-python not installed)")
+    qz.set_defaults(run=_bench_quantized)
+
+
+def _bench_quantized(args: argparse.Namespace) -> int:
+    from bench import quantized
+    streams = tuple(int(s) for s in args.streams.split(","))
+    sides, bandwidth, settings = quantized.run(model_dir(args.model), streams, args.input_len, args.output_len,
+                                               args.repeats, args.threads, not args.no_llama_cpp)
+    print(quantized.report(sides, bandwidth, settings, streams))
+    return 0
 
 
 def _add_bench_roofline(bench: Subcommands) -> None:
@@ -388,8 +413,9 @@ def _embedding_model(model: str | None) -> str:
 def _bench_throughput(args: argparse.Namespace) -> int:
     from bench import throughput
     spec = throughput.BenchSpec(args.num_prompts, args.input_len, args.output_len, args.concurrency)
-    results = throughput.run(model_dir(args.model), spec, not args.no_transformers, args.repeats, dtype=args.dtype)
-    print(throughput.report(results, spec, args.repeats))
+    results = throughput.run(model_dir(args.model), spec, not args.no_transformers, args.repeats, dtype=args.dtype,
+                             quantization=args.quantization)
+    print(throughput.report(results, spec, args.repeats, args.quantization))
     return 0
 
 

@@ -33,7 +33,8 @@ from engine.executor.inproc import InProcExecutor
 from engine.models.hf_config import read_config_json
 from engine.worker.worker import Worker
 
-OURS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
+OURS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
+        "w8a8": ("float32", "w8a8")}
 LLAMA_CPP = ("F32", "Q8_0")
 
 
@@ -63,8 +64,8 @@ class OurEngine:
 
     @property
     def weight_bytes(self) -> int:
-        model = self.worker.model
-        return int(getattr(model, "weight_bytes", 0))
+        """What a decode step reads (engine/models/decoder.py `step_read_bytes`)."""
+        return int(getattr(self.worker.model, "step_read_bytes", 0))
 
 
 class LlamaCpp:
@@ -72,7 +73,7 @@ class LlamaCpp:
         from llama_cpp import Llama
         self.llm: Any = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=context,
                          n_batch=context, verbose=False, seed=0)
-        self.weight_bytes = gguf_path.stat().st_size
+        self.weight_bytes = gguf_path.stat().st_size - embedding_bytes(gguf_path)
 
     def rate(self, prompts: list[list[int]], spec: BenchSpec) -> float:
         """Each prompt's `output_len` greedy tokens, one request after another."""
@@ -83,6 +84,14 @@ class LlamaCpp:
                 if produced == spec.output_len:
                     break
         return len(prompts) * spec.output_len / (time.perf_counter() - start)
+
+
+def embedding_bytes(gguf_path: Path) -> int:
+    """The bytes of a GGUF file's token table when an output tensor of its own exists (else the
+    table is the output layer, read whole every step)."""
+    from engine.models.gguf_file import _reader
+    tensors = {t.name: t for t in _reader(str(gguf_path)).tensors}
+    return int(tensors["token_embd.weight"].n_bytes) if "output.weight" in tensors else 0
 
 
 def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32, output_len: int = 32,
@@ -116,7 +125,7 @@ def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32,
 
 
 def report(sides: list[Side], bandwidth: float, settings: str, streams: tuple[int, ...] = (1, 16)) -> str:
-    head = "| weights | MiB | " + " | ".join(f"tok/s at {s}" for s in streams) + \
+    head = "| weights | MiB read a step | " + " | ".join(f"tok/s at {s}" for s in streams) + \
         " | floor tok/s at 1 (bytes / bandwidth) | at 1: share of floor |"
     lines = [settings, f"memory bandwidth (a large copy): {bandwidth / 1e9:.1f} GB/s", "", head,
              "| --- " * (len(streams) + 4) + "|"]

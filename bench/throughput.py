@@ -170,11 +170,12 @@ def run(model_dir: str, spec: BenchSpec, with_transformers: bool = True, repeats
     return best
 
 
-def report(results: Results, spec: BenchSpec, repeats: int) -> str:
+def report(results: Results, spec: BenchSpec, repeats: int, quantization: str | None = None) -> str:
     engine, ceiling, hf = results.engine, results.ceiling, results.transformers
     lines = [
         f"prompts={spec.num_prompts} input_len={spec.input_len} output_len={spec.output_len} "
         f"concurrency={spec.concurrency} torch_threads={torch.get_num_threads()} (best of {repeats} runs each)",
+        f"quantization: engine and bare forward {quantization or 'none'}; transformers none (float32)",
         f"engine            {engine:10.1f} output tok/s",
         f"bare forward      {ceiling:10.1f} output tok/s   (ceiling; engine/ceiling = {engine / ceiling:.3f})",
     ]

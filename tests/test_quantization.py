@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from bench.gguf_export import export_gguf
 from engine import EngineConfig, ModelLoadError, open_engine
+from engine.config import CompilationConfig
 from engine.models.loader import load_decoder
 from tests.conftest import engine_config
 from tests.helpers import final_output, greedy
@@ -39,9 +40,10 @@ def logits(decoder, prompt: list[int]) -> torch.Tensor:
     return decoder_logits(decoder, decoder.embed(torch.tensor(prompt)))
 
 
-def test_int8_logits_stay_within_tolerance_of_the_float_model(reference):
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_int8_logits_stay_within_tolerance_of_the_float_model(reference, method):
     path, _ = reference
-    float_model, int8_model = load_decoder(path, "float32"), load_decoder(path, "float32", quantization="int8")
+    float_model, int8_model = load_decoder(path, "float32"), load_decoder(path, "float32", quantization=method)
     assert all(m.qweight is not None for m in int8_model.modules() if hasattr(m, "qweight"))
     assert int8_model.weight_bytes < 0.6 * float_model.weight_bytes
     for prompt in PROMPTS:
@@ -49,11 +51,12 @@ def test_int8_logits_stay_within_tolerance_of_the_float_model(reference):
         assert (ours - exact).abs().max() <= INT8_TOLERANCE * exact.abs().max()
 
 
-async def test_int8_greedy_tokens_equal_transformers_on_the_reference_checkpoints(reference):
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+async def test_int8_greedy_tokens_equal_transformers_on_the_reference_checkpoints(reference, method):
     path, hf_model = reference
     expected = transformers_greedy(hf_model, PROMPTS, 12)
-    async with open_engine(engine_config(str(path), dtype="float32", quantization="int8")) as engine:
-        assert engine.info.quantization == "int8" and engine.info.weight_bytes > 0
+    async with open_engine(engine_config(str(path), dtype="float32", quantization=method)) as engine:
+        assert engine.info.quantization == method and engine.info.weight_bytes > 0
         for prompt, tokens in zip(PROMPTS, expected, strict=True):
             assert (await final_output(engine, prompt, greedy(12))).outputs[0].token_ids == tokens
 
@@ -73,6 +76,28 @@ async def test_a_gguf_file_generates_what_its_checkpoint_does(reference, tmp_pat
     for prompt in PROMPTS:
         assert (logits(q8, prompt) - logits(exact, prompt)).abs().max() <= INT8_TOLERANCE * logits(
             exact, prompt).abs().max()
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+async def test_the_compiled_decode_graph_runs_the_int8_kernels(tmp_path_factory, method):
+    path, hf_model = save_hf_checkpoint(tmp_path_factory, f"compiled-{method}", LlamaConfig, LlamaForCausalLM, COMMON)
+    expected = transformers_greedy(hf_model, PROMPTS, 8)
+    config = engine_config(str(path), dtype="float32", quantization=method, enforce_eager=False, max_num_seqs=4,
+                           compilation_config=CompilationConfig(cudagraph_capture_sizes=(4,), compile_prompts=False))
+    async with open_engine(config) as engine:
+        assert engine.stats().num_running == 0
+        outputs = [await final_output(engine, prompt, greedy(8)) for prompt in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+async def test_tensor_parallel_ranks_quantize_their_own_shards(tmp_path_factory):
+    path, hf_model = save_hf_checkpoint(tmp_path_factory, "quant-tp", LlamaConfig, LlamaForCausalLM, COMMON)
+    expected = transformers_greedy(hf_model, PROMPTS, 8)
+    config = engine_config(str(path), dtype="float32", quantization="int8", tensor_parallel_size=2)
+    async with open_engine(config) as engine:
+        assert engine.info.quantization == "int8"
+        for prompt, tokens in zip(PROMPTS, expected, strict=True):
+            assert (await final_output(engine, prompt, greedy(8))).outputs[0].token_ids == tokens
 
 
 def test_a_gguf_model_needs_a_tokenizer(tmp_path):

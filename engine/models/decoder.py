@@ -178,19 +178,32 @@ class DecoderForCausalLM(nn.Module):
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
 
     def quantize_linears(self, method: str | None) -> None:
-        """Weight-only quantization of every large linear layer, the LM head included (`method`:
-        "int8"; None: none). Call once the weights are final, before `pack_linears`."""
+        """int8 quantization of every linear layer the kernel takes, the LM head included (`method`:
+        "int8" weight-only or "w8a8"; None: none). Call once the weights are final, before `pack_linears`."""
         if method is None:
             return
         for module in self.modules():
             if isinstance(module, Linear):
-                module.quantize(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+                module.quantize(method, keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of this rank's weights as they are held (int8 rows and scales for quantized layers)."""
-        tensors = list(self.parameters()) + list(self.buffers())
-        return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+        """Bytes of this rank's weights as they are held: int8 rows and scales for quantized
+        layers, the float weight's size for a packed one (its oneDNN copy replaced it)."""
+        held = list(self.parameters()) + list(self.buffers())
+        total = sum(t.numel() * t.element_size() for t in held if t.device.type != "meta")
+        packed = [m.weight for m in self.modules() if isinstance(m, Linear) and m.packed is not None]
+        return total + sum(w.numel() * w.element_size() for w in packed if w.device.type == "meta")
+
+    @property
+    def step_read_bytes(self) -> int:
+        """Bytes a decode step reads at least: every weight but the embedding table (one row of it
+        per token), which the LM head reads whole when it is tied and not quantized."""
+        embed = self.embed_tokens.weight if self.embed_tokens is not None else None
+        skip = 0 if embed is None else embed.numel() * embed.element_size()
+        if self.lm_head is not None and self.config.tie_word_embeddings and self.lm_head.qweight is None:
+            skip = 0
+        return self.weight_bytes - skip
 
     @property
     def packed_linears(self) -> list[tuple[str, Linear]]:

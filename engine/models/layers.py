@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.int8_linear import can_quantize, int8_linear, kernel_dtype, quantize_per_channel
+from engine.models.int8_linear import can_quantize, int8_linear, kernel_dtype, quantize_per_channel, w8a8_linear
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
 
@@ -41,16 +41,19 @@ class Linear(nn.Module):
         self.qscales: torch.Tensor | None
         self.register_buffer("qweight", None)
         self.register_buffer("qscales", None)
+        self.quantized_activations = False  # w8a8: the activations are quantized per row too
 
-    def quantize(self, keep_weight: bool = False) -> bool:
-        """Store the weight as int8 rows with per-row scales, where that applies (a large CPU
-        weight); returns whether it did. As with `pack`, the float weight is then dropped unless
-        `keep_weight` (a tied LM head: the embedding still reads it)."""
+    def quantize(self, method: str = "int8", keep_weight: bool = False) -> bool:
+        """Store the weight as int8 rows with per-row scales, where the kernel takes its shape;
+        returns whether it did. `method`: "int8" (weight-only) or "w8a8" (activations quantized per
+        row too; engine/models/int8_linear.py). As with `pack`, the float weight is then dropped
+        unless `keep_weight` (a tied LM head: the embedding still reads it)."""
         if not can_quantize(self.weight):
             return False
         q, scales = quantize_per_channel(self.weight)
         self.qweight = q
-        self.qscales = scales.to(kernel_dtype(self.weight.dtype))
+        self.quantized_activations = method == "w8a8"
+        self.qscales = scales if self.quantized_activations else scales.to(kernel_dtype(self.weight.dtype))
         if not keep_weight:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
         return True
@@ -71,7 +74,8 @@ class Linear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
             assert self.qscales is not None
-            y = int8_linear(x, self.qweight, self.qscales, bias)
+            quantized_matmul = w8a8_linear if self.quantized_activations else int8_linear
+            y = quantized_matmul(x, self.qweight, self.qscales, bias)
         elif self.packed is not None:
             y = packed_linear(x, self.packed, bias)
         else:

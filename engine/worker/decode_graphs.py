@@ -206,7 +206,7 @@ class DecodeGraphs:
         except Exception:  # noqa: BLE001 -- a graph for other shapes may fail any way it likes
             return False
         error = float((got - want).norm() / want.norm().clamp_min(1e-6))
-        return error < 1e-2
+        return error < precompiled_graph.agreement_tolerance(self.model)
 
     def _scratch_rows(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int],
                                                              list[list[int]], int]:

@@ -167,8 +167,8 @@ class Worker:
         # under pipeline parallelism, its own layers).
         per_block = 2 * len(self.model.layers) * self.config.block_size * self.model.num_local_kv_heads * cfg.head_dim \
             * element_size
-        quantization = "int8" if any(m.qweight is not None for _, m in self.model.named_modules()
-                                     if isinstance(m, Linear)) else None
+        quantized = [m for m in self.model.modules() if isinstance(m, Linear) and m.qweight is not None]
+        quantization = None if not quantized else "w8a8" if quantized[0].quantized_activations else "int8"
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes)
