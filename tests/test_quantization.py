@@ -155,3 +155,59 @@ def _rewrite_with(model_dir, out, replaced: dict) -> None:
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, replaced.get(tensor.name, tensor.data))
     _finish(writer)
+
+
+def write_compressed_tensors(source, out, activations=None) -> None:
+    """`source` (an HF checkpoint) as llm-compressor writes int8 W8A16 (or W8A8): each decoder
+    linear weight as int8 rows with a `weight_scale` per row; the LM head left float (ignored)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.int8_linear import quantize_per_channel
+
+    shutil.copytree(source, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    stored = {}
+    for name, tensor in tensors.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            q, scales = quantize_per_channel(tensor)
+            stored[name], stored[f"{name}_scale"] = q, scales.reshape(-1, 1)
+        else:
+            stored[name] = tensor
+    save_file(stored, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations, "weights": {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}}}}
+    (out / "config.json").write_text(json.dumps(config))
+
+
+async def test_compressed_tensors_int8_checkpoints_load_and_others_are_refused(reference, tmp_path):
+    import json
+
+    path, hf_model = reference
+    expected = transformers_greedy(hf_model, PROMPTS, 12)
+    w8a16 = tmp_path / "w8a16"
+    write_compressed_tensors(path, w8a16)
+    model = load_decoder(w8a16, "float32")
+    quantized = {name for name, m in model.named_modules() if getattr(m, "qweight", None) is not None}
+    assert quantized and not any(name == "lm_head" for name in quantized)  # as the checkpoint says
+    async with open_engine(engine_config(str(w8a16), dtype="float32")) as engine:
+        assert engine.info.quantization == "int8"
+        for prompt, tokens in zip(PROMPTS, expected, strict=True):
+            assert (await final_output(engine, prompt, greedy(12))).outputs[0].token_ids == tokens
+    w8a8 = tmp_path / "w8a8"
+    write_compressed_tensors(path, w8a8, {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                                          "strategy": "token"})
+    assert load_decoder(w8a8, "float32").layers[0].mlp.gate_up_proj.quantized_activations
+    original = (w8a16 / "config.json").read_text()
+    for change, words in (({"quant_method": "gptq"}, "method 'gptq' is not supported"),
+                          ({"format": "pack-quantized"}, "format 'pack-quantized'")):
+        config = json.loads(original)
+        config["quantization_config"].update(change)
+        (w8a16 / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelLoadError, match=words):
+            load_decoder(w8a16, "float32")

@@ -177,14 +177,21 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
 
-    def quantize_linears(self, method: str | None) -> None:
+    def quantize_linears(self, method: str | None, only: set[str] | None = None) -> None:
         """int8 quantization of every linear layer the kernel takes, the LM head included (`method`:
-        "int8" weight-only or "w8a8"; None: none). Call once the weights are final, before `pack_linears`."""
+        "int8" weight-only or "w8a8"; None: none), or of the layers named in `only`. Call once the
+        weights are final, before `pack_linears`."""
         if method is None:
             return
-        for module in self.modules():
-            if isinstance(module, Linear):
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and (only is None or name in only):
                 module.quantize(method, keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+
+    def linears_of(self, hf_names: set[str]) -> set[str]:
+        """Our linear layers that hold the checkpoint weights `hf_names` (a fused layer is named once
+        any of its parts is)."""
+        mapped = (self._map_name(name) for name in hf_names)
+        return {param.removesuffix(".weight") for param, _ in filter(None, mapped)}
 
     @property
     def weight_bytes(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -13,6 +12,7 @@ from tqdm import tqdm
 
 from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
+from engine.models.compressed_tensors import dequantized, read_scheme
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.gguf_file import gguf_weights, is_gguf, is_quantized
 from engine.models.hf_config import (
@@ -78,7 +78,15 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
     cfg: DecoderConfig = parse_decoder_config(raw)
-    weights = (gguf_weights(model_dir, raw) if is_gguf(model_dir) else iterate_weights(safetensors_files(model_dir)))
+    scheme = None if is_gguf(model_dir) else read_scheme(raw, str(model_dir))
+    quantized: set[str] = set()  # HF names of the weights a compressed-tensors checkpoint stores as int8
+    if is_gguf(model_dir):
+        weights = gguf_weights(model_dir, raw)
+    elif scheme is not None:
+        files = safetensors_files(model_dir)
+        weights = dequantized(iterate_weights(files), weight_scales(files), quantized)
+    else:
+        weights = iterate_weights(safetensors_files(model_dir))
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype)
     try:
         model = DecoderForCausalLM(cfg, torch_dtype, device, tp, experts, stage)  # uninitialised: weights next
@@ -86,25 +94,35 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
         raise ModelLoadError(str(exc)) from None
     with torch.no_grad():
         model.load_weights(weights)
-        model.quantize_linears(resolve_quantization(quantization, model_dir, raw))
+        method = resolve_quantization(quantization, model_dir, scheme.method if scheme else None)
+        model.quantize_linears(method, model.linears_of(quantized) if quantization is None and quantized else None)
     model.setup_rope(max_positions or cfg.max_position_embeddings)
     model.pack_linears()
     return model.eval()
 
 
-def resolve_quantization(requested: str | None, model_dir: Path, raw: dict[str, Any]) -> str | None:
-    """The weight-only quantization to run: `requested` (--quantization), else int8 for a GGUF file
-    of quantized tensors (they were dequantized at load) and None otherwise. A checkpoint's own
-    `quantization_config` is refused (one line, naming its method): none is read yet."""
-    method = (raw.get("quantization_config") or {}).get("quant_method") if isinstance(raw, dict) else None
-    if method is not None:
-        raise ModelLoadError(f"{model_dir}: quantization_config method {method!r} is not supported; load the float "
-                             "checkpoint with --quantization int8, or a GGUF file")
+def resolve_quantization(requested: str | None, model_dir: Path, stored: str | None) -> str | None:
+    """The int8 quantization to run: `requested` (--quantization), else the checkpoint's own
+    (`stored`: a compressed-tensors scheme), else int8 for a GGUF file of quantized tensors (they
+    were dequantized at load), else none."""
     if requested not in (None, *QUANTIZATIONS):
         raise ModelLoadError(f"unsupported quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
+    if requested is None and stored is not None:
+        return stored
     if requested is None and is_gguf(model_dir) and is_quantized(model_dir):
         return "int8"
     return requested
+
+
+def weight_scales(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every `*.weight_scale` tensor of a compressed-tensors checkpoint, by name (read first: small)."""
+    scales = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 -- a safetensors handle has keys() but is not iterable
+                if name.endswith(".weight_scale"):
+                    scales[name] = f.get_tensor(name)
+    return scales
 
 
 def load_llava(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", max_positions: int | None = None,
