@@ -201,7 +201,7 @@ def _add_bench_throughput(bench: Subcommands) -> None:
     tp.add_argument("--no-transformers", action="store_true")
     tp.add_argument("--repeats", type=int, default=3, help="alternating runs per contender; the best is reported")
     tp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    tp.add_argument("--quantization", default=None, choices=["int8", "w8a8"],
+    tp.add_argument("--quantization", default=None, choices=["int8", "w8a8", "int4"],
                     help="int8 linear layers on the engine's side (and the bare forward's: the same worker)")
     tp.set_defaults(run=_bench_throughput)
 
@@ -221,8 +221,8 @@ def _add_bench_forward(bench: Subcommands) -> None:
 
 
 def _add_bench_quantized(bench: Subcommands) -> None:
-    qz = bench.add_parser("quantized", help="decode tok/s of float32, bfloat16, int8 and w8a8 against llama.cpp's F32 "
-                                            "and Q8_0 on the same weights, and the memory-bandwidth floor")
+    qz = bench.add_parser("quantized", help="decode tok/s of float32, bfloat16, int8, w8a8 and int4 against "
+                                            "llama.cpp's F32 and Q8_0 on the same weights, and the bandwidth floor")
     qz.add_argument("--model", default=None, help="an HF decoder directory (e.g. make-model --shape qwen2.5-0.5b)")
     qz.add_argument("--input-len", type=int, default=32)
     qz.add_argument("--output-len", type=int, default=32)

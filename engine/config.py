@@ -301,9 +301,10 @@ class EngineConfig:
     enable_eplb: bool = False  # rebalance experts by their measured load (see EplbConfig)
     eplb_config: EplbConfig = field(default_factory=EplbConfig)
     renderer_workers: int | None = None  # threads for long tokenizations and embeddings decoding; see below
-    # int8 linear layers, quantized at load (vLLM's --quantization): "int8" (weight-only) or "w8a8"
-    # (activations quantized per row too); None: as stored (a GGUF file of quantized tensors runs as
-    # int8 unless this says otherwise). engine/models/int8_linear.py.
+    # Quantized linear layers, quantized at load (vLLM's --quantization): "int8" (weight-only), "w8a8"
+    # (activations quantized per row too) or "int4" (weight-only, groups of 32); None: as stored (a
+    # GGUF file of quantized tensors runs as int8 unless this says otherwise).
+    # engine/models/quantized_linear.py.
     quantization: str | None = None
     pooling_type: str | None = None  # "mean", "cls" or "last" (older spelling of pooler_config's pooling_type)
     pooler_config: PoolerOptions = field(default_factory=PoolerOptions)
@@ -352,8 +353,8 @@ class EngineConfig:
             raise ValueError(f"pooling_type must be mean, cls or last, got {self.pooling_type!r}")
         if self.pooling_type is not None and self.pooler_config.pooling_type is None:
             object.__setattr__(self, "pooler_config", replace(self.pooler_config, pooling_type=self.pooling_type))
-        if self.quantization not in (None, "int8", "w8a8"):
-            raise ValueError(f"quantization must be int8 or w8a8 (or unset), got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "w8a8", "int4"):
+            raise ValueError(f"quantization must be int8, w8a8 or int4 (or unset), got {self.quantization!r}")
         if self.model.endswith(".gguf") and self.tokenizer is None:
             raise ValueError("a GGUF model needs a tokenizer: pass --tokenizer with the original model's HF "
                              "directory (tokenizer.json)")

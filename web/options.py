@@ -105,10 +105,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="where the model runs: mp (worker processes of this machine), ray (Ray actors, on the "
                         "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
                         "uni, or mp with tensor parallelism")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8"],
-                   help="int8 linear layers, quantized per output channel at load: int8 weight-only, or w8a8 with "
-                        "activations quantized per row at run time (default: as stored; a GGUF file of quantized "
-                        "tensors runs as int8)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8", "int4"],
+                   help="quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
+                        "activations quantized per row at run time too, or int4 weight-only in groups of 32 "
+                        "(default: as stored; a GGUF file of quantized tensors runs as int8)")
     p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
                    help="how embeddings pool hidden states (default: the model's config; decoders: last); "
                         "--pooler-config's pooling_type says the same")

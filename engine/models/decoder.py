@@ -178,8 +178,8 @@ class DecoderForCausalLM(nn.Module):
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
 
     def quantize_linears(self, method: str | None, only: set[str] | None = None) -> None:
-        """int8 quantization of every linear layer the kernel takes, the LM head included (`method`:
-        "int8" weight-only or "w8a8"; None: none), or of the layers named in `only`. Call once the
+        """Quantization of every linear layer the kernel takes, the LM head included (`method`:
+        "int8" weight-only, "w8a8" or "int4"; None: none), or of the layers named in `only`. Call once the
         weights are final, before `pack_linears`."""
         if method is None:
             return

@@ -4,7 +4,7 @@ model.gguf --tokenizer HF_DIR`, as vLLM takes them).
 
 Quantized tensors (Q8_0, Q4_0, Q4_K, Q6_K, ...) are not run in their block formats: they are
 dequantized once at load, and the engine runs the model as float or, by default for a quantized
-file, as int8 weight-only (engine/models/int8_linear.py), whose kernel is the fast one here
+file, as int8 weight-only (engine/models/quantized_linear.py), whose kernel is the fast one here
 (docs/decisions.md, "Quantized weights"). llama.cpp stores the Llama family's Q and K rows
 permuted for its rotary layout; they are put back in HF order. Anything malformed (a truncated
 file, an unknown quantization type, a tensor of the wrong shape, a header claiming absurd

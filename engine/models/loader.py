@@ -23,9 +23,9 @@ from engine.models.hf_config import (
     read_config_json,
     read_json_file,
 )
-from engine.models.int8_linear import QUANTIZATIONS
 from engine.models.moe import ExpertLayout
 from engine.models.parallel import PipelineStage, TensorParallel
+from engine.models.quantized_linear import QUANTIZATIONS
 from engine.models.vision import LlavaVision, VisionConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

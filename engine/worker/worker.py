@@ -168,7 +168,7 @@ class Worker:
         per_block = 2 * len(self.model.layers) * self.config.block_size * self.model.num_local_kv_heads * cfg.head_dim \
             * element_size
         quantized = [m for m in self.model.modules() if isinstance(m, Linear) and m.qweight is not None]
-        quantization = None if not quantized else "w8a8" if quantized[0].quantized_activations else "int8"
+        quantization = quantized[0].qmethod if quantized else None
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes)
