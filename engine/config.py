@@ -355,6 +355,9 @@ class EngineConfig:
             object.__setattr__(self, "pooler_config", replace(self.pooler_config, pooling_type=self.pooling_type))
         if self.quantization not in (None, "int8", "w8a8", "int4"):
             raise ValueError(f"quantization must be int8, w8a8 or int4 (or unset), got {self.quantization!r}")
+        if self.quantization is not None and self.enable_eplb:
+            raise ValueError("--enable-eplb moves float expert weights between ranks; it cannot run with "
+                             "--quantization (the experts are quantized)")
         if self.model.endswith(".gguf") and self.tokenizer is None:
             raise ValueError("a GGUF model needs a tokenizer: pass --tokenizer with the original model's HF "
                              "directory (tokenizer.json)")

@@ -21,7 +21,7 @@ import trio
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, EngineConfig, ModelLoadError, open_engine
+from engine import LLM, EngineConfig, ModelLoadError, SamplingParams, open_engine
 from engine.config import CompilationConfig, LoRAModule
 from engine.errors import InvalidRequestError
 from engine.lora.adapter import LoRAError, read_adapter
@@ -381,3 +381,28 @@ async def test_an_moe_models_attention_takes_adapters_eager_and_compiled(tmp_pat
         async with open_engine(config) as engine:
             output = await final_output(engine, prompt, greedy(6, ignore_eos=True), lora_request=LoRARequest("attn"))
         assert output.outputs[0].token_ids == expected, eager
+
+
+async def prompt_logprobs(engine, prompt: list[int], adapter: str | None) -> torch.Tensor:
+    """The logprob of each prompt token after the first, as the engine scores it with `adapter`."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    output = await final_output(engine, prompt, params, lora_request=LoRARequest(adapter) if adapter else None)
+    return torch.tensor([entry[token].logprob for token, entry in zip(prompt[1:], output.prompt_logprobs[1:],
+                                                                      strict=True)])
+
+
+async def test_adapters_run_on_a_quantized_base(base, adapters):
+    """The adapters' delta is added to the int8 layers' output as to the float layers': with each
+    adapter, int8 scores a prompt as the float model does, up to int8's rounding, which is far
+    smaller than what the adapter itself changes."""
+    base_path, _ = base
+    prompt = [5, 9, 200, 31, 77, 100, 3, 8, 41, 42, 43, 44]
+    scores = {}
+    for quantization in (None, "int8"):
+        async with open_engine(lora_config(base_path, adapters, quantization=quantization)) as engine:
+            for name in [None, *adapters]:
+                scores[quantization, name] = await prompt_logprobs(engine, prompt, name)
+    for name in adapters:
+        rounding = (scores["int8", name] - scores[None, name]).abs().max()
+        adapted = (scores["int8", name] - scores["int8", None]).abs().max()
+        assert rounding < 0.25 * adapted, (name, float(rounding), float(adapted))

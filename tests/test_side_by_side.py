@@ -29,3 +29,17 @@ def test_both_servers_get_the_same_dtype_and_a_mismatch_is_refused():
     for args in (["--dtype", "bfloat16"], ["--dtype=bfloat16"]):
         with pytest.raises(ValueError, match="not like for like"):
             check_same_dtype("float32", args)
+
+
+def test_each_sides_settings_name_its_quantization(tmp_path):
+    from bench.side_by_side import stated_settings
+
+    ours = tmp_path / "ours.log"
+    ours.write_text("model m (Qwen2ForCausalLM), dtype float32, context 4096 tokens\n"
+                    "weights: 480.1 MiB per rank, linear layers int8 weight-only\nCPUs: 0,1 (bound)\n")
+    theirs = tmp_path / "theirs.log"
+    theirs.write_text("Initializing an LLM engine with config: model='m', dtype=torch.float32, quantization=None, "
+                      "... VLLM_CPU_OMP_THREADS_BIND='0-1'\n")
+    assert stated_settings("trio-llm", str(ours)) == "float32; linear layers int8 weight-only; 0,1 (bound)"
+    assert stated_settings("vLLM-CPU", str(theirs)) == "torch.float32; quantization=None; " \
+                                                       "VLLM_CPU_OMP_THREADS_BIND='0-1'"

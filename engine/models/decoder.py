@@ -184,6 +184,8 @@ class DecoderForCausalLM(nn.Module):
         if method is None:
             return
         for name, module in self.named_modules():
+            if isinstance(module, FusedExperts) and only is None:
+                module.quantize(method)
             if isinstance(module, Linear) and (only is None or name in only):
                 module.quantize(method, keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
 

@@ -30,6 +30,13 @@ from engine.errors import ModelLoadError
 from engine.models.hf_config import MoeConfig, parse_decoder_config, read_config_json
 from engine.models.layers import DenseMLP, Linear
 from engine.models.parallel import TensorParallel
+from engine.models.quantized_linear import (
+    QUANTIZED_MATMULS,
+    can_quantize,
+    kernel_dtype,
+    quantize_int4,
+    quantize_per_channel,
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,11 @@ class FusedExperts(nn.Module):
         self.set_maps(ExpertMaps.from_phy2log(initial_phy2log(1, layout.num_logical, layout.num_physical),
                                               layout.num_logical), device)
         self.step_load = torch.zeros(layout.num_physical, dtype=torch.long, device=device)
+        # Once `quantize` ran: each slot's rows quantized (engine/models/quantized_linear.py) and
+        # their scales, as buffers `w13_rows`, `w13_scales`, `w2_rows`, `w2_scales`.
+        self.qmethod: str | None = None
+        for buffer in ("w13_rows", "w13_scales", "w2_rows", "w2_scales"):
+            self.register_buffer(buffer, None)
 
     def set_maps(self, maps: ExpertMaps, device: Any = None) -> None:
         """Adopt one layer's placement (tensors with a leading dimension of 1)."""
@@ -88,6 +100,32 @@ class FusedExperts(nn.Module):
         first = self.layout.first_slot
         return [slot - first for slot, held in enumerate(self.phy2log.tolist())
                 if held == expert and self.layout.is_local(slot)]
+
+    def quantize(self, method: str) -> bool:
+        """Quantize every slot's gate/up and down rows as `method` ("int8", "w8a8", "int4") where its
+        kernel takes their shapes; the float weights are then dropped (meta tensors keep the shapes).
+        Returns whether it did. EPLB moves float weights, so it does not run on quantized experts."""
+        if not (can_quantize(self.w13[0], method) and can_quantize(self.w2[0], method)):
+            return False
+        for name in ("w13", "w2"):
+            weights = getattr(self, name)
+            parts = [quantize_int4(w) if method == "int4" else quantize_per_channel(w) for w in weights]
+            rows = torch.stack([p[0] for p in parts])
+            scales = torch.stack([p[1] for p in parts])
+            if method == "int8":
+                scales = scales.to(kernel_dtype(weights.dtype))
+            setattr(self, f"{name}_rows", rows)
+            setattr(self, f"{name}_scales", scales)
+            setattr(self, name, nn.Parameter(torch.empty_like(weights, device="meta"), requires_grad=False))
+        self.qmethod = method
+        return True
+
+    def _expert(self, name: str, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` for expert slot `slot`'s weight `name` ("w13" or "w2"), float or quantized."""
+        if self.qmethod is None:
+            return F.linear(x, getattr(self, name)[slot])
+        rows, scales = getattr(self, f"{name}_rows"), getattr(self, f"{name}_scales")
+        return QUANTIZED_MATMULS[self.qmethod](x, rows[slot], scales[slot], None)
 
     def exclude_from_compilation(self) -> None:
         """Run `forward` eagerly inside a compiled model, between its compiled parts: the dispatch
@@ -114,8 +152,8 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start:start + count]
-            gate, up = F.linear(x[rows], self.w13[slot]).chunk(2, dim=-1)
-            out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.w2[slot]) * pick_weights[start:start + count])
+            gate, up = self._expert("w13", slot, x[rows]).chunk(2, dim=-1)
+            out.index_add_(0, rows, self._expert("w2", slot, F.silu(gate) * up) * pick_weights[start:start + count])
             start += count
         return out
 
