@@ -89,8 +89,8 @@ class LlamaCpp:
 def embedding_bytes(gguf_path: Path) -> int:
     """The bytes of a GGUF file's token table when an output tensor of its own exists (else the
     table is the output layer, read whole every step)."""
-    from engine.models.gguf_file import _reader
-    tensors = {t.name: t for t in _reader(str(gguf_path)).tensors}
+    from engine.models.gguf_file import gguf_reader
+    tensors = {t.name: t for t in gguf_reader(str(gguf_path)).tensors}
     return int(tensors["token_embd.weight"].n_bytes) if "output.weight" in tensors else 0
 
 

@@ -27,6 +27,15 @@ class RunningServer:
         return self.state.engine
 
 
+# What the Messages and Responses tests share: a chat template that writes each role, content and
+# tool call on a line (a test reads the rendered conversation back), and the tool they call.
+CONVERSATION_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
+                         "{% for c in m.get('tool_calls') or [] %} CALL {{ c['function']['name'] }}{% endfor %}\n"
+                         "{% endfor %}assistant:")
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 10}}}
+
+
 def record_chat_prompts(server: RunningServer) -> list[list[dict]]:
     """The conversations the server's engine renders from now on, in order (each as the chat
     template receives it)."""

@@ -12,18 +12,14 @@ import pytest
 
 from engine.outputs import CompletionOutput, RequestOutput
 from tests.conftest import engine_config
-from tests.server_fixtures import record_chat_prompts, running_server
+from tests.server_fixtures import CONVERSATION_TEMPLATE, WEATHER, record_chat_prompts, running_server
 from web.messages_api import MessagesRequest, MessagesStream
 from web.openai_api import ChatRun
 from web.protocol import ChatCompletionRequest
 from web.settings import ServerSettings
 
 TEMPLATE = ("{% if tools %}TOOLS{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
-            "{% for c in m.get('tool_calls') or [] %} CALL {{ c['function']['name'] }}{% endfor %}\n{% endfor %}"
-            "assistant:")
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
-           "properties": {"city": {"type": "string", "maxLength": 10}}}
+            + CONVERSATION_TEMPLATE)
 TOOLS = [{"name": "weather", "description": "forecast", "input_schema": WEATHER}]
 GREEDY = {"temperature": 0}  # vLLM's Messages endpoint takes it; Anthropic's client sends it as an extra field
 

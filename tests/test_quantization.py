@@ -147,10 +147,10 @@ def _rewrite_with(model_dir, out, replaced: dict) -> None:
     """A GGUF of `model_dir` (F32) whose named tensors are replaced by others."""
     import gguf
 
-    from engine.models.gguf_file import _reader
+    from engine.models.gguf_file import gguf_reader
 
     source = export_gguf(model_dir, out.with_suffix(".src.gguf"), "F32")
-    reader = _reader(str(source))
+    reader = gguf_reader(str(source))
     arch = reader.get_field("general.architecture").contents()
     writer = gguf.GGUFWriter(str(out), arch)
     for field in reader.fields.values():

@@ -10,15 +10,11 @@ import openai
 import pytest
 
 from tests.conftest import engine_config
-from tests.server_fixtures import record_chat_prompts, running_server
+from tests.server_fixtures import CONVERSATION_TEMPLATE, WEATHER, record_chat_prompts, running_server
 from web.responses_api import ResponseStore, StoredResponse
 from web.settings import ServerSettings
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
-            "{% for c in m.get('tool_calls') or [] %} CALL {{ c['function']['name'] }}{% endfor %}\n{% endfor %}"
-            "assistant:")
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
-           "properties": {"city": {"type": "string", "maxLength": 10}}}
+TEMPLATE = CONVERSATION_TEMPLATE
 TOOLS = [{"type": "function", "name": "weather", "description": "forecast", "parameters": WEATHER}]
 
 

@@ -44,7 +44,7 @@ def is_gguf(path: str | Path) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _reader(path: str) -> Any:
+def gguf_reader(path: str) -> Any:
     """The file's `GGUFReader` (memory-mapped), once its header's counts are sane."""
     from gguf import GGUFReader
 
@@ -82,7 +82,7 @@ def _tensors(reader: Any) -> dict[str, Any]:
 
 def gguf_config(path: str | Path) -> dict[str, Any]:
     """The HF `config.json` the file's metadata amounts to (architecture, sizes, rope, EOS)."""
-    reader = _reader(str(path))
+    reader = gguf_reader(str(path))
     quantization_types(path)  # an unsupported tensor type is named before anything else
     arch = _value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -125,7 +125,7 @@ def gguf_config(path: str | Path) -> dict[str, Any]:
 def quantization_types(path: str | Path) -> set[str]:
     """The GGML types of the file's tensors; an unsupported one is refused, naming it and its tensor."""
     types = set()
-    for name, tensor in _tensors(_reader(str(path))).items():
+    for name, tensor in _tensors(gguf_reader(str(path))).items():
         kind = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
         if kind not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {name} has GGML type {kind}, which is not supported; supported: "
@@ -145,7 +145,7 @@ def gguf_weights(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str
 
     quantization_types(path)
     arch = config["model_type"]
-    for name, tensor in _tensors(_reader(str(path))).items():
+    for name, tensor in _tensors(gguf_reader(str(path))).items():
         hf_name = hf_tensor_name(name)
         if hf_name is None:
             raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r}")

@@ -11,13 +11,7 @@ from torch import nn
 
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
-from engine.models.quantized_linear import (
-    QUANTIZED_MATMULS,
-    can_quantize,
-    kernel_dtype,
-    quantize_int4,
-    quantize_per_channel,
-)
+from engine.models.quantized_linear import QUANTIZED_MATMULS, can_quantize, quantize_weight
 
 
 class OutputDelta(Protocol):
@@ -42,7 +36,7 @@ class Linear(nn.Module):
         # The LoRA adapters that change this layer's output, when the engine serves any
         # (engine/lora/layers.py): their delta is added for the rows of each adapter's requests.
         self.lora: OutputDelta | None = None
-        # Weight-only int8 once `quantize` ran (engine/models/quantized_linear.py): the rows and their scales.
+        # Once `quantize` ran (engine/models/quantized_linear.py): the quantized rows and their scales.
         self.qweight: torch.Tensor | None
         self.qscales: torch.Tensor | None
         self.register_buffer("qweight", None)
@@ -50,20 +44,14 @@ class Linear(nn.Module):
         self.qmethod: str | None = None  # "int8", "w8a8" or "int4" once quantized
 
     def quantize(self, method: str = "int8", keep_weight: bool = False) -> bool:
-        """Store the weight quantized (int8 rows with per-row scales, or 4-bit groups), where the
-        kernel takes its shape;
-        returns whether it did. `method`: "int8" (weight-only) or "w8a8" (activations quantized per
-        row too; engine/models/quantized_linear.py). As with `pack`, the float weight is then dropped
+        """Store the weight quantized as `method` ("int8" weight-only, "w8a8" with activations
+        quantized per row too, "int4"; engine/models/quantized_linear.py) where its kernel takes the
+        weight's shape; returns whether it did. As with `pack`, the float weight is then dropped
         unless `keep_weight` (a tied LM head: the embedding still reads it)."""
         if not can_quantize(self.weight, method):
             return False
         self.qmethod = method
-        if method == "int4":
-            self.qweight, self.qscales = quantize_int4(self.weight)
-        else:
-            q, scales = quantize_per_channel(self.weight)
-            self.qweight = q
-            self.qscales = scales if method == "w8a8" else scales.to(kernel_dtype(self.weight.dtype))
+        self.qweight, self.qscales = quantize_weight(self.weight, method)
         if not keep_weight:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
         return True
@@ -83,8 +71,8 @@ class Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
-            assert self.qscales is not None
-            y = QUANTIZED_MATMULS[self.qmethod or "int8"](x, self.qweight, self.qscales, bias)
+            assert self.qmethod is not None and self.qscales is not None
+            y = QUANTIZED_MATMULS[self.qmethod](x, self.qweight, self.qscales, bias)
         elif self.packed is not None:
             y = packed_linear(x, self.packed, bias)
         else:

@@ -30,13 +30,7 @@ from engine.errors import ModelLoadError
 from engine.models.hf_config import MoeConfig, parse_decoder_config, read_config_json
 from engine.models.layers import DenseMLP, Linear
 from engine.models.parallel import TensorParallel
-from engine.models.quantized_linear import (
-    QUANTIZED_MATMULS,
-    can_quantize,
-    kernel_dtype,
-    quantize_int4,
-    quantize_per_channel,
-)
+from engine.models.quantized_linear import QUANTIZED_MATMULS, can_quantize, quantize_weight
 
 
 @dataclass(frozen=True)
@@ -109,13 +103,9 @@ class FusedExperts(nn.Module):
             return False
         for name in ("w13", "w2"):
             weights = getattr(self, name)
-            parts = [quantize_int4(w) if method == "int4" else quantize_per_channel(w) for w in weights]
-            rows = torch.stack([p[0] for p in parts])
-            scales = torch.stack([p[1] for p in parts])
-            if method == "int8":
-                scales = scales.to(kernel_dtype(weights.dtype))
-            setattr(self, f"{name}_rows", rows)
-            setattr(self, f"{name}_scales", scales)
+            parts = [quantize_weight(w, method) for w in weights]
+            setattr(self, f"{name}_rows", torch.stack([rows for rows, _ in parts]))
+            setattr(self, f"{name}_scales", torch.stack([scales for _, scales in parts]))
             setattr(self, name, nn.Parameter(torch.empty_like(weights, device="meta"), requires_grad=False))
         self.qmethod = method
         return True

@@ -101,3 +101,13 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 
 
 QUANTIZED_MATMULS = {"int8": int8_linear, "w8a8": w8a8_linear, "int4": int4_linear}
+
+
+def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, scales) of `weight` [N, K] as `QUANTIZED_MATMULS[method]` takes them: int8 rows with
+    float32 scales (w8a8) or scales in the kernel's dtype (int8); packed 4-bit groups with their
+    scales and zero points (int4)."""
+    if method == "int4":
+        return quantize_int4(weight)
+    rows, scales = quantize_per_channel(weight)
+    return rows, scales if method == "w8a8" else scales.to(kernel_dtype(weight.dtype))
