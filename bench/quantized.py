@@ -9,6 +9,11 @@ runs the compiled engine at 1 and 16 concurrent streams. llama-cpp-python's `Lla
 sequence at a time (its server serves requests one after another), so its 16-stream figure is 16
 requests back to back: what a client of its server gets. The floor is one token per weight read
 at batch 1: the bytes of the weights over the measured memory bandwidth.
+
+tok/s counts every output token over the whole request, the prompt's prefill included (a 32-token
+prompt for 32 tokens out: int8's prefill is a fifth of its time, since torch's int8 kernel is slow
+at 32 rows). The decode column times one stream from its first token to its last, on both sides:
+the rate a decode step runs at, which is what quantized weights speed up.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import trio
 from bench.gguf_export import export_gguf
 from bench.roofline import read_bandwidth
 from bench.throughput import BenchSpec, _engine_run
+from engine.api.open import open_engine
 from engine.config import EngineConfig
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from engine.executor.inproc import InProcExecutor
 from engine.models.hf_config import read_config_json
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.worker import Worker
 
 OURS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
@@ -43,6 +50,7 @@ class Side:
     name: str
     weight_bytes: int = 0
     rates: dict[int, list[float]] = field(default_factory=dict)  # streams -> tok/s per round
+    decode_rates: list[float] = field(default_factory=list)  # one stream, after its first token, per round
 
     def median(self, streams: int) -> float:
         return statistics.median(self.rates[streams])
@@ -61,6 +69,10 @@ class OurEngine:
 
     def rate(self, prompts: list[list[int]], spec: BenchSpec) -> float:
         return trio.run(_engine_run, self.config, self.executor, prompts, spec)
+
+    def decode_rate(self, prompt: list[int], output_len: int) -> float:
+        """Tokens/s of one stream after its first token (the prompt's prefill excluded)."""
+        return trio.run(_engine_decode_rate, self.config, self.executor, prompt, output_len)
 
     @property
     def weight_bytes(self) -> int:
@@ -84,6 +96,28 @@ class LlamaCpp:
                 if produced == spec.output_len:
                     break
         return len(prompts) * spec.output_len / (time.perf_counter() - start)
+
+    def decode_rate(self, prompt: list[int], output_len: int) -> float:
+        """Tokens/s of one sequence after its first token (the prompt's prefill excluded)."""
+        self.llm.reset()
+        times = []
+        for _ in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == output_len:
+                break
+        return (len(times) - 1) / (times[-1] - times[0])
+
+
+async def _engine_decode_rate(config: EngineConfig, executor: InProcExecutor, prompt: list[int],
+                              output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
+                            output_kind=RequestOutputKind.DELTA)
+    times = []
+    async with open_engine(config, executor=executor) as engine:
+        async for out in engine.generate(prompt, params):
+            times.extend([time.perf_counter()] * len(out.outputs[0].token_ids))
+    assert len(times) == output_len, len(times)
+    return (len(times) - 1) / (times[-1] - times[0])
 
 
 def embedding_bytes(gguf_path: Path) -> int:
@@ -119,6 +153,8 @@ def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32,
             order = names if round_index % 2 == 0 else names[::-1]
             for name in order:
                 sides[name].rates.setdefault(level, []).append(contenders[name].rate(prompts, spec))
+                if level == 1:
+                    sides[name].decode_rates.append(contenders[name].decode_rate(prompts[0], output_len))
     settings = (f"threads={threads} on both sides, prompts of {input_len} random tokens, {output_len} greedy output "
                 f"tokens each, median of {repeats} rounds alternating the order")
     return list(sides.values()), read_bandwidth(), settings
@@ -126,13 +162,16 @@ def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32,
 
 def report(sides: list[Side], bandwidth: float, settings: str, streams: tuple[int, ...] = (1, 16)) -> str:
     head = "| weights | MiB read a step | " + " | ".join(f"tok/s at {s}" for s in streams) + \
-        " | floor tok/s at 1 (bytes / bandwidth) | at 1: share of floor |"
+        " | decode tok/s at 1 (after the first token) | floor tok/s at 1 (bytes / bandwidth) | decode: share of floor |"
     lines = [settings, f"memory bandwidth (a large copy): {bandwidth / 1e9:.1f} GB/s", "", head,
-             "| --- " * (len(streams) + 4) + "|"]
-    base = {s: next(x for x in sides if x.name == "float32").median(s) for s in streams}
+             "| --- " * (len(streams) + 5) + "|"]
+    float32 = next(x for x in sides if x.name == "float32")
+    base = {s: float32.median(s) for s in streams}
     for side in sides:
         floor = bandwidth / side.weight_bytes if side.weight_bytes else float("nan")
         cells = [f"{side.median(s):.1f} ({side.median(s) / base[s]:.2f}x f32)" for s in streams]
+        decode = statistics.median(side.decode_rates) if side.decode_rates else float("nan")  # 1 in streams
+        cells.append(f"{decode:.1f} ({decode / statistics.median(float32.decode_rates or [decode]):.2f}x f32)")
         lines.append(f"| {side.name} | {side.weight_bytes / 2**20:.0f} | " + " | ".join(cells) +
-                     f" | {floor:.1f} | {side.median(1) / floor:.2f} |")
+                     f" | {floor:.1f} | {decode / floor:.2f} |")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ the checkpoint's separate tensors; so is each expert's gate/up pair.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -219,10 +219,12 @@ class DecoderForCausalLM(nn.Module):
         """The packed linear layers by name, in module order (the compiled graph's extra inputs)."""
         return [(name, m) for name, m in self.named_modules() if isinstance(m, Linear) and m.packed is not None]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (gathered from every rank: a collective, so all ranks call it)."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Full-vocabulary logits (gathered from every rank: a collective, so all ranks call it).
+        `head`: the LM head's compiled graph, if it has one (engine/worker/decode_graphs.py)."""
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
-        return self.tp.all_gather_last_dim(self.lm_head(hidden)).float()
+        return self.tp.all_gather_last_dim((head or self.lm_head)(hidden)).float()
 
     # ---- weight loading ---------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

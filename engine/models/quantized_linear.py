@@ -31,6 +31,7 @@ INT4_ROW_BLOCK = 16  # the int4 kernel packs output rows in blocks of 16
 # The kernel's bfloat16 path reads the input features in blocks of 16: any other count gives wrong
 # sums without an error (measured: 24 or 40 features), so such a layer stays float.
 FEATURE_BLOCK = 16
+INDUCTOR_PLAIN_SUM = 4096  # inductor sums up to this many floats plainly (see int8_row_times)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,11 +49,41 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ (qweight * scales[:, None]).T + bias`, in x's dtype. `scales` are in the kernel's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(scales.dtype)
-    y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), qweight, scales)
+    """`x @ (qweight * scales[:, None]).T + bias`, in x's dtype. `scales` are in the kernel's dtype.
+
+    In an exported graph (the compiled decode step) a batch of one row takes `int8_row_times`
+    instead, by a `torch.cond` on the row count: the graph serves every batch size."""
+    rows = x.reshape(-1, x.shape[-1]).to(scales.dtype).contiguous()
+    if torch.compiler.is_exporting():
+        y = torch.cond(rows.shape[0] == 1, int8_row_times, int8_pack_mm, (rows, qweight, scales))
+    else:
+        y = int8_pack_mm(rows, qweight, scales)
     y = y.reshape(*x.shape[:-1], qweight.shape[0]).to(x.dtype)
     return y if bias is None else y + bias
+
+
+def int8_pack_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """torch's kernel for int8 rows with a scale each (activations in the scales' dtype)."""
+    return torch.ops.aten._weight_int8pack_mm(rows, qweight, scales)
+
+
+def int8_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What `int8_pack_mm` computes, written as a product and a sum for inductor to fuse: each
+    weight row is read once, widened in registers and multiplied into the activations, with
+    nothing materialised. At one row it streams the weights at ~2x the kernel's rate (the 0.5B
+    shape's linears: 27 against 45 ms), but it widens every weight again for each further row, so
+    only batches of one take it. The activations and the result are rounded to the scales' dtype
+    as the kernel rounds them."""
+    # Only ever called with one row, but traced with a symbolic count: row 0 gives inductor a
+    # static shape to split over the threads (on [rows, N] it parallelised over the one row).
+    # Inductor sums more than 4096 floats through a slower, more exact helper (cascade sums:
+    # the 0.5B shape's down projection ran at half the others' rate), so longer rows are summed
+    # in equal pieces of at most 4096, then the pieces.
+    features = qweight.shape[1]
+    pieces = next(p for p in range(-(-features // INDUCTOR_PLAIN_SUM), features + 1) if features % p == 0)
+    products = rows[0].float().reshape(pieces, -1) * qweight.float().reshape(qweight.shape[0], pieces, -1)
+    one = (products.sum(-1).sum(-1) * scales.float()).to(scales.dtype)
+    return one.unsqueeze(0).expand(rows.shape[0], -1).contiguous()
 
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -42,7 +42,7 @@ from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.packed_linear import register_inductor_lowering
 from engine.paths import default_compile_cache
 from engine.worker import precompiled_graph
-from engine.worker.precompiled_graph import DecodeStep
+from engine.worker.precompiled_graph import DecodeStep, HeadStep
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def settle_vector_isa(cache_dir: Path) -> None:
         inductor_config.cpp.vec_isa_ok = True
 
 
-MIN_ROWS = 2  # dynamo specialises a dimension of size 1: one row is padded to two
+MIN_ROWS = 2  # dynamo specialises a dimension of size 1: on its graph one row is padded to two
 TRACE_ROWS = 64  # the rows the graph is traced with (see compile_all)
 
 
@@ -118,6 +118,8 @@ class DecodeGraphs:
         # their experts break the graph.
         self._step: DecodeStep | None = None
         self._dynamo: Callable[..., torch.Tensor] | None = None
+        # The LM head compiled alone, where that beats running it eagerly: int8 at one row.
+        self._head: HeadStep | None = None
         if model.moe_layers:
             self._use_dynamo()
         self.loaded_from_disk = False  # whether compile_all found the graph saved (tests)
@@ -137,6 +139,11 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.capture_sizes[-1]
 
+    @property
+    def min_rows(self) -> int:
+        """The fewest rows a step runs with: one on the exported graph, two on dynamo's."""
+        return 1 if self._step is not None else MIN_ROWS
+
     def compile_all(self, progress: Callable[[str], None] = logger.info) -> float:
         """Compile (or load from disk) the graph, then run it once at every capture size (no
         compilation: the batch is dynamic); returns the seconds it took. Called once, at
@@ -151,7 +158,9 @@ class DecodeGraphs:
             if self._step is None:
                 progress("compiling the decode graph with torch.compile (a few seconds)")
                 self._use_dynamo()
-        sizes = sorted({MIN_ROWS, *self.capture_sizes}, reverse=True)
+            elif self._head_wants_compiling():
+                self._head = self._precompiled_head()
+        sizes = sorted({self.min_rows, *self.capture_sizes}, reverse=True)
         # Traced first at TRACE_ROWS rows whatever the sizes (the saved graph too, in
         # _precompiled_step): inductor sizes its parallel loops by
         # the sizes it traces with, and its cache key does not include them. A graph traced at
@@ -191,6 +200,52 @@ class DecodeGraphs:
                            type(exc).__name__, exc)
             return None
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's `compute_logits`, through the compiled LM head if there is one."""
+        return self.model.compute_logits(hidden, self._head)
+
+    def _head_wants_compiling(self) -> bool:
+        """An int8 LM head (the largest layer of a small model) at one row runs twice as fast
+        compiled as torch's kernel runs it (quantized_linear.py, `int8_row_times`); float heads
+        are as fast eagerly (oneDNN's packed weights)."""
+        head = self.model.lm_head
+        return head is not None and head.qmethod == "int8" and head.lora is None
+
+    def _precompiled_head(self) -> HeadStep | None:
+        """The LM head's graph: saved, or exported, compiled and saved (a few seconds); None when
+        it does not compile (logged: the head then runs eagerly)."""
+        path = None
+        if self.cache_dir is not None:
+            path = precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,
+                                                   TRACE_ROWS, kind="head")
+            head = precompiled_graph.load_agreeing(path, self.model, "head", self._head_agrees_with_eager)
+            if head is not None:
+                return head
+        hidden = torch.zeros(TRACE_ROWS, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
+        try:
+            return precompiled_graph.compile_and_save_head(path, self.model, hidden)
+        except Exception as exc:  # noqa: BLE001 -- the eager head serves as well, only slower
+            logger.warning("the LM head does not compile (%s: %s); it runs eagerly", type(exc).__name__, exc)
+            return None
+
+    def _head_agrees_with_eager(self, head: HeadStep) -> bool:
+        """Whether `head` computes the eager LM head's logits, on two rows and on one."""
+        assert self.model.lm_head is not None
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        hidden = torch.randn(MIN_ROWS, self.model.config.hidden_size, generator=generator, device=self.device)
+        hidden = hidden.to(self.model.dtype)
+        want = self.model.lm_head(hidden).float()
+        try:
+            pairs = [(head(hidden).float(), want), (head(hidden[:1]).float(), want[:1])]
+        except Exception:  # noqa: BLE001 -- a graph for other shapes may fail any way it likes
+            return False
+        return self._close(pairs)
+
+    def _close(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether each (compiled, eager) pair agrees within rounding (`agreement_tolerance`)."""
+        tolerance = precompiled_graph.agreement_tolerance(self.model)
+        return all(float((got - want).norm() / want.norm().clamp_min(1e-6)) < tolerance for got, want in pairs)
+
     def _agrees_with_eager(self, step: DecodeStep) -> bool:
         """Whether `step` computes what the eager model does, on two rows in the scratch block
         (distinct slots, the second attending to both)."""
@@ -201,12 +256,15 @@ class DecodeGraphs:
         first = self.scratch_block * self.block_size
         meta = self._metadata(MIN_ROWS, [first, first + 1], [1, 2], [[self.scratch_block]] * 2, MIN_ROWS)
         want = self.model(hidden, positions, self.kv_caches, meta).float()
+        # The first row attends to itself alone, so it alone must give the same: that runs the
+        # graph's one-row branches (int8 layers have their own kernel for one row).
+        one_row = self._metadata(1, [first], [1], [[self.scratch_block]], MIN_ROWS)
         try:
-            got = step(hidden, positions, self.kv_caches, meta).float()
+            pairs = [(step(hidden, positions, self.kv_caches, meta).float(), want),
+                     (step(hidden[:1], positions[:1], self.kv_caches, one_row).float(), want[:1])]
         except Exception:  # noqa: BLE001 -- a graph for other shapes may fail any way it likes
             return False
-        error = float((got - want).norm() / want.norm().clamp_min(1e-6))
-        return error < precompiled_graph.agreement_tolerance(self.model)
+        return self._close(pairs)
 
     def _scratch_rows(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int],
                                                              list[list[int]], int]:
@@ -221,7 +279,7 @@ class DecodeGraphs:
         `hidden` and `positions` may carry more rows than sequences (all padding). Returns the
         final hidden states of the real rows. The caller checks `max_batch` first."""
         count = len(slots)
-        rows = max(hidden.shape[0], count, MIN_ROWS)
+        rows = max(hidden.shape[0], count, self.min_rows)
         assert count <= self.max_batch, "batch above the largest size: the caller runs eagerly"
         pad = rows - hidden.shape[0]
         if pad:

@@ -297,7 +297,7 @@ class ModelRunner:
                 ids.append(item.request_id)
         if not ids:
             return
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        logits = (self.decode_graphs or self.model).compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         if not self.is_driver:
             return
         rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]

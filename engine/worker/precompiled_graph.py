@@ -29,7 +29,8 @@ and never removes it (1.9 MB a start); `load` unpacks into a directory of ours a
 the library is loaded (a loaded library needs no file). Packages are kept most recently used
 first, at most `KEEP_PACKAGES` of them (`prune`).
 
-The step graph (engine/worker/step_graph.py) is packaged the same way, under `step-graphs/`.
+The step graph (engine/worker/step_graph.py) is packaged the same way, under `step-graphs/`, and
+so is an int8 LM head (`compile_and_save_head`, under `head-graphs/`).
 
 Only a model that exports into one graph is compiled so; MoE models, whose experts run eagerly
 between graphs, keep `torch.compile`, and so does a model whose export fails (logged).
@@ -62,10 +63,11 @@ from engine.models.packed_linear import register_inductor_lowering
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 4  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile; 2: fixed threads;
-# 3: LoRA as an op)
+FORMAT = 5  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile; 2: fixed threads;
+# 3: LoRA as an op; 4: one row padded to two; 5: one row as it is)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], DecodeMetadata], torch.Tensor]
 GraphedStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, positions) inside `attention_step`
+HeadStep = Callable[[torch.Tensor], torch.Tensor]  # final hidden rows -> this rank's logits
 MAX_ROWS = 1 << 16  # the exported graph's bounds on the batch and the table's width (AOTI checks them)
 MAX_TABLE_WIDTH = 1 << 20
 # No weights in the package (see the module doc), and C++ loops that use as many threads as torch
@@ -80,7 +82,7 @@ warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` i
 
 def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
                   trace_rows: int, kind: str = "decode") -> Path:
-    """Where the `kind` graph ("decode" or "step") of `model` over caches shaped as `kv_caches` is
+    """Where the `kind` graph ("decode", "step" or "head") of `model` over caches shaped as `kv_caches` is
     kept: its name is a digest of everything the compiled code depends on (see the module doc)."""
     assert model.rope is not None, "setup_rope() before compiling"
     parts = (
@@ -108,7 +110,7 @@ def _modeling_source_digest() -> str:
 
 
 def load(path: Path, model: DecoderForCausalLM, kind: str = "decode") -> Any:
-    """The `kind` step packaged at `path` (a `DecodeStep` or a `GraphedStep`), over `model`'s own
+    """The `kind` step packaged at `path` (a `DecodeStep`, `GraphedStep` or `HeadStep`), over `model`'s own
     tensors; None when there is none or it cannot be loaded (why is logged; the caller compiles
     again and overwrites it)."""
     if not path.exists():
@@ -124,6 +126,8 @@ def load(path: Path, model: DecoderForCausalLM, kind: str = "decode") -> Any:
         logger.warning("could not load the compiled %s graph %s (%s: %s); compiling it again",
                        kind, path, type(exc).__name__, exc)
         return None
+    if kind == "head":
+        return _bind_head(loader)
     packed = [linear.packed for _, linear in model.packed_linears]
     linears = lora_linears(model)
     return _bind(loader, packed, linears) if kind == "decode" else _bind_graphed(loader, packed, linears)
@@ -133,10 +137,11 @@ def agreement_tolerance(model: DecoderForCausalLM) -> float:
     """How far (relative norm) a compiled graph's output may stray from the eager model's on the
     random rows the checks feed it. A wrong graph is off by the order of the output itself; a
     right one drifts by rounding, amplified over the layers of a random model: under 1% in float32,
-    but 4.8% in bfloat16 and 1.1% with int8 activations over the 0.5B shape's 24 layers (measured),
-    so reduced precision (bfloat16 or float16, int8 activations, 4-bit weights) gets 10%."""
-    reduced = model.dtype != torch.float32 or any(
-        getattr(m, "qmethod", None) in ("w8a8", "int4") for m in model.modules())
+    but 4.8% in bfloat16, 1.1% with int8 activations and 1.2% between int8 weight-only's one-row
+    kernel and torch's (each rounds bfloat16 activations and results its own way) over the 0.5B
+    shape's 24 layers (measured), so reduced precision (bfloat16 or float16, any quantized layer)
+    gets 10%."""
+    reduced = model.dtype != torch.float32 or any(getattr(m, "qmethod", None) is not None for m in model.modules())
     return 0.1 if reduced else 1e-2
 
 
@@ -156,10 +161,12 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
     it with AOTInductor into a package at `path` (written atomically; None: a temporary one) and
     load it. Raises what export or compilation raises."""
     hidden, positions, kv_caches, meta = example
-    batch = torch.export.Dim("batch", min=2, max=MAX_ROWS)
+    # Export, unlike dynamo, takes a batch of one in the same graph (traced at more rows): one row is
+    # then not padded to two, and int8 layers can run their one-row kernel (quantized_linear.py).
+    batch = torch.export.Dim("batch", min=1, max=MAX_ROWS)
     width = torch.export.Dim("table_width", min=2, max=MAX_TABLE_WIDTH)
     packed = [linear.packed for _, linear in model.packed_linears]
-    lora, lora_shapes = _lora_example(model)
+    lora, lora_shapes = _lora_example(model, min_rows=1)
     register_inductor_lowering()
     program = torch.export.export(
         _FlatDecodeStep(model, meta.block_size),
@@ -184,6 +191,15 @@ def compile_and_save_graphed(path: Path | None, model: DecoderForCausalLM, hidde
                                   dynamic_shapes=({0: tokens}, {0: tokens}, [None] * len(packed), lora_shapes),
                                   strict=False)
     step: GraphedStep = _package_and_load(program, path, model, "step")
+    return step
+
+
+def compile_and_save_head(path: Path | None, model: DecoderForCausalLM, hidden: torch.Tensor) -> HeadStep:
+    """Export the LM head of `model` alone on `hidden` (any rows, one included), compile, package
+    and load it as `compile_and_save` does."""
+    rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
+    program = torch.export.export(_FlatHead(model), (hidden,), dynamic_shapes=({0: rows},), strict=False)
+    step: HeadStep = _package_and_load(program, path, model, "head")
     return step
 
 
@@ -252,13 +268,13 @@ def lora_linears(model: DecoderForCausalLM) -> list[LinearLoRA]:
     return sorted(found.values(), key=lambda lora: lora.index)
 
 
-def _lora_example(model: DecoderForCausalLM) -> tuple[list[torch.Tensor], list[Any]]:
+def _lora_example(model: DecoderForCausalLM, min_rows: int = 2) -> tuple[list[torch.Tensor], list[Any]]:
     """The LoRA inputs a graph is exported with (engine/lora/layers.py, `graph_inputs`), and their
     dynamic shapes: the row layout's width is the one dynamic dimension."""
     linears = lora_linears(model)
     if not linears:
         return [], []
-    rows = torch.export.Dim("lora_rows", min=2, max=MAX_ROWS)
+    rows = torch.export.Dim("lora_rows", min=min_rows, max=MAX_ROWS)
     return graph_inputs(linears), [{1: rows}, {1: rows}, *([None] * (2 * len(linears)))]
 
 
@@ -310,6 +326,19 @@ class _FlatGraphedStep(nn.Module):
         return out
 
 
+class _FlatHead(nn.Module):
+    """The LM head alone (the model held as `model`, so its tensors keep their names)."""
+
+    def __init__(self, model: DecoderForCausalLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.model.lm_head is not None
+        out: torch.Tensor = self.model.lm_head(hidden)
+        return out
+
+
 def _model_tensors(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by the names the package gives them (`_FlatDecodeStep`
     holds the model as `model`)."""
@@ -332,6 +361,14 @@ def _bind(loader: Any, packed: list[torch.Tensor | None], linears: list[LinearLo
 def _bind_graphed(loader: Any, packed: list[torch.Tensor | None], linears: list[LinearLoRA]) -> GraphedStep:
     def step(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = loader.run([hidden, positions, *packed, *(graph_inputs(linears) if linears else ())])[0]
+        return out
+
+    return step
+
+
+def _bind_head(loader: Any) -> HeadStep:
+    def step(hidden: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = loader.run([hidden])[0]
         return out
 
     return step
