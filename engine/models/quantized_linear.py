@@ -11,6 +11,12 @@ float32 path is slow on this CPU build and its bfloat16 path fast (docs/benchmar
 matmul and the result back: bfloat16's rounding of the activations, next to int8's of the
 weights, moves logits by about the same as the weights' own rounding.
 
+At one row that kernel streams the weights at ~12 GB/s of the ~30 a read reaches here. So in the
+compiled decode graph a batch of one row takes `int8_row_times` instead: the same products and
+roundings written as a product and a sum, which inductor compiles into one loop over the weight
+rows (~22 GB/s). A `torch.cond` on the row count picks it inside the one exported graph; eagerly
+(prompts, `--enforce-eager`) torch's kernel runs at every size.
+
 That kernel is compute-bound beyond a row or two (16 rows of the 0.5B shape's LM head: 47 ms,
 against 26 for float32 and 14 for an int8 x int8 matmul), so `w8a8` exists for batched serving:
 activations quantized per row at run time, as llama.cpp's Q8_0 does, and `torch._int_mm`.

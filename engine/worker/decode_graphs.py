@@ -179,14 +179,12 @@ class DecodeGraphs:
         """The saved graph if there is one and it agrees with the eager model; else exported,
         compiled and saved; None when the model does not export or compile so (logged: it then
         runs on `torch.compile`)."""
-        path = None
+        path, step = precompiled_graph.saved(self.cache_dir, self.model, self.kv_caches, self.block_size, TRACE_ROWS,
+                                             "decode", self._agrees_with_eager)
+        if step is not None:
+            self.loaded_from_disk = True
+            return step
         if self.cache_dir is not None:
-            path = precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,
-                                                   TRACE_ROWS)
-            step = precompiled_graph.load_agreeing(path, self.model, "decode", self._agrees_with_eager)
-            if step is not None:
-                self.loaded_from_disk = True
-                return step
             settle_vector_isa(self.cache_dir)
         hidden, positions, *_ = self._scratch_rows(TRACE_ROWS, 8)
         meta = self._metadata(TRACE_ROWS, [], [], [], 8)
@@ -199,6 +197,11 @@ class DecodeGraphs:
             logger.warning("the decode graph does not export (%s: %s); compiling it with torch.compile instead",
                            type(exc).__name__, exc)
             return None
+
+    @property
+    def head_compiled(self) -> bool:
+        """Whether the LM head runs a compiled graph of its own (`_head_wants_compiling`)."""
+        return self._head is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `compute_logits`, through the compiled LM head if there is one."""
@@ -214,13 +217,10 @@ class DecodeGraphs:
     def _precompiled_head(self) -> HeadStep | None:
         """The LM head's graph: saved, or exported, compiled and saved (a few seconds); None when
         it does not compile (logged: the head then runs eagerly)."""
-        path = None
-        if self.cache_dir is not None:
-            path = precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,
-                                                   TRACE_ROWS, kind="head")
-            head = precompiled_graph.load_agreeing(path, self.model, "head", self._head_agrees_with_eager)
-            if head is not None:
-                return head
+        path, head = precompiled_graph.saved(self.cache_dir, self.model, self.kv_caches, self.block_size, TRACE_ROWS,
+                                             "head", self._head_agrees_with_eager)
+        if head is not None:
+            return head
         hidden = torch.zeros(TRACE_ROWS, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
         try:
             return precompiled_graph.compile_and_save_head(path, self.model, hidden)

@@ -156,6 +156,16 @@ def load_agreeing(path: Path, model: DecoderForCausalLM, kind: str, agrees: Call
     return None
 
 
+def saved(cache_dir: Path | None, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
+          trace_rows: int, kind: str, agrees: Callable[[Any], bool]) -> tuple[Path | None, Any]:
+    """(where the `kind` graph is kept, the saved graph if it loads and `agrees`, else None);
+    (None, None) without a cache directory (compiled at each start)."""
+    if cache_dir is None:
+        return None, None
+    path = artefact_path(cache_dir, model, kv_caches, block_size, trace_rows, kind)
+    return path, load_agreeing(path, model, kind, agrees)
+
+
 def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tuple[Any, ...]) -> DecodeStep:
     """Export the decode step of `model` on `example` (hidden, positions, kv_caches, meta), compile
     it with AOTInductor into a package at `path` (written atomically; None: a temporary one) and

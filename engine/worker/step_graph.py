@@ -76,14 +76,12 @@ class StepGraph:
         return out
 
     def _load_or_compile(self, progress: Callable[[str], None]) -> precompiled_graph.GraphedStep | None:
-        path = None
+        path, step = precompiled_graph.saved(self.cache_dir, self.model, self.kv_caches, self.block_size,
+                                             TRACE_TOKENS, "step", self._agrees_with_eager)
+        if step is not None:
+            self.loaded_from_disk = True
+            return step
         if self.cache_dir is not None:
-            path = precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,
-                                                   TRACE_TOKENS, kind="step")
-            step = precompiled_graph.load_agreeing(path, self.model, "step", self._agrees_with_eager)
-            if step is not None:
-                self.loaded_from_disk = True
-                return step
             settle_vector_isa(self.cache_dir)
         progress("compiling the step graph with AOTInductor (the first start of this model here only)")
         device = self.model.device
