@@ -18,6 +18,7 @@ the rate a decode step runs at, which is what quantized weights speed up.
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import statistics
 import tempfile
@@ -81,11 +82,47 @@ class OurEngine:
 
 
 class LlamaCpp:
+    """llama.cpp in a child process of its own, measured on request: loaded into our process, its
+    threads slowed every variant of ours by 15-33% at one stream (docs/benchmarks.md)."""
+
+    def __init__(self, gguf_path: Path, threads: int, context: int) -> None:
+        self.weight_bytes = gguf_path.stat().st_size - embedding_bytes(gguf_path)
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child_end = spawn.Pipe()
+        self._child = spawn.Process(target=_serve_llama_cpp, args=(child_end, gguf_path, threads, context),
+                                    daemon=True)
+        self._child.start()
+        child_end.close()
+
+    def _ask(self, method: str, *args: Any) -> float:
+        self._conn.send((method, args))
+        answer: float = self._conn.recv()
+        return answer
+
+    def rate(self, prompts: list[list[int]], spec: BenchSpec) -> float:
+        return self._ask("rate", prompts, spec)
+
+    def decode_rate(self, prompt: list[int], output_len: int) -> float:
+        return self._ask("decode_rate", prompt, output_len)
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._child.join(timeout=60)
+
+
+def _serve_llama_cpp(conn: Any, gguf_path: Path, threads: int, context: int) -> None:
+    """The child's loop: each (method, args) asked is answered with its figure; None ends it."""
+    model = _LlamaCppModel(gguf_path, threads, context)
+    while (request := conn.recv()) is not None:
+        method, args = request
+        conn.send(getattr(model, method)(*args))
+
+
+class _LlamaCppModel:
     def __init__(self, gguf_path: Path, threads: int, context: int) -> None:
         from llama_cpp import Llama
         self.llm: Any = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=context,
                          n_batch=context, verbose=False, seed=0)
-        self.weight_bytes = gguf_path.stat().st_size - embedding_bytes(gguf_path)
 
     def rate(self, prompts: list[list[int]], spec: BenchSpec) -> float:
         """Each prompt's `output_len` greedy tokens, one request after another."""
@@ -155,8 +192,11 @@ def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32,
                 sides[name].rates.setdefault(level, []).append(contenders[name].rate(prompts, spec))
                 if level == 1:
                     sides[name].decode_rates.append(contenders[name].decode_rate(prompts[0], output_len))
-    settings = (f"threads={threads} on both sides, prompts of {input_len} random tokens, {output_len} greedy output "
-                f"tokens each, median of {repeats} rounds alternating the order")
+    for contender in contenders.values():
+        if isinstance(contender, LlamaCpp):
+            contender.close()
+    settings = (f"threads={threads} on both sides (llama.cpp in a process of its own), prompts of {input_len} random "
+                f"tokens, {output_len} greedy output tokens each, median of {repeats} rounds alternating the order")
     return list(sides.values()), read_bandwidth(), settings
 
 
