@@ -12,6 +12,10 @@ reading the weights, and a second row costs little.
 size here took 9 s of a warm start for seven sizes, against 2.3 s for the one dynamic graph,
 which steps as fast: docs/benchmarks.md.)
 
+The LM head runs outside the graph (only the sampled rows need logits). An int8 head gets a
+compiled graph of its own (`compute_logits`): at one row inductor's product-and-sum reads it at
+twice the rate of torch's int8 kernel (engine/models/quantized_linear.py).
+
 Padding rows write their keys and values into a scratch block kept for them past the end of
 the KV cache (the worker allocates it), and attend only to it: they can neither read nor
 clobber a real sequence's cache, so padding never leaks into outputs.
@@ -231,15 +235,19 @@ class DecodeGraphs:
     def _head_agrees_with_eager(self, head: HeadStep) -> bool:
         """Whether `head` computes the eager LM head's logits, on two rows and on one."""
         assert self.model.lm_head is not None
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        hidden = torch.randn(MIN_ROWS, self.model.config.hidden_size, generator=generator, device=self.device)
-        hidden = hidden.to(self.model.dtype)
+        hidden = self._random_rows()
         want = self.model.lm_head(hidden).float()
         try:
             pairs = [(head(hidden).float(), want), (head(hidden[:1]).float(), want[:1])]
         except Exception:  # noqa: BLE001 -- a graph for other shapes may fail any way it likes
             return False
         return self._close(pairs)
+
+    def _random_rows(self) -> torch.Tensor:
+        """Two hidden rows the agreement checks feed a graph and the eager model (seeded)."""
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        hidden = torch.randn(MIN_ROWS, self.model.config.hidden_size, generator=generator, device=self.device)
+        return hidden.to(self.model.dtype)
 
     def _close(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether each (compiled, eager) pair agrees within rounding (`agreement_tolerance`)."""
@@ -249,9 +257,7 @@ class DecodeGraphs:
     def _agrees_with_eager(self, step: DecodeStep) -> bool:
         """Whether `step` computes what the eager model does, on two rows in the scratch block
         (distinct slots, the second attending to both)."""
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        hidden = torch.randn(MIN_ROWS, self.model.config.hidden_size, generator=generator, device=self.device)
-        hidden = hidden.to(self.model.dtype)
+        hidden = self._random_rows()
         positions = torch.arange(MIN_ROWS, device=self.device)
         first = self.scratch_block * self.block_size
         meta = self._metadata(MIN_ROWS, [first, first + 1], [1, 2], [[self.scratch_block]] * 2, MIN_ROWS)
