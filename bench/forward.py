@@ -41,7 +41,7 @@ class DecodeBench:
     def __init__(self, model_dir: str, batches: list[int], context: int, prompt_lens: Sequence[int] = ()) -> None:
         self.block_size = 16
         self.blocks_per_seq = math.ceil((context + 1) / self.block_size)
-        num_blocks = max(max(batches) * self.blocks_per_seq, *(math.ceil(n / self.block_size) for n in prompt_lens))
+        num_blocks = max([max(batches) * self.blocks_per_seq, *(math.ceil(n / self.block_size) for n in prompt_lens)])
         config = EngineConfig(model=model_dir, enforce_eager=True, num_kv_blocks=num_blocks,
                               block_size=self.block_size, max_num_seqs=max(batches))
         self.worker = Worker(config)

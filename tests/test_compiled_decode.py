@@ -21,11 +21,14 @@ from torch._dynamo.utils import counters
 
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig
-from engine.models import packed_linear
+from engine.cpu_binding import CpuLayout, available_cpus
+from engine.models import attention, layers, packed_linear
 from engine.models.attention import (
+    PROMPT_QUERY_BLOCK,
     DecodeMetadata,
     SequenceChunk,
     build_metadata,
+    causal_prompt_attention,
     paged_attention,
     paged_decode_attention,
 )
@@ -47,8 +50,8 @@ def compiled_config(path, sizes=(2, 8), compile_prompts=False, **options) -> Eng
     options = {"enforce_eager": False, **options}
     options = {"dtype": "float32", **options}
     compilation = CompilationConfig(cudagraph_capture_sizes=sizes, compile_prompts=compile_prompts)
-    return EngineConfig(model=str(path), num_kv_blocks=128, max_num_batched_tokens=48,
-                        compilation_config=compilation, **options)
+    options = {"max_num_batched_tokens": 48, **options}
+    return EngineConfig(model=str(path), num_kv_blocks=128, compilation_config=compilation, **options)
 
 
 ARCHITECTURES = [*sorted(FAMILIES), "mixtral"]
@@ -503,3 +506,63 @@ def test_one_fresh_prompt_attends_causally_without_a_mask_and_matches_the_masked
     one = paged_attention(q[:9], k[:9], v[:9], cache, cache, alone, dim ** -0.5)
     both = paged_attention(q, k, v, cache, cache, together, dim ** -0.5)
     torch.testing.assert_close(one, both[:9], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def threads():
+    """Set torch's intra-op thread count inside a test; restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("tokens", [65, 200, 256])
+def test_a_prompt_attended_in_query_blocks_on_one_thread_equals_causal_attention(tokens, threads, monkeypatch):
+    generator = torch.Generator().manual_seed(tokens)
+    q = torch.randn(tokens, 4, 16, generator=generator)
+    k, v = (torch.randn(tokens, 2, 16, generator=generator) for _ in range(2))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True).transpose(0, 1)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw.get("is_causal", False)) or sdpa(*a, **kw))
+    threads(1)
+    torch.testing.assert_close(causal_prompt_attention(q, k, v, 16 ** -0.5), expected, rtol=1e-5, atol=1e-5)
+    assert calls == [False] * -(-tokens // PROMPT_QUERY_BLOCK), "one masked call per block of queries"
+    calls.clear()
+    threads(2)
+    torch.testing.assert_close(causal_prompt_attention(q, k, v, 16 ** -0.5), expected, rtol=1e-5, atol=1e-5)
+    assert calls == [True], "on two threads, one causal call"
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen2"], indirect=True)
+async def test_on_one_compute_thread_the_one_row_head_and_prompt_blocks_give_transformers_tokens(
+        checkpoint, monkeypatch):
+    """An engine bound to one CPU (one compute thread), every linear packed, the table tied (qwen2):
+    the head's one-row products read the table's rows, prompts of over 64 tokens are attended in
+    blocks of queries, and the greedy tokens are still transformers'."""
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    path, hf_model = checkpoint
+    rng = random.Random(5)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (150, 70, 9)]
+    expected = transformers_greedy(hf_model, prompts, 12)
+    blocked, head_rows = [], []
+    causal = attention.causal_prompt_attention
+    monkeypatch.setattr(attention, "causal_prompt_attention", lambda q, *rest: blocked.append(
+        (q.shape[0], torch.get_num_threads())) or causal(q, *rest))
+    packed = layers.packed_linear
+
+    def counted(x, weight, bias):
+        if weight.shape[0] == VOCAB:
+            head_rows.append(x.shape[0])
+        return packed(x, weight, bias)
+
+    monkeypatch.setattr(layers, "packed_linear", counted)
+    cpu = available_cpus()[0]
+    config = compiled_config(path, enforce_eager=True, cpu_layout=CpuLayout((cpu,), (cpu,)),
+                             max_num_batched_tokens=256)
+    got, _ = await engine_greedy(config, prompts, 12, together=False)
+    assert got == expected
+    assert (150, 1) in blocked and (70, 1) in blocked, "each prompt attended fresh, on one thread"
+    assert 1 not in head_rows, "no one-row product of the head on its packed weight"

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.models import layers
+from engine.models import packed_linear as packed_linear_module
 from engine.models.layers import Linear, RowParallelLinear
+from engine.models.loader import load_decoder
 from engine.models.packed_linear import PACK_MIN_ELEMENTS, can_pack, pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
 
@@ -93,3 +96,58 @@ def test_a_reduced_dtype_slower_than_float32_is_named_with_its_figures(monkeypat
     assert "--dtype float32" in message
     timings = iter([100e-6, 400e-6, 105e-6, 380e-6])  # within the margin: not reported
     assert module.slower_than_float32(torch.bfloat16, size=64) is None
+
+
+@pytest.fixture
+def threads():
+    """Set torch's intra-op thread count inside a test; restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_one_row_on_one_thread_takes_the_transposed_rows_and_equals_f_linear(monkeypatch, threads):
+    linear = _filled(Linear(256, 1024, bias=True), 3)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8))
+    expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    assert linear.pack(keep_weight=True)
+    rows = linear.transpose_for_one_row()
+    assert rows is not None and rows.shape == (256, 1024) and rows.is_contiguous()
+    packed_rows: list[int] = []
+
+    def counted(x, packed, bias):
+        packed_rows.append(x.shape[0])
+        return packed_linear(x, packed, bias)
+
+    monkeypatch.setattr(layers, "packed_linear", counted)
+    threads(1)
+    one, two = linear(x[:1]), linear(x[:2])
+    threads(2)
+    one_on_two = linear(x[:1])
+    assert packed_rows == [2, 1], "only one row on one thread skips the packed weight"
+    for got, want in ((one, expected[:1]), (two, expected), (one_on_two, expected[:1])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_layer_whose_stored_weight_was_dropped_has_no_transposed_rows():
+    linear = _filled(Linear(256, 1024, bias=False), 4)
+    assert linear.pack()
+    assert linear.transpose_for_one_row() is None and linear.row_weight is None
+
+
+def test_a_tied_table_becomes_rows_the_embedding_and_the_head_share(tiny_model_dir, monkeypatch, threads):
+    """Packing a tied head holds the table as [hidden, vocab] rows: the embedding reads a view of
+    them, the head's one-row product reads them, and the model holds no more bytes than before."""
+    plain = load_decoder(tiny_model_dir, "float32")  # the tiny table is below the packing size
+    assert plain.lm_head.packed is None
+    monkeypatch.setattr(packed_linear_module, "PACK_MIN_ELEMENTS", 0)
+    model = load_decoder(tiny_model_dir, "float32")
+    head, embed = model.lm_head, model.embed_tokens
+    assert head.packed is not None and head.row_weight is not None
+    assert head.weight is embed.weight and embed.weight.data_ptr() == head.row_weight.data_ptr()
+    assert model.weight_bytes == plain.weight_bytes
+    ids = torch.tensor([0, 7, model.config.vocab_size - 1])
+    assert torch.equal(model.embed(ids), plain.embed(ids))
+    hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    threads(1)
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-4)

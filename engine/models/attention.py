@@ -206,9 +206,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for g in meta.groups:
         window = slice(g.token_start, g.token_end)
         if g.mask is None:  # one fresh sequence: causal over its own tokens
-            q_seq, k_seq, v_seq = (t[window].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
-            out = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=True)
-            outputs.append(out[0].transpose(0, 1))
+            outputs.append(causal_prompt_attention(q[window], k[window], v[window], scale))
             continue
         q_batch = q[window].unsqueeze(1) if g.q_index is None else q[window][g.q_index]
         if g.block_table is None:
@@ -222,6 +220,44 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out = out.transpose(1, 2)  # [B, Lq, Hq, D]
         outputs.append(out.squeeze(1) if g.q_index is None else out[g.q_valid])
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+# A prompt of up to this many tokens, on one compute thread, is attended in blocks of queries
+# (`causal_prompt_attention`); measured on this machine's CPU flash kernel (docs/benchmarks.md,
+# "Prompt attention in query blocks"), float32, 4 query and 2 KV heads of 64, one thread:
+#   tokens          256    512    1024   2048
+#   causal SDPA     0.84   3.29   9.70   32.4 ms
+#   blocks of 64    0.68   2.29   8.32   33.0 ms
+# On two threads the blocks lose (512 tokens: 2.30 against 2.07 ms): the kernel splits one call's
+# queries across threads, and a block of 64 queries gives it too little to split.
+PROMPT_BLOCKED_MAX_TOKENS = 1024
+PROMPT_QUERY_BLOCK = 64
+
+
+def causal_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D], k, v: [T, Hkv, D] of one sequence's first T tokens -> [T, Hq, D], each token
+    attending to itself and the tokens before it.
+
+    torch's CPU flash kernel skips masked work only a whole 512-key block at a time, so a causal
+    prompt of up to 512 tokens costs what full attention does. On one compute thread, prompts of
+    up to `PROMPT_BLOCKED_MAX_TOKENS` are computed instead a block of `PROMPT_QUERY_BLOCK` queries
+    at a time, each over the keys up to its own end, only the last `PROMPT_QUERY_BLOCK` of them
+    masked: about half the products at 512 tokens."""
+    q_seq, k_seq, v_seq = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
+    tokens, block = q.shape[0], PROMPT_QUERY_BLOCK
+    if tokens <= block or tokens > PROMPT_BLOCKED_MAX_TOKENS or torch.get_num_threads() > 1:
+        out = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    later = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)  # key after query
+    diagonal = torch.zeros(block, block, dtype=q.dtype, device=q.device).masked_fill_(later, float("-inf"))
+    outputs = []
+    for start in range(0, tokens, block):
+        end = min(tokens, start + block)
+        mask = q.new_zeros(end - start, end)
+        mask[:, start:] = diagonal[:end - start, :end - start]
+        outputs.append(F.scaled_dot_product_attention(q_seq[:, :, start:end], k_seq[:, :, :end], v_seq[:, :, :end],
+                                                      attn_mask=mask, scale=scale, enable_gqa=True))
+    return torch.cat(outputs, 2)[0].transpose(0, 1)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -33,6 +33,9 @@ class Linear(nn.Module):
         # The weight in oneDNN's layout once `pack` ran (engine/models/packed_linear.py). A plain
         # attribute, not a buffer: the compiled decode graph takes it as an input.
         self.packed: torch.Tensor | None = None
+        # Beside `packed`, the weight as [in, out] rows (`transpose_for_one_row`): for one row on one
+        # compute thread, MKL's product over it beats oneDNN's over the packed weight.
+        self.row_weight: torch.Tensor | None = None
         # The LoRA adapters that change this layer's output, when the engine serves any
         # (engine/lora/layers.py): their delta is added for the rows of each adapter's requests.
         self.lora: OutputDelta | None = None
@@ -69,10 +72,27 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
         return True
 
+    def transpose_for_one_row(self) -> torch.Tensor | None:
+        """Keep the (packed, float32) weight as [in, out] rows too, for one row on one compute thread,
+        and return them; None where that does not apply. The caller owns the memory question: a
+        tied LM head trades its [out, in] copy for these rows (`DecoderForCausalLM.pack_linears`).
+
+        Why: one row times a weight is a read of the weight, and on one thread oneDNN's kernel over
+        the packed layout reads it at ~14 GB/s where MKL's product of the row with [in, out] rows
+        reads ~24 (docs/benchmarks.md, "The LM head at one row"): 2.3 against 1.4 ms for a
+        [32000, 256] head, 31 against 24 ms for [151936, 896]. On two threads, at more rows, and in
+        bfloat16 the packed weight is as fast or faster, so it stays for those."""
+        if self.packed is None or self.weight.device.type == "meta" or self.weight.dtype != torch.float32:
+            return None
+        self.row_weight = self.weight.detach().t().contiguous()
+        return self.row_weight
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
             assert self.qmethod is not None and self.qscales is not None
             y = QUANTIZED_MATMULS[self.qmethod](x, self.qweight, self.qscales, bias)
+        elif self.row_weight is not None and x.shape[0] == 1 and x.dim() == 2 and torch.get_num_threads() == 1:
+            y = torch.mm(x, self.row_weight) if bias is None else torch.addmm(bias, x, self.row_weight)
         elif self.packed is not None:
             y = packed_linear(x, self.packed, bias)
         else:
