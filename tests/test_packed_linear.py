@@ -136,13 +136,16 @@ def test_a_layer_whose_stored_weight_was_dropped_has_no_transposed_rows():
 
 
 def test_a_tied_table_becomes_rows_the_embedding_and_the_head_share(tiny_model_dir, monkeypatch, threads):
-    """Packing a tied head holds the table as [hidden, vocab] rows: the embedding reads a view of
-    them, the head's one-row product reads them, and the model holds no more bytes than before."""
+    """For one compute thread a packed tied head holds the table as [hidden, vocab] rows: the
+    embedding reads a view of them, the head's one-row product reads them, and the model holds no
+    more bytes than before."""
     plain = load_decoder(tiny_model_dir, "float32")  # the tiny table is below the packing size
     assert plain.lm_head.packed is None
     monkeypatch.setattr(packed_linear_module, "PACK_MIN_ELEMENTS", 0)
     model = load_decoder(tiny_model_dir, "float32")
     head, embed = model.lm_head, model.embed_tokens
+    assert head.row_weight is None and embed.weight.is_contiguous(), "only when asked"
+    model.hold_tied_table_as_rows()
     assert head.packed is not None and head.row_weight is not None
     assert head.weight is embed.weight and embed.weight.data_ptr() == head.row_weight.data_ptr()
     assert model.weight_bytes == plain.weight_bytes

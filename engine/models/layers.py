@@ -75,7 +75,7 @@ class Linear(nn.Module):
     def transpose_for_one_row(self) -> torch.Tensor | None:
         """Keep the (packed, float32) weight as [in, out] rows too, for one row on one compute thread,
         and return them; None where that does not apply. The caller owns the memory question: a
-        tied LM head trades its [out, in] copy for these rows (`DecoderForCausalLM.pack_linears`).
+        tied LM head trades its [out, in] copy for these rows (`DecoderForCausalLM.hold_tied_table_as_rows`).
 
         Why: one row times a weight is a read of the weight, and on one thread oneDNN's kernel over
         the packed layout reads it at ~14 GB/s where MKL's product of the row with [in, out] rows
@@ -132,11 +132,20 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.stride(-1) == 1:
+            return F.embedding(ids, self.weight)
+        # The table held as [dim, rows] (`DecoderForCausalLM.hold_tied_table_as_rows`): gathering
+        # columns row by row reads it in order, 0.19 against 0.32 ms for 512 tokens of a
+        # [256, 32000] table where `F.embedding` over the transposed view jumps a row per element.
+        columns = self.weight.t().index_select(1, ids.reshape(-1))
+        return columns.t().contiguous().view(*ids.shape, -1)
 
 
 class RMSNorm(nn.Module):

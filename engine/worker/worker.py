@@ -107,6 +107,8 @@ class Worker:
                                   layout, self.stage, self.config.quantization)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
+        if self._most_compute_threads() == 1:
+            self.model.hold_tied_table_as_rows()
         self._warn_if_reduced_precision_is_slower()
         self._load_lora_adapters()
         info = self._decoder_info()
@@ -114,6 +116,10 @@ class Worker:
             return info
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
+
+    def _most_compute_threads(self) -> int:
+        """The most intra-op threads a step may run on (the tuner moves within 1..this)."""
+        return self.thread_tuner.max_threads if self.thread_tuner is not None else torch.get_num_threads()
 
     def _load_lora_adapters(self) -> None:
         """Read and check every configured adapter (a bad one fails start-up, naming it)."""
