@@ -20,6 +20,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_throughput(bench)
     _add_bench_forward(bench)
     _add_bench_roofline(bench)
+    _add_bench_kernels(bench)
     _add_bench_quantized(bench)
     _add_bench_serve(bench)
     _add_bench_neighbour(bench)
@@ -239,6 +240,23 @@ def _bench_quantized(args: argparse.Namespace) -> int:
     sides, bandwidth, settings = quantized.run(model_dir(args.model), streams, args.input_len, args.output_len,
                                                args.repeats, args.threads, not args.no_llama_cpp)
     print(quantized.report(sides, bandwidth, settings, streams))
+    return 0
+
+
+def _add_bench_kernels(bench: Subcommands) -> None:
+    kn = bench.add_parser("kernels", help="the kernels picked for one compute thread, each beside the one it "
+                                          "replaces (LM head at one row, prompt attention, argmax)")
+    kn.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: what they are for)")
+    kn.add_argument("--repeats", type=int, default=20, help="calls per timed round")
+    kn.set_defaults(run=_bench_kernels)
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench import kernels
+    torch.set_num_threads(args.threads)
+    print(kernels.report(kernels.run(args.repeats)))
     return 0
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.worker.sampler import ARGMAX_CHUNK, SamplingRow, _argmax, sample
+from engine.worker.sampler import ARGMAX_CHUNK, SamplingRow, argmax_rows, sample
 
 
 def rows(*params, outputs=None, prompt=None):
@@ -28,12 +28,12 @@ def draws(params: SamplingParams, n: int = 400) -> set[int]:
     return seen
 
 
-def test_greedy_takes_the_argmax():
+def test_greedy_takes_theargmax_rows():
     assert sample(LOGITS, rows(SamplingParams(temperature=0)), DEFAULT).token_ids == [0]
 
 
 @pytest.mark.parametrize("vocab", [100, ARGMAX_CHUNK, ARGMAX_CHUNK + 2, 12869, 32000])
-def test_the_chunked_argmax_finds_the_first_maximum_as_max_does(vocab):
+def test_the_chunkedargmax_rows_finds_the_first_maximum_as_max_does(vocab):
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
     logits[0, 3] = logits[0, vocab - 1] = 50.0  # a tie across chunks: the first wins
     logits[1] = float("-inf")
@@ -42,8 +42,8 @@ def test_the_chunked_argmax_finds_the_first_maximum_as_max_does(vocab):
     logits[3, vocab // 2] = float("nan")  # a NaN is the largest, as in `max`
     logits[4] = 7.0  # all equal: the first
     logits[5, 1:3] = 60.0  # a tie inside one chunk
-    assert torch.equal(_argmax(logits), logits.max(dim=-1).indices)
-    assert torch.equal(_argmax(logits[:1]), logits[:1].max(dim=-1).indices)
+    assert torch.equal(argmax_rows(logits), logits.max(dim=-1).indices)
+    assert torch.equal(argmax_rows(logits[:1]), logits[:1].max(dim=-1).indices)
 
 
 def test_top_k_top_p_min_p_restrict_the_candidates():

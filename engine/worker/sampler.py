@@ -139,7 +139,7 @@ def mask_stop_tokens_below_min(logits: torch.Tensor, rows: list[SamplingRow]) ->
 
 
 def _choose(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator) -> torch.Tensor:
-    greedy = _argmax(logits)
+    greedy = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
         return greedy
@@ -149,14 +149,14 @@ def _choose(logits: torch.Tensor, rows: list[SamplingRow], default_generator: to
     for j, i in enumerate(random_rows):
         noise[j].exponential_(generator=rows[i].generator or default_generator)
     # probs / Exp(1) noise: its argmax is a draw from probs (the exponential-race trick).
-    drawn = _argmax(probs / noise)
+    drawn = argmax_rows(probs / noise)
     return greedy.index_copy(0, index, drawn)
 
 
 ARGMAX_CHUNK = 128
 
 
-def _argmax(rows: torch.Tensor) -> torch.Tensor:
+def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first, on ties; a NaN counts as the largest, as in `max`).
 
     torch's `max(dim)` and `argmax` track an index per element and do not vectorise on CPU: 0.43 ms
