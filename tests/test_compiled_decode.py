@@ -538,10 +538,11 @@ def test_a_prompt_attended_in_query_blocks_on_one_thread_equals_causal_attention
 
 @pytest.mark.parametrize("checkpoint", ["qwen2"], indirect=True)
 async def test_on_one_compute_thread_the_one_row_head_and_prompt_blocks_give_transformers_tokens(
-        checkpoint, monkeypatch):
+        checkpoint, monkeypatch, threads):
     """An engine bound to one CPU (one compute thread), every linear packed, the table tied (qwen2):
     the head's one-row products read the table's rows, prompts of over 64 tokens are attended in
-    blocks of queries, and the greedy tokens are still transformers'."""
+    blocks of queries, and the greedy tokens are still transformers'. (`threads` restores torch's
+    thread count, which the worker sets to its one CPU, for the tests after this one.)"""
     monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
     path, hf_model = checkpoint
     rng = random.Random(5)
