@@ -531,6 +531,10 @@ def test_a_prompt_attended_in_query_blocks_on_one_thread_equals_causal_attention
     torch.testing.assert_close(causal_prompt_attention(q, k, v, 16 ** -0.5), expected, rtol=1e-5, atol=1e-5)
     assert calls == [False] * -(-tokens // PROMPT_QUERY_BLOCK), "one masked call per block of queries"
     calls.clear()
+    half = causal_prompt_attention(q.half(), k.half(), v.half(), 16 ** -0.5)
+    torch.testing.assert_close(half.float(), expected, rtol=1e-2, atol=1e-2)
+    assert calls == [True], "float16 (slower in blocks), one causal call"
+    calls.clear()
     threads(2)
     torch.testing.assert_close(causal_prompt_attention(q, k, v, 16 ** -0.5), expected, rtol=1e-5, atol=1e-5)
     assert calls == [True], "on two threads, one causal call"
