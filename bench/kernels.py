@@ -34,7 +34,7 @@ class Pair:
     after_ms: float
 
 
-def _median_ms(fn: Callable[[], object], flush: torch.Tensor | None, repeats: int) -> list[float]:
+def _times_ms(fn: Callable[[], object], flush: torch.Tensor | None, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         if flush is not None:
@@ -52,7 +52,7 @@ def _pair(what: str, before: tuple[str, Callable[[], object]], after: tuple[str,
     got: dict[int, list[float]] = {0: [], 1: []}
     for r in range(rounds):
         for i in (0, 1) if r % 2 == 0 else (1, 0):
-            got[i] += _median_ms((before, after)[i][1], flush, repeats)
+            got[i] += _times_ms((before, after)[i][1], flush, repeats)
     return Pair(what, before[0], statistics.median(got[0]), after[0], statistics.median(got[1]))
 
 

@@ -558,9 +558,10 @@ async def test_on_one_compute_thread_the_one_row_head_and_prompt_blocks_give_tra
         (q.shape[0], torch.get_num_threads())) or causal(q, *rest))
     packed = layers.packed_linear
 
+    layer_rows = []
+
     def counted(x, weight, bias):
-        if weight.shape[0] == VOCAB:
-            head_rows.append(x.shape[0])
+        (head_rows if weight.shape[0] == VOCAB else layer_rows).append(x.shape[0])
         return packed(x, weight, bias)
 
     monkeypatch.setattr(layers, "packed_linear", counted)
@@ -570,4 +571,5 @@ async def test_on_one_compute_thread_the_one_row_head_and_prompt_blocks_give_tra
     got, _ = await engine_greedy(config, prompts, 12, together=False)
     assert got == expected
     assert (150, 1) in blocked and (70, 1) in blocked, "each prompt attended fresh, on one thread"
+    assert 1 in layer_rows, "the layers' one-row products went through the packed op this test counts"
     assert 1 not in head_rows, "no one-row product of the head on its packed weight"

@@ -224,7 +224,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 # A prompt of up to this many tokens, on one compute thread, is attended in blocks of queries
 # (`causal_prompt_attention`); measured on this machine's CPU flash kernel (docs/benchmarks.md,
-# "Prompt attention in query blocks"), float32, 4 query and 2 KV heads of 64, one thread:
+# "One compute thread: ..."; `trio-llm bench kernels`), float32, 4 query and 2 KV heads of 64, one thread:
 #   tokens          256    512    1024   2048
 #   causal SDPA     0.84   3.29   9.70   32.4 ms
 #   blocks of 64    0.68   2.29   8.32   33.0 ms

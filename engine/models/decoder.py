@@ -182,9 +182,9 @@ class DecoderForCausalLM(nn.Module):
         keeps the embedding table beside its packed copy; hold that table as [hidden, vocab] rows
         instead (the embedding reads a strided view of them), so the head's product at one row runs
         on MKL's faster kernel (`Linear.transpose_for_one_row`) at no extra memory. Looking up a
-        token then reads a column: +0.4 ms over a 512-token prompt of the 32,000-row table, +0.01
-        ms a decode step of 16 (docs/benchmarks.md); on more threads the packed head is as fast,
-        so the table stays as it is. Call once, after `pack_linears`."""
+        token then reads a column: with a cold cache +0.9 ms over a 512-token prompt of the
+        32,000-row table, +0.08 ms for 16 tokens (docs/benchmarks.md); on more threads the packed
+        head is as fast, so the table stays as it is. Call once, after `pack_linears`."""
         head, embed = self.lm_head, self.embed_tokens
         if head is None or embed is None or not self.config.tie_word_embeddings or head.weight is not embed.weight:
             return

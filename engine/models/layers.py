@@ -79,7 +79,7 @@ class Linear(nn.Module):
 
         Why: one row times a weight is a read of the weight, and on one thread oneDNN's kernel over
         the packed layout reads it at ~14 GB/s where MKL's product of the row with [in, out] rows
-        reads ~24 (docs/benchmarks.md, "The LM head at one row"): 2.3 against 1.4 ms for a
+        reads ~24 (docs/benchmarks.md, "One compute thread: the LM head at one row, ..."): 2.3 against 1.4 ms for a
         [32000, 256] head, 31 against 24 ms for [151936, 896]. On two threads, at more rows, and in
         bfloat16 the packed weight is as fast or faster, so it stays for those."""
         if self.packed is None or self.weight.device.type == "meta" or self.weight.dtype != torch.float32:
@@ -91,7 +91,7 @@ class Linear(nn.Module):
         if self.qweight is not None:
             assert self.qmethod is not None and self.qscales is not None
             y = QUANTIZED_MATMULS[self.qmethod](x, self.qweight, self.qscales, bias)
-        elif self.row_weight is not None and x.shape[0] == 1 and x.dim() == 2 and torch.get_num_threads() == 1:
+        elif self.row_weight is not None and x.dim() == 2 and x.shape[0] == 1 and torch.get_num_threads() == 1:
             y = torch.mm(x, self.row_weight) if bias is None else torch.addmm(bias, x, self.row_weight)
         elif self.packed is not None:
             y = packed_linear(x, self.packed, bias)
@@ -132,20 +132,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self._lookup(ids)
+            return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = self._lookup(local.masked_fill(outside, 0))
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
-
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.weight.stride(-1) == 1:
-            return F.embedding(ids, self.weight)
-        # The table held as [dim, rows] (`DecoderForCausalLM.hold_tied_table_as_rows`): gathering
-        # columns row by row reads it in order, 0.19 against 0.32 ms for 512 tokens of a
-        # [256, 32000] table where `F.embedding` over the transposed view jumps a row per element.
-        columns = self.weight.t().index_select(1, ids.reshape(-1))
-        return columns.t().contiguous().view(*ids.shape, -1)
 
 
 class RMSNorm(nn.Module):
