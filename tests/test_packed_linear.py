@@ -98,14 +98,6 @@ def test_a_reduced_dtype_slower_than_float32_is_named_with_its_figures(monkeypat
     assert module.slower_than_float32(torch.bfloat16, size=64) is None
 
 
-@pytest.fixture
-def threads():
-    """Set torch's intra-op thread count inside a test; restored after it."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 def test_one_row_on_one_thread_takes_the_transposed_rows_and_equals_f_linear(monkeypatch, threads):
     linear = _filled(Linear(256, 1024, bias=True), 3)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8))

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.causal_attention import causal_attention
+
 
 @dataclass
 class AttentionGroup:
@@ -222,9 +224,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-# A prompt of up to this many tokens, on one compute thread, is attended in blocks of queries
-# (`causal_prompt_attention`); measured on this machine's CPU flash kernel (docs/benchmarks.md,
-# "One compute thread: ..."; `trio-llm bench kernels`), float32, 4 query and 2 KV heads of 64, one thread:
+# A prompt of up to this many tokens, on one compute thread, that our own kernel does not take
+# (bfloat16; or no C compiler here) is attended in blocks of queries (`causal_prompt_attention`);
+# measured on this machine's CPU flash kernel (docs/benchmarks.md, "One compute thread: ...";
+# `trio-llm bench kernels`), float32, 4 query and 2 KV heads of 64, one thread:
 #   tokens          256    512    1024   2048
 #   causal SDPA     0.84   3.29   9.70   32.4 ms
 #   blocks of 64    0.68   2.29   8.32   33.0 ms
@@ -242,16 +245,28 @@ def causal_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     attending to itself and the tokens before it.
 
     torch's CPU flash kernel skips masked work only a whole 512-key block at a time, so a causal
-    prompt of up to 512 tokens costs what full attention does. On one compute thread, prompts of
-    up to `PROMPT_BLOCKED_MAX_TOKENS` in `PROMPT_BLOCKED_DTYPES` are computed instead a block of
+    prompt of up to 512 tokens costs what full attention does. On one compute thread, a float32
+    prompt runs our own kernel instead (`engine.kernels.causal_attention`: each query against its
+    own keys only; 1.6 against 3.4 ms at 512 tokens). Where that kernel does not apply, prompts of
+    up to `PROMPT_BLOCKED_MAX_TOKENS` in `PROMPT_BLOCKED_DTYPES` are computed a block of
     `PROMPT_QUERY_BLOCK` queries at a time, each over the keys up to its own end, only the last
     `PROMPT_QUERY_BLOCK` of them masked: about half the products at 512 tokens."""
+    one_thread = torch.get_num_threads() == 1
+    if one_thread and (out := causal_attention(q, k, v, scale)) is not None:
+        return out
+    tokens = q.shape[0]
+    if one_thread and PROMPT_QUERY_BLOCK < tokens <= PROMPT_BLOCKED_MAX_TOKENS and q.dtype in PROMPT_BLOCKED_DTYPES:
+        return query_block_attention(q, k, v, scale)
+    q_seq, k_seq, v_seq = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
+    out = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def query_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`causal_prompt_attention` a block of `PROMPT_QUERY_BLOCK` queries at a time: one SDPA call
+    per block, over the keys up to the block's end, only its diagonal masked."""
     q_seq, k_seq, v_seq = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
     tokens, block = q.shape[0], PROMPT_QUERY_BLOCK
-    if tokens <= block or tokens > PROMPT_BLOCKED_MAX_TOKENS or torch.get_num_threads() > 1 \
-            or q.dtype not in PROMPT_BLOCKED_DTYPES:
-        out = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
     later = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)  # key after query
     diagonal = torch.zeros(block, block, dtype=q.dtype, device=q.device).masked_fill_(later, float("-inf"))
     outputs = []

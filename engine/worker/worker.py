@@ -20,6 +20,7 @@ from engine.cpu_binding import CpuLayout, bound_to
 from engine.ec.storage import save_rows
 from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
+from engine.kernels import causal_attention as causal_attention_kernel
 from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from engine.lora.layers import LoRAServing
 from engine.model_info import ModelInfo, PoolerConfig
@@ -109,6 +110,7 @@ class Worker:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         if self._most_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
+            causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
         self._warn_if_reduced_precision_is_slower()
         self._load_lora_adapters()
         info = self._decoder_info()

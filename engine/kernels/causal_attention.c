@@ -1,0 +1,207 @@
+/* Causal self-attention over one fresh prompt, float32, on the calling thread.
+ *
+ * What `engine.models.attention.causal_prompt_attention` runs on one compute thread (see
+ * engine/kernels/native.py for how this file is built and loaded, and docs/decisions.md, "A causal
+ * attention kernel of our own"). torch's CPU flash kernel skips masked work only 512 keys at a
+ * time, so a causal prompt of up to 512 tokens costs it what full attention does; this computes
+ * each query row against its own keys only (rounded up to a chunk of 2 vectors).
+ *
+ * Per KV head: its keys are copied once, scaled and transposed, into [dim, tokens] rows, so a
+ * chunk of keys' scores is a sum of broadcast query elements times key vectors. Then, for each of
+ * the head's query heads, a block of RB query rows at a time: the rows' scores against every key
+ * up to the block's last row, an exact softmax over each row (the rows fit in cache: no online
+ * rescaling), and the weighted sum of value rows. Written with GCC vector extensions, so the
+ * compiler picks the machine's vector registers (-march=native); 16 lanes with AVX-512, else 8.
+ */
+#include <stddef.h>
+#include <string.h>
+
+/* Register blocking: a block's scores keep RB x 2 vectors of sums in registers, its weighted
+ * sum RB x DC. With AVX-512's 32 vector registers, 6 rows and 4 vectors (64 floats of a head) ran
+ * fastest of the shapes tried at 256-1,024 tokens (docs/benchmarks.md); AVX2 has 16 registers. */
+#if defined(__AVX512F__)
+#define VW 16 /* floats per vector */
+#define DC 4  /* value vectors per row in the weighted sum */
+#define RB 6  /* query rows per block */
+#else
+#define VW 8
+#define DC 2
+#define RB 4
+#endif
+#define KC (2 * VW) /* keys per score chunk */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int vi __attribute__((vector_size(VW * 4)));
+
+static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float x) { return (vf){0} + x; }
+
+/* exp(x) for x <= 0 (a score minus its row's maximum): 2^n e^r with |r| <= ln2 / 2 and Cephes'
+ * expf polynomial for e^r. Below -87.3 it returns 2^-126 instead of underflowing. */
+static inline vf vexp(vf x) {
+    const vf lowest = vsplat(-87.33f);
+    vi below = x < lowest;
+    x = (vf)(((vi)x & ~below) | ((vi)lowest & below));
+    const vf magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf t = x * 1.44269504088896341f + magic;
+    vf n = t - magic;
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, ln2 in two parts */
+    vf p = vsplat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi two_n = (((vi)t - 0x4B400000) + 127) << 23;
+    return p * (vf)two_n;
+}
+
+static long round_up(long n, long m) { return (n + m - 1) / m * m; }
+
+/* The head dimensions this build takes: multiples of this (one vector). */
+long causal_attention_dim_multiple(void) { return VW; }
+
+/* Floats of scratch memory `causal_attention_f32` needs for `tokens` tokens of `dim`. */
+long causal_attention_scratch_floats(long tokens, long dim) {
+    return (dim + RB) * round_up(tokens, KC);
+}
+
+static void transpose_scaled(const float *k, long k_stride, long tokens, long dim, long padded,
+                             float scale, float *kt) {
+    for (long t = 0; t < tokens; t++)
+        for (long d = 0; d < dim; d++)
+            kt[d * padded + t] = k[t * k_stride + d] * scale;
+    for (long d = 0; d < dim; d++)
+        for (long t = tokens; t < padded; t++)
+            kt[d * padded + t] = 0.0f;
+}
+
+/* Scores of RB query rows against keys [0, num_keys) rounded up to KC, into rows of `scores`. */
+static void block_scores(const float *const rows[RB], const float *kt, long dim, long padded,
+                         long num_keys, float *scores) {
+    for (long c = 0; c < num_keys; c += KC) {
+        vf acc[RB][2];
+        for (int r = 0; r < RB; r++)
+            acc[r][0] = acc[r][1] = vsplat(0.0f);
+        const float *keys = kt + c;
+        for (long d = 0; d < dim; d++) {
+            vf k0 = vload(keys + d * padded), k1 = vload(keys + d * padded + VW);
+            for (int r = 0; r < RB; r++) {
+                vf qd = vsplat(rows[r][d]);
+                acc[r][0] += qd * k0;
+                acc[r][1] += qd * k1;
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            vstore(scores + r * padded + c, acc[r][0]);
+            vstore(scores + r * padded + c + VW, acc[r][1]);
+        }
+    }
+}
+
+/* One row's scores over its `length` keys -> unnormalised weights, zero from `length` to `span`
+ * (a multiple of VW); returns 1 / their sum. */
+static float row_softmax(float *row, long length, long span) {
+    long whole = length / VW * VW;
+    float top = row[0];
+    if (whole > 0) {
+        vf best = vload(row);
+        for (long j = VW; j < whole; j += VW) {
+            vf x = vload(row + j);
+            vi more = x > best;
+            best = (vf)(((vi)x & more) | ((vi)best & ~more));
+        }
+        for (int l = 0; l < VW; l++)
+            top = best[l] > top ? best[l] : top;
+    }
+    for (long j = whole; j < length; j++)
+        top = row[j] > top ? row[j] : top;
+    for (long j = length; j < span; j++)
+        row[j] = -1e30f; /* exp() of it is ~2^-126: zeroed below */
+    vf total = vsplat(0.0f);
+    for (long j = 0; j < span; j += VW) {
+        vf w = vexp(vload(row + j) - top);
+        vstore(row + j, w);
+    }
+    for (long j = length; j < span; j++)
+        row[j] = 0.0f;
+    for (long j = 0; j < span; j += VW)
+        total += vload(row + j);
+    float sum = 0.0f;
+    for (int l = 0; l < VW; l++)
+        sum += total[l];
+    return 1.0f / sum;
+}
+
+/* Rows `outs` of the output, columns [d0, d0 + width * VW): weights x value rows [0, num_keys),
+ * scaled by each row's 1 / sum. Inlined with a constant width, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void
+values_pass(const float *weights, long padded, const float *v, long v_stride, long num_keys,
+            const float *inverse, float *const *outs, int rows, long d0, const int width) {
+    vf acc[RB][DC];
+    for (int r = 0; r < RB; r++)
+        for (int u = 0; u < width; u++)
+            acc[r][u] = vsplat(0.0f);
+    for (long j = 0; j < num_keys; j++) {
+        const float *value = v + j * v_stride + d0;
+        vf vv[DC];
+        for (int u = 0; u < width; u++)
+            vv[u] = vload(value + u * VW);
+        for (int r = 0; r < RB; r++) {
+            vf w = vsplat(weights[r * padded + j]);
+            for (int u = 0; u < width; u++)
+                acc[r][u] += w * vv[u];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < width; u++)
+            vstore(outs[r] + d0 + u * VW, acc[r][u] * inverse[r]);
+}
+
+/* The weighted sum of RB rows over every column: DC vectors at a time, then one at a time. */
+static void block_values(const float *weights, long padded, const float *v, long v_stride, long dim,
+                         long num_keys, const float *inverse, float *const *outs, int rows) {
+    long d0 = 0;
+    for (; d0 + VW * DC <= dim; d0 += VW * DC)
+        values_pass(weights, padded, v, v_stride, num_keys, inverse, outs, rows, d0, DC);
+    for (; d0 < dim; d0 += VW)
+        values_pass(weights, padded, v, v_stride, num_keys, inverse, outs, rows, d0, 1);
+}
+
+/* q: [tokens, q_heads, dim], k and v: [tokens, kv_heads, dim], out: [tokens, q_heads, dim], each
+ * with its own stride between tokens (in floats) and heads laid out densely within a token.
+ * Query head h reads KV head h / (q_heads / kv_heads). Returns 0, or -1 for a dim this build does
+ * not take (`causal_attention_dim_multiple`). `scratch`: `causal_attention_scratch_floats`. */
+int causal_attention_f32(const float *q, const float *k, const float *v, float *out, long tokens,
+                         long q_heads, long kv_heads, long dim, long q_stride, long k_stride,
+                         long v_stride, long out_stride, float scale, float *scratch) {
+    if (dim % VW != 0 || q_heads % kv_heads != 0)
+        return -1;
+    long padded = round_up(tokens, KC), group = q_heads / kv_heads;
+    float *kt = scratch, *scores = scratch + dim * padded;
+    for (long hk = 0; hk < kv_heads; hk++) {
+        transpose_scaled(k + hk * dim, k_stride, tokens, dim, padded, scale, kt);
+        for (long hq = hk * group; hq < (hk + 1) * group; hq++) {
+            for (long first = 0; first < tokens; first += RB) {
+                int rows = tokens - first < RB ? (int)(tokens - first) : RB;
+                long num_keys = first + rows;
+                const float *q_rows[RB];
+                float *outs[RB];
+                float inverse[RB];
+                for (int r = 0; r < RB; r++) { /* a short last block repeats its last row */
+                    long t = first + (r < rows ? r : rows - 1);
+                    q_rows[r] = q + t * q_stride + hq * dim;
+                    outs[r] = out + t * out_stride + hq * dim;
+                }
+                block_scores(q_rows, kt, dim, padded, num_keys, scores);
+                for (int r = 0; r < RB; r++)
+                    inverse[r] = row_softmax(scores + r * padded, first + (r < rows ? r : rows - 1) + 1,
+                                             round_up(num_keys, VW));
+                block_values(scores, padded, v + hk * dim, v_stride, dim, num_keys, inverse, outs, rows);
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,69 @@
+"""Causal attention over one fresh prompt on the calling thread: `engine/kernels/causal_attention.c`.
+
+`causal_attention` takes the kernel's case (float32, a head size the build takes, on CPU) and
+returns None for any other, or where the kernel could not be built, so its caller keeps torch's
+kernel. Measured against torch's causal SDPA and vLLM-CPU's own kernel in docs/benchmarks.md
+("A causal attention kernel of our own"; `trio-llm bench kernels`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from engine.kernels import native
+
+
+class _Kernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        size = ctypes.c_long
+        self.run = library.causal_attention_f32
+        self.run.argtypes = [ctypes.c_void_p] * 4 + [size] * 8 + [ctypes.c_float, ctypes.c_void_p]
+        self.run.restype = ctypes.c_int
+        self.scratch_floats = library.causal_attention_scratch_floats
+        self.scratch_floats.argtypes = [size, size]
+        self.scratch_floats.restype = size
+        multiple = library.causal_attention_dim_multiple
+        multiple.restype = size
+        self.dim_multiple = int(multiple())
+
+
+@functools.cache
+def _kernel() -> _Kernel | None:
+    library = native.load("causal_attention")
+    return _Kernel(library) if library is not None else None
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (building it now if need be: blocks ~0.5 s once)."""
+    return _kernel() is not None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """q: [T, Hq, D], k, v: [T, Hkv, D] of one sequence's first T tokens -> [T, Hq, D], each token
+    attending to itself and the tokens before it; None where the kernel does not apply (not
+    float32 on CPU, a head size the build does not take, heads not laid out densely within a
+    token) or could not be built. Runs on the calling thread alone, whatever torch's thread count."""
+    if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return None  # (a graph being traced has no data to point the kernel at)
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if dim % kernel.dim_multiple or q_heads % kv_heads or not all(_rows_dense(t) for t in (q, k, v)) \
+            or k.dtype != q.dtype or v.dtype != q.dtype:
+        return None
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    scratch = torch.empty(kernel.scratch_floats(tokens, dim), dtype=torch.float32)
+    status = kernel.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, q_heads, kv_heads, dim,
+                        q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale, scratch.data_ptr())
+    assert status == 0, "shapes checked above"
+    return out
+
+
+def _rows_dense(t: torch.Tensor) -> bool:
+    """Each token's heads lie one after another, each head's elements contiguous (any token stride)."""
+    return t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])

@@ -1,0 +1,92 @@
+"""Build a C kernel of ours for this machine on first use, cache it, load it with ctypes.
+
+A kernel is one C file beside this module, with no dependency but the C library. It is built
+with the system's C compiler (`$CC`, else `cc`: the one inductor's compiled graphs need too) for
+this CPU (`-march=native`) into `~/.cache/trio-llm/kernels/` (`engine.paths.cache_root`), under a
+name that hashes the source, the compiler's version, the flags and the CPU's features: a changed
+file, compiler or machine builds afresh, and everything else loads in a millisecond. Building
+takes about half a second; it happens at most once per machine and version, in whichever process
+first asks (the worker asks at load time, so no request waits for it; see
+`engine.worker.worker.Worker._load_model`). Two processes building at once each write a file of
+their own and rename it into place, so neither reads a half-written library.
+
+Without a compiler, or if the build fails, `load` returns None and logs why once: the callers
+keep torch's kernels. ctypes calls release the GIL, as torch's own kernels do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from engine.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The built kernel library `name` (`engine/kernels/<name>.c`), or None if it cannot be built
+    here (the reason logged once). Blocks while it builds: call it from a worker thread or at
+    start-up, not from an event loop."""
+    source = SOURCE_DIR / f"{name}.c"
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("no C compiler (%s) to build the %s kernel: torch's kernels run instead",
+                       os.environ.get("CC", "cc"), name)
+        return None
+    try:
+        library = _built(source, compiler)
+        return ctypes.CDLL(str(library))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+        logger.warning("could not build the %s kernel (torch's kernels run instead): %s", name, detail)
+        return None
+
+
+def library_path(source: Path, compiler: str) -> Path:
+    """Where `source` built by `compiler` for this machine lives in the cache."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_features().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def _built(source: Path, compiler: str) -> Path:
+    target = library_path(source, compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", partial, str(source)], capture_output=True, text=True, check=True)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    logger.info("built the %s kernel for this machine: %s", source.stem, target)
+    return target
+
+
+def _cpu_features() -> str:
+    """What -march=native builds for: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = [line for line in cpuinfo if line.startswith(("flags", "model name", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine() + platform.processor()

@@ -1,0 +1,108 @@
+"""Our C causal-attention kernel (engine/kernels): equal to torch's causal SDPA, declined where it
+does not apply, built once per machine into the cache, and absent without a compiler."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import causal_attention as kernel
+from engine.kernels import native
+from engine.models import attention
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    seq = [t.transpose(0, 1).unsqueeze(0).float() for t in (q, k, v)]
+    return F.scaled_dot_product_attention(*seq, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+
+
+def fused_qkv(tokens: int, q_heads: int, kv_heads: int, dim: int, seed: int, spread: float = 1.0):
+    """q, k, v as the decoder has them: views of one projection's rows (a token stride wider than
+    the heads)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=generator) * spread
+    q, k, v = rows.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    return q.view(tokens, q_heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+
+
+def test_the_kernel_is_built_here():
+    """CI and every machine with inductor's compiler build it: the tests below test it, not a fallback."""
+    assert kernel.available()
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64, 129, 300])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(4, 2, 16), (3, 1, 64), (2, 2, 128)])
+def test_equals_causal_sdpa(tokens, q_heads, kv_heads, dim):
+    """Every block shape: a short last block of rows, a last chunk of keys past the prompt's end,
+    grouped and ungrouped query heads, head sizes of one to eight vectors."""
+    q, k, v = fused_qkv(tokens, q_heads, kv_heads, dim, seed=tokens * dim + q_heads)
+    got = kernel.causal_attention(q, k, v, dim ** -0.5)
+    assert got is not None and got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, reference(q, k, v, dim ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_scores_far_apart_give_softmax_exactly_zero_and_one_weights():
+    """Scores hundreds apart (each row's maximum dwarfs the rest): exp() is clamped, not NaN, and
+    each query still reads the value of its best key."""
+    q, k, v = fused_qkv(40, 2, 1, 16, seed=3, spread=30.0)
+    got = kernel.causal_attention(q, k, v, 1.0)
+    assert got is not None and torch.isfinite(got).all()
+    torch.testing.assert_close(got, reference(q, k, v, 1.0), rtol=1e-4, atol=1e-4)
+
+
+def test_declines_what_it_does_not_take():
+    q, k, v = fused_qkv(20, 4, 2, 16, seed=1)
+    assert kernel.causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25) is None, "float32 only"
+    odd = fused_qkv(20, 4, 2, 12, seed=1)  # 12 is no multiple of a vector
+    assert kernel.causal_attention(*odd, 12 ** -0.5) is None
+    heads_apart = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v)]  # [T, H, D] over [H, T, D]
+    assert kernel.causal_attention(*heads_apart, 0.25) is None
+
+
+def test_one_thread_float32_prompts_take_the_kernel_and_others_keep_torch(monkeypatch, threads):
+    q, k, v = fused_qkv(100, 4, 2, 16, seed=2)
+    expected = reference(q, k, v, 0.25)
+    sdpa_calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw))
+    threads(1)
+    torch.testing.assert_close(attention.causal_prompt_attention(q, k, v, 0.25), expected, rtol=1e-5, atol=1e-5)
+    assert sdpa_calls == [], "the kernel, not SDPA"
+    threads(2)
+    torch.testing.assert_close(attention.causal_prompt_attention(q, k, v, 0.25), expected, rtol=1e-5, atol=1e-5)
+    assert sdpa_calls == [1], "two threads: torch's causal call, which splits across them"
+
+
+def test_built_once_into_the_cache_then_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    builds = []
+    run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ("-o" in cmd and builds.append(cmd)) or run(cmd, **kw))
+    source = native.SOURCE_DIR / "causal_attention.c"
+    compiler = native.shutil.which("cc")
+    assert compiler is not None
+    first = native._built(source, compiler)
+    second = native._built(source, compiler)
+    assert first == second and first.is_relative_to(tmp_path / "trio-llm" / "kernels")
+    assert len(builds) == 1, "the second load found the library built"
+    assert [p.name for p in first.parent.iterdir()] == [first.name], "no partial file left behind"
+
+
+def test_without_a_compiler_torch_keeps_the_work(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.load.__wrapped__("causal_attention") is None
+    assert "no C compiler" in caplog.text
+
+
+def test_a_failing_build_is_logged_and_declined(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-fno-such-flag"))
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.load.__wrapped__("causal_attention") is None
+    assert "could not build" in caplog.text and "no-such-flag" in caplog.text
+    assert not any((tmp_path / "trio-llm" / "kernels").iterdir()), "no partial file left behind"
