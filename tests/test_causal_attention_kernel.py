@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine.kernels import causal_attention as kernel
 from engine.kernels import native
 from engine.models import attention
+from engine.models.attention import SequenceChunk, build_metadata, paged_attention
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -106,3 +107,53 @@ def test_a_failing_build_is_logged_and_declined(tmp_path, monkeypatch, caplog):
         assert native.load.__wrapped__("causal_attention") is None
     assert "could not build" in caplog.text and "no-such-flag" in caplog.text
     assert not any((tmp_path / "trio-llm" / "kernels").iterdir()), "no partial file left behind"
+
+
+@pytest.mark.parametrize(("past", "queries"), [(5, 1), (16, 16), (37, 70), (200, 3)])
+def test_a_chunk_after_cached_positions_reads_the_cache_through_its_slots(past, queries):
+    """Keys and values of earlier positions in scattered cache blocks: the chunk's rows equal the
+    whole sequence's causal attention at its positions."""
+    heads, kv_heads, dim, block_size = 4, 2, 16, 16
+    q, k, v = fused_qkv(past + queries, heads, kv_heads, dim, seed=past + queries)
+    num_blocks = -(-(past + queries) // block_size)
+    block_ids = torch.randperm(3 * num_blocks, generator=torch.Generator().manual_seed(past))[:num_blocks]
+    slots = (block_ids[:, None] * block_size + torch.arange(block_size)).view(-1)[:past + queries].contiguous()
+    k_cache, v_cache = (torch.full((3 * num_blocks * block_size, kv_heads, dim), float("nan")) for _ in range(2))
+    k_cache[slots], v_cache[slots] = k, v  # NaN everywhere no position of this sequence lies
+    got = kernel.causal_attention(q[past:], k_cache, v_cache, dim ** -0.5, past=past, kv_rows=slots)
+    assert got is not None
+    torch.testing.assert_close(got, reference(q, k, v, dim ** -0.5)[past:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("starts", [(0, 0, 0), (0, 24), (40,), (9, 0, 33)])
+def test_prompt_chunk_groups_on_one_thread_run_the_kernel_per_sequence_and_equal_the_masked_path(
+        starts, threads, monkeypatch):
+    """Several fresh prompts, a chunk after cached positions, and the two mixed: per sequence on
+    the kernel, the same rows as the one padded, masked SDPA call (which runs where the kernel is
+    declined)."""
+    heads, kv_heads, dim, block_size = 4, 2, 16, 16
+    generator = torch.Generator().manual_seed(sum(starts))
+    lengths = [int(n) for n in torch.randint(5, 40, (len(starts),), generator=generator)]
+    chunks, rows_q, rows_k, rows_v = [], [], [], []
+    k_cache, v_cache = (torch.zeros(64 * block_size, kv_heads, dim) for _ in range(2))
+    next_block = 0
+    for start, length in zip(starts, lengths, strict=True):
+        q, k, v = fused_qkv(start + length, heads, kv_heads, dim, seed=start * 100 + length)
+        blocks = list(range(next_block, next_block + -(-(start + length) // block_size)))
+        next_block += len(blocks)
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(start + length)])
+        k_cache[slots], v_cache[slots] = k, v
+        chunks.append(SequenceChunk(start, length, blocks))
+        rows_q.append(q[start:]), rows_k.append(k[start:]), rows_v.append(v[start:])
+    q, k, v = torch.cat(rows_q), torch.cat(rows_k), torch.cat(rows_v)
+    meta = build_metadata(chunks, block_size, torch.device("cpu"))
+    assert [g.mask is not None for g in meta.groups] == [True], "one group of prompt chunks, masked"
+    threads(1)
+    ran = []
+    real = attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: ran.append(kw.get("past", 0)) or real(*a, **kw))
+    by_kernel = paged_attention(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+    assert ran == list(starts), "one kernel call per sequence, cached ones through the cache"
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: None)
+    masked = paged_attention(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
+    torch.testing.assert_close(by_kernel, masked, rtol=1e-5, atol=1e-5)

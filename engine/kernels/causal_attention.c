@@ -1,10 +1,13 @@
-/* Causal self-attention over one fresh prompt, float32, on the calling thread.
+/* Causal self-attention over one sequence's prompt chunk, float32, on the calling thread.
  *
  * What `engine.models.attention.causal_prompt_attention` runs on one compute thread (see
  * engine/kernels/native.py for how this file is built and loaded, and docs/decisions.md, "A causal
  * attention kernel of our own"). torch's CPU flash kernel skips masked work only 512 keys at a
  * time, so a causal prompt of up to 512 tokens costs it what full attention does; this computes
  * each query row against its own keys only (rounded up to a chunk of 2 vectors).
+ *
+ * The chunk's queries may follow positions already cached: keys and values are read through a
+ * map from position to row (the KV cache's slots), or straight from the step's rows when fresh.
  *
  * Per KV head: its keys are copied once, scaled and transposed, into [dim, tokens] rows, so a
  * chunk of keys' scores is a sum of broadcast query elements times key vectors. Then, for each of
@@ -63,18 +66,23 @@ static long round_up(long n, long m) { return (n + m - 1) / m * m; }
 /* The head dimensions this build takes: multiples of this (one vector). */
 long causal_attention_dim_multiple(void) { return VW; }
 
-/* Floats of scratch memory `causal_attention_f32` needs for `tokens` tokens of `dim`. */
+/* Floats of scratch memory `causal_attention_f32` needs for `tokens` positions of `dim`. */
 long causal_attention_scratch_floats(long tokens, long dim) {
     return (dim + RB) * round_up(tokens, KC);
 }
 
-static void transpose_scaled(const float *k, long k_stride, long tokens, long dim, long padded,
-                             float scale, float *kt) {
-    for (long t = 0; t < tokens; t++)
+/* The row of k or v holding position p: rows[p], or p itself without a row map. */
+static inline long row_of(const long *rows, long p) { return rows ? rows[p] : p; }
+
+static void transpose_scaled(const float *k, long k_stride, const long *rows, long keys, long dim,
+                             long padded, float scale, float *kt) {
+    for (long t = 0; t < keys; t++) {
+        const float *key = k + row_of(rows, t) * k_stride;
         for (long d = 0; d < dim; d++)
-            kt[d * padded + t] = k[t * k_stride + d] * scale;
+            kt[d * padded + t] = key[d] * scale;
+    }
     for (long d = 0; d < dim; d++)
-        for (long t = tokens; t < padded; t++)
+        for (long t = keys; t < padded; t++)
             kt[d * padded + t] = 0.0f;
 }
 
@@ -138,14 +146,14 @@ static float row_softmax(float *row, long length, long span) {
 /* Rows `outs` of the output, columns [d0, d0 + width * VW): weights x value rows [0, num_keys),
  * scaled by each row's 1 / sum. Inlined with a constant width, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void
-values_pass(const float *weights, long padded, const float *v, long v_stride, long num_keys,
-            const float *inverse, float *const *outs, int rows, long d0, const int width) {
+values_pass(const float *weights, long padded, const float *v, long v_stride, const long *kv_rows,
+            long num_keys, const float *inverse, float *const *outs, int rows, long d0, const int width) {
     vf acc[RB][DC];
     for (int r = 0; r < RB; r++)
         for (int u = 0; u < width; u++)
             acc[r][u] = vsplat(0.0f);
     for (long j = 0; j < num_keys; j++) {
-        const float *value = v + j * v_stride + d0;
+        const float *value = v + row_of(kv_rows, j) * v_stride + d0;
         vf vv[DC];
         for (int u = 0; u < width; u++)
             vv[u] = vload(value + u * VW);
@@ -161,32 +169,37 @@ values_pass(const float *weights, long padded, const float *v, long v_stride, lo
 }
 
 /* The weighted sum of RB rows over every column: DC vectors at a time, then one at a time. */
-static void block_values(const float *weights, long padded, const float *v, long v_stride, long dim,
-                         long num_keys, const float *inverse, float *const *outs, int rows) {
+static void block_values(const float *weights, long padded, const float *v, long v_stride,
+                         const long *kv_rows, long dim, long num_keys, const float *inverse,
+                         float *const *outs, int rows) {
     long d0 = 0;
     for (; d0 + VW * DC <= dim; d0 += VW * DC)
-        values_pass(weights, padded, v, v_stride, num_keys, inverse, outs, rows, d0, DC);
+        values_pass(weights, padded, v, v_stride, kv_rows, num_keys, inverse, outs, rows, d0, DC);
     for (; d0 < dim; d0 += VW)
-        values_pass(weights, padded, v, v_stride, num_keys, inverse, outs, rows, d0, 1);
+        values_pass(weights, padded, v, v_stride, kv_rows, num_keys, inverse, outs, rows, d0, 1);
 }
 
-/* q: [tokens, q_heads, dim], k and v: [tokens, kv_heads, dim], out: [tokens, q_heads, dim], each
- * with its own stride between tokens (in floats) and heads laid out densely within a token.
- * Query head h reads KV head h / (q_heads / kv_heads). Returns 0, or -1 for a dim this build does
- * not take (`causal_attention_dim_multiple`). `scratch`: `causal_attention_scratch_floats`. */
-int causal_attention_f32(const float *q, const float *k, const float *v, float *out, long tokens,
-                         long q_heads, long kv_heads, long dim, long q_stride, long k_stride,
-                         long v_stride, long out_stride, float scale, float *scratch) {
+/* q: [queries, q_heads, dim], the queries of positions past .. past + queries - 1 of one sequence;
+ * out: the same shape. k and v: rows of [kv_heads, dim], position p's in row kv_rows[p] (or row p
+ * if kv_rows is NULL), for every position up to the last query's. Each tensor has its own stride
+ * between rows (in floats), heads laid out densely within a row. Query position i attends to
+ * positions 0 .. i; query head h reads KV head h / (q_heads / kv_heads). Returns 0, or -1 for a
+ * dim this build does not take (`causal_attention_dim_multiple`). `scratch`: at least
+ * `causal_attention_scratch_floats(past + queries, dim)` floats. */
+int causal_attention_f32(const float *q, const float *k, const float *v, float *out, long queries,
+                         long past, const long *kv_rows, long q_heads, long kv_heads, long dim,
+                         long q_stride, long k_stride, long v_stride, long out_stride, float scale,
+                         float *scratch) {
     if (dim % VW != 0 || q_heads % kv_heads != 0)
         return -1;
-    long padded = round_up(tokens, KC), group = q_heads / kv_heads;
+    long keys = past + queries, padded = round_up(keys, KC), group = q_heads / kv_heads;
     float *kt = scratch, *scores = scratch + dim * padded;
     for (long hk = 0; hk < kv_heads; hk++) {
-        transpose_scaled(k + hk * dim, k_stride, tokens, dim, padded, scale, kt);
+        transpose_scaled(k + hk * dim, k_stride, kv_rows, keys, dim, padded, scale, kt);
         for (long hq = hk * group; hq < (hk + 1) * group; hq++) {
-            for (long first = 0; first < tokens; first += RB) {
-                int rows = tokens - first < RB ? (int)(tokens - first) : RB;
-                long num_keys = first + rows;
+            for (long first = 0; first < queries; first += RB) {
+                int rows = queries - first < RB ? (int)(queries - first) : RB;
+                long num_keys = past + first + rows;
                 const float *q_rows[RB];
                 float *outs[RB];
                 float inverse[RB];
@@ -197,9 +210,10 @@ int causal_attention_f32(const float *q, const float *k, const float *v, float *
                 }
                 block_scores(q_rows, kt, dim, padded, num_keys, scores);
                 for (int r = 0; r < RB; r++)
-                    inverse[r] = row_softmax(scores + r * padded, first + (r < rows ? r : rows - 1) + 1,
+                    inverse[r] = row_softmax(scores + r * padded, past + first + (r < rows ? r : rows - 1) + 1,
                                              round_up(num_keys, VW));
-                block_values(scores, padded, v + hk * dim, v_stride, dim, num_keys, inverse, outs, rows);
+                block_values(scores, padded, v + hk * dim, v_stride, kv_rows, dim, num_keys, inverse,
+                             outs, rows);
             }
         }
     }

