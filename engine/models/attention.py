@@ -48,7 +48,7 @@ class AttentionGroup:
     # one fresh sequence, which attends causally to its own tokens (SDPA's `is_causal`, which
     # skips the masked half: 27 against 49 ms at 2,048 tokens, one thread, 4 heads)
     mask: torch.Tensor | None
-    # The group's sequences, for the per-sequence kernel (`_prompt_chunks_by_kernel`), and the
+    # The group's sequences, for the per-sequence kernel (`prompt_chunks_by_kernel`), and the
     # KV-cache rows of each one's positions, filled by its first layer for the others.
     chunks: Sequence[SequenceChunk] = ()
     kernel_rows: list[torch.Tensor | None] | None = None
@@ -207,34 +207,41 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, Hq, D] -> [T, Hq, D], each token attending to its sequence's cached positions.
 
     k, v: [T, Hkv, D], this step's keys and values (already written to the cache)."""
-    block_size = meta.block_size
     outputs = []
     for g in meta.groups:
         window = slice(g.token_start, g.token_end)
+        q_group, k_group, v_group = q[window], k[window], v[window]
         if g.mask is None:  # one fresh sequence: causal over its own tokens
-            outputs.append(causal_prompt_attention(q[window], k[window], v[window], scale))
+            outputs.append(causal_prompt_attention(q_group, k_group, v_group, scale))
             continue
         if g.q_index is not None and torch.get_num_threads() == 1:  # prompt chunks, on one thread
-            by_kernel = _prompt_chunks_by_kernel(q[window], k[window], v[window], k_cache, v_cache, g, block_size,
-                                                 scale)
+            by_kernel = prompt_chunks_by_kernel(q_group, k_group, v_group, k_cache, v_cache, g, meta.block_size, scale)
             if by_kernel is not None:
                 outputs.append(by_kernel)
                 continue
-        q_batch = q[window].unsqueeze(1) if g.q_index is None else q[window][g.q_index]
-        if g.block_table is None:
-            k_batch = k[window][g.q_index].transpose(1, 2)
-            v_batch = v[window][g.q_index].transpose(1, 2)
-        else:
-            k_batch = _gather_blocks(k_cache, g, block_size)
-            v_batch = _gather_blocks(v_cache, g, block_size)
-        out = F.scaled_dot_product_attention(q_batch.transpose(1, 2), k_batch, v_batch,
-                                             attn_mask=g.mask, scale=scale, enable_gqa=True)
-        out = out.transpose(1, 2)  # [B, Lq, Hq, D]
-        outputs.append(out.squeeze(1) if g.q_index is None else out[g.q_valid])
+        outputs.append(masked_group_attention(q_group, k_group, v_group, k_cache, v_cache, g, meta.block_size, scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _prompt_chunks_by_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def masked_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, group: AttentionGroup, block_size: int,
+                           scale: float) -> torch.Tensor:
+    """A group's sequences in one SDPA call: queries padded to the longest, keys taken from this
+    step's rows (all fresh) or gathered from the cache, the group's additive mask over both."""
+    q_batch = q.unsqueeze(1) if group.q_index is None else q[group.q_index]
+    if group.block_table is None:
+        k_batch = k[group.q_index].transpose(1, 2)
+        v_batch = v[group.q_index].transpose(1, 2)
+    else:
+        k_batch = _gather_blocks(k_cache, group, block_size)
+        v_batch = _gather_blocks(v_cache, group, block_size)
+    out = F.scaled_dot_product_attention(q_batch.transpose(1, 2), k_batch, v_batch,
+                                         attn_mask=group.mask, scale=scale, enable_gqa=True)
+    out = out.transpose(1, 2)  # [B, Lq, Hq, D]
+    return out.squeeze(1) if group.q_index is None else out[group.q_valid]
+
+
+def prompt_chunks_by_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, group: AttentionGroup, block_size: int,
                              scale: float) -> torch.Tensor | None:
     """A group of prompt chunks one sequence at a time on our kernel (`causal_attention`), instead of
