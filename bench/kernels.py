@@ -9,6 +9,8 @@ thread gets kernels of its own"), each beside the one it replaces, on this machi
 - a step's group of prompt chunks (several fresh prompts, or a chunk after cached positions): one
   padded, masked SDPA call (`attention.masked_group_attention`) against our kernel a sequence at
   a time (`attention.prompt_chunks_by_kernel`);
+- a group of decodes in an eager step: one masked SDPA call over gathered blocks against our
+  decode kernel (`attention.decodes_by_kernel`), which reads each sequence's blocks in place;
 - greedy sampling: `max(dim)` against the sampler's chunked argmax.
 
 Each figure is the median of alternating rounds. Before each product the machine's caches are
@@ -123,6 +125,29 @@ def chunk_group_pair(what: str, chunks: list[tuple[int, int]], repeats: int, hea
                  ("our kernel per sequence", lambda: attention.prompt_chunks_by_kernel(*args)), None, repeats)
 
 
+def decode_group_pair(batch: int, cached: int, repeats: int, heads: int = 4, kv_heads: int = 2, dim: int = 64,
+                      block_size: int = 16) -> Pair:
+    """`batch` decodes, each after `cached` positions in blocks of its own. Repeated calls find one
+    layer's blocks in the last-level cache (13.6 MB at 64 decodes); a real step reads four layers'
+    from memory, where this kernel and the decode graph's attention ran at the same speed."""
+    width = -(-(cached + 1) // block_size)
+    sequences = [attention.SequenceChunk(cached, 1, list(range(b * width, (b + 1) * width))) for b in range(batch)]
+    k_cache, v_cache = (torch.randn(batch * width * block_size, kv_heads, dim) for _ in range(2))
+    q = torch.randn(batch, heads, dim)
+    meta = attention.build_metadata(sequences, block_size, torch.device("cpu"))
+    (group,) = meta.groups
+    scale = dim ** -0.5
+    by_kernel = attention.decodes_by_kernel(q, k_cache, v_cache, group, block_size, scale)
+    assert by_kernel is not None, "the kernel is built here and takes this shape"
+    torch.testing.assert_close(by_kernel, attention.masked_group_attention(q, q, q, k_cache, v_cache, group, block_size,
+                                                                           scale), rtol=1e-4, atol=1e-4)
+    return _pair(f"{batch} decodes after {cached} cached ({heads} q / {kv_heads} kv heads of {dim})",
+                 ("masked SDPA, gathered", lambda: attention.masked_group_attention(q, q, q, k_cache, v_cache, group,
+                                                                                     block_size, scale)),
+                 ("our decode kernel", lambda: attention.decodes_by_kernel(q, k_cache, v_cache, group, block_size,
+                                                                            scale)), None, repeats)
+
+
 CHUNK_GROUPS = (("16 fresh prompts of 128 tokens", [(0, 128)] * 16),
                 ("512 tokens after 512 cached", [(512, 512)]),
                 ("4 fresh prompts of 128 and 128 after 384 cached", [(0, 128)] * 4 + [(384, 128)]))
@@ -169,6 +194,7 @@ def run(repeats: int = 20, vllm_python: str | None = None) -> list[Pair]:
     pairs = [*(head_pair(vocab, hidden, flush, repeats) for vocab, hidden in ((32000, 256), (151936, 896))),
              *(pair for tokens in PROMPT_TOKENS for pair in attention_pairs(tokens, repeats)),
              *(chunk_group_pair(what, chunks, repeats) for what, chunks in CHUNK_GROUPS),
+             *(decode_group_pair(batch, 192, repeats) for batch in (16, 64)),
              *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936)))]
     if vllm_python is not None:
         pairs += vllm_attention_pairs(vllm_python, list(PROMPT_TOKENS), repeats)

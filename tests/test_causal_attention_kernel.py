@@ -157,3 +157,51 @@ def test_prompt_chunk_groups_on_one_thread_run_the_kernel_per_sequence_and_equal
     monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: None)
     masked = paged_attention(q, k, v, k_cache, v_cache, meta, dim ** -0.5)
     torch.testing.assert_close(by_kernel, masked, rtol=1e-5, atol=1e-5)
+
+
+def cached_decodes(batch: int, q_heads: int, kv_heads: int, dim: int, block_size: int, seed: int):
+    """One query per sequence and each sequence's keys and values in scattered cache blocks (NaN
+    in every slot no sequence holds): (q, caches, block table [B, nb], lengths, reference output)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 70, (batch,), generator=generator)
+    width = -(-int(lengths.max()) // block_size)
+    table = torch.randperm(batch * width + 3, generator=generator)[:batch * width].view(batch, width)
+    k_cache, v_cache = (torch.full(((batch * width + 3) * block_size, kv_heads, dim), float("nan")) for _ in range(2))
+    q = torch.randn(batch, q_heads, dim, generator=generator)
+    expected = []
+    for b, length in enumerate(lengths.tolist()):
+        _, k, v = fused_qkv(length, q_heads, kv_heads, dim, seed=seed + b)
+        slots = (table[b][:, None] * block_size + torch.arange(block_size)).view(-1)[:length]
+        k_cache[slots], v_cache[slots] = k, v
+        seq = [t.transpose(0, 1) for t in (q[b][None], k, v)]
+        expected.append(F.scaled_dot_product_attention(*seq, scale=dim ** -0.5, enable_gqa=True).transpose(0, 1)[0])
+    return q, k_cache, v_cache, table, lengths, torch.stack(expected)
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(4, 2, 16), (7, 1, 64), (3, 3, 32), (16, 2, 16)])
+def test_decodes_equal_sdpa_over_each_sequences_cached_positions(q_heads, kv_heads, dim):
+    """One to RB query heads per KV head and more than RB (a second block of heads), sequences of
+    1 to 69 positions in blocks spread over the cache."""
+    q, k_cache, v_cache, table, lengths, expected = cached_decodes(9, q_heads, kv_heads, dim, 16, seed=q_heads + dim)
+    got = kernel.decode_attention(q, k_cache, v_cache, table, lengths, 16, dim ** -0.5)
+    assert got is not None
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_group_on_one_thread_runs_the_decode_kernel_and_equals_the_masked_path(threads, monkeypatch):
+    q, k_cache, v_cache, table, lengths, expected = cached_decodes(5, 4, 2, 16, 16, seed=11)
+    chunks = [SequenceChunk(int(n) - 1, 1, table[b].tolist()) for b, n in enumerate(lengths)]
+    meta = build_metadata(chunks, 16, torch.device("cpu"))
+    k_new = torch.stack([k_cache[table[b][(n - 1) // 16] * 16 + (n - 1) % 16] for b, n in enumerate(lengths.tolist())])
+    v_new = torch.stack([v_cache[table[b][(n - 1) // 16] * 16 + (n - 1) % 16] for b, n in enumerate(lengths.tolist())])
+    threads(1)
+    ran = []
+    real = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention", lambda *a: ran.append(a[0].shape[0]) or real(*a))
+    by_kernel = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 16 ** -0.5)
+    assert ran == [5], "one kernel call for the group"
+    torch.testing.assert_close(by_kernel, expected, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(attention, "decode_attention", lambda *a: None)
+    k_cache, v_cache = (torch.nan_to_num(c) for c in (k_cache, v_cache))  # the masked path multiplies every slot
+    torch.testing.assert_close(paged_attention(q, k_new, v_new, k_cache, v_cache, meta, 16 ** -0.5), expected,
+                               rtol=1e-5, atol=1e-5)

@@ -144,12 +144,14 @@ static float row_softmax(float *row, long length, long span) {
 }
 
 /* Rows `outs` of the output, columns [d0, d0 + width * VW): weights x value rows [0, num_keys),
- * scaled by each row's 1 / sum. Inlined with a constant width, so the sums stay in registers. */
+ * scaled by each row's 1 / sum; `height` rows summed (at least `rows`), `rows` stored. Inlined
+ * with a constant width and height, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void
 values_pass(const float *weights, long padded, const float *v, long v_stride, const long *kv_rows,
-            long num_keys, const float *inverse, float *const *outs, int rows, long d0, const int width) {
+            long num_keys, const float *inverse, float *const *outs, int rows, long d0, const int width,
+            const int height) {
     vf acc[RB][DC];
-    for (int r = 0; r < RB; r++)
+    for (int r = 0; r < height; r++)
         for (int u = 0; u < width; u++)
             acc[r][u] = vsplat(0.0f);
     for (long j = 0; j < num_keys; j++) {
@@ -157,7 +159,7 @@ values_pass(const float *weights, long padded, const float *v, long v_stride, co
         vf vv[DC];
         for (int u = 0; u < width; u++)
             vv[u] = vload(value + u * VW);
-        for (int r = 0; r < RB; r++) {
+        for (int r = 0; r < height; r++) {
             vf w = vsplat(weights[r * padded + j]);
             for (int u = 0; u < width; u++)
                 acc[r][u] += w * vv[u];
@@ -168,15 +170,29 @@ values_pass(const float *weights, long padded, const float *v, long v_stride, co
             vstore(outs[r] + d0 + u * VW, acc[r][u] * inverse[r]);
 }
 
-/* The weighted sum of RB rows over every column: DC vectors at a time, then one at a time. */
+static inline __attribute__((always_inline)) void
+values_of_height(const float *weights, long padded, const float *v, long v_stride, const long *kv_rows,
+                 long dim, long num_keys, const float *inverse, float *const *outs, int rows,
+                 const int height) {
+    long d0 = 0;
+    for (; d0 + VW * DC <= dim; d0 += VW * DC)
+        values_pass(weights, padded, v, v_stride, kv_rows, num_keys, inverse, outs, rows, d0, DC, height);
+    for (; d0 < dim; d0 += VW)
+        values_pass(weights, padded, v, v_stride, kv_rows, num_keys, inverse, outs, rows, d0, 1, height);
+}
+
+/* The weighted sum of up to RB rows (`rows` of them) over every column: DC vectors at a time,
+ * then one at a time; two or four rows summed where no more are asked (a decode's query heads
+ * of one KV head are often two). */
 static void block_values(const float *weights, long padded, const float *v, long v_stride,
                          const long *kv_rows, long dim, long num_keys, const float *inverse,
                          float *const *outs, int rows) {
-    long d0 = 0;
-    for (; d0 + VW * DC <= dim; d0 += VW * DC)
-        values_pass(weights, padded, v, v_stride, kv_rows, num_keys, inverse, outs, rows, d0, DC);
-    for (; d0 < dim; d0 += VW)
-        values_pass(weights, padded, v, v_stride, kv_rows, num_keys, inverse, outs, rows, d0, 1);
+    if (rows <= 2)
+        values_of_height(weights, padded, v, v_stride, kv_rows, dim, num_keys, inverse, outs, rows, 2);
+    else if (rows <= 4)
+        values_of_height(weights, padded, v, v_stride, kv_rows, dim, num_keys, inverse, outs, rows, 4);
+    else
+        values_of_height(weights, padded, v, v_stride, kv_rows, dim, num_keys, inverse, outs, rows, RB);
 }
 
 /* q: [queries, q_heads, dim], the queries of positions past .. past + queries - 1 of one sequence;
@@ -213,6 +229,91 @@ int causal_attention_f32(const float *q, const float *k, const float *v, float *
                     inverse[r] = row_softmax(scores + r * padded, past + first + (r < rows ? r : rows - 1) + 1,
                                              round_up(num_keys, VW));
                 block_values(scores, padded, v + hk * dim, v_stride, kv_rows, dim, num_keys, inverse,
+                             outs, rows);
+            }
+        }
+    }
+    return 0;
+}
+
+/* The sum of a vector's lanes, by halving (a tree, not a chain of dependent adds). */
+static inline float lane_sum(vf x) {
+#if VW == 16
+    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+    return x[0];
+}
+
+/* Scores of up to RB query heads (`rows` of them; the rest repeat the last) against keys
+ * [0, num_keys), read through `kv_rows`: one pass over the keys, each key row loaded once. */
+static void decode_scores(const float *const heads[RB], int rows, const float *k, long k_stride,
+                          const long *kv_rows, long dim, long num_keys, float scale, long padded,
+                          float *scores) {
+    for (long j = 0; j < num_keys; j++) {
+        const float *key = k + kv_rows[j] * k_stride;
+        for (int r = 0; r < rows; r++) {
+            vf acc = vsplat(0.0f);
+            for (long d = 0; d < dim; d += VW)
+                acc += vload(heads[r] + d) * vload(key + d);
+            scores[r * padded + j] = lane_sum(acc) * scale;
+        }
+    }
+}
+
+/* Floats of scratch memory `paged_decode_attention_f32` needs for sequences of up to
+ * `max_len` positions (their slots are kept there too, as longs). */
+long paged_decode_scratch_floats(long max_len) {
+    return (RB + 2) * round_up(max_len, KC);
+}
+
+/* One decode step's attention: each of `batch` sequences' one query [q_heads, dim] (row b of q,
+ * stride q_stride) against its seq_lens[b] cached positions, whose keys and values lie in the
+ * caches' rows (stride cache_stride, heads dense within a row) at the slots its block table
+ * (row b of block_table, stride table_stride) gives. out: [batch, q_heads, dim]. Returns 0, or
+ * -1 for a dim this build does not take. */
+int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
+                               long batch, const long *block_table, long table_stride,
+                               const long *seq_lens, long block_size, long q_heads, long kv_heads,
+                               long dim, long q_stride, long cache_stride, long out_stride, float scale,
+                               float *scratch) {
+    if (dim % VW != 0 || q_heads % kv_heads != 0)
+        return -1;
+    long group = q_heads / kv_heads, max_len = 0;
+    for (long b = 0; b < batch; b++)
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    long padded = round_up(max_len, KC);
+    float *scores = scratch;
+    long *slots = (long *)(scratch + RB * padded); /* two floats' room per long */
+    for (long b = 0; b < batch; b++) {
+        long length = seq_lens[b];
+        const long *table = block_table + b * table_stride;
+        for (long p = 0; p < length; p++)
+            slots[p] = table[p / block_size] * block_size + p % block_size;
+        for (long hk = 0; hk < kv_heads; hk++) {
+            for (long first = hk * group; first < (hk + 1) * group; first += RB) {
+                int rows = (hk + 1) * group - first < RB ? (int)((hk + 1) * group - first) : RB;
+                const float *heads[RB];
+                float *outs[RB];
+                float inverse[RB];
+                for (int r = 0; r < RB; r++) {
+                    long h = first + (r < rows ? r : rows - 1);
+                    heads[r] = q + b * q_stride + h * dim;
+                    outs[r] = out + b * out_stride + h * dim;
+                }
+                decode_scores(heads, rows, k_cache + hk * dim, cache_stride, slots, dim, length, scale,
+                              padded, scores);
+                for (int r = 0; r < rows; r++)
+                    inverse[r] = row_softmax(scores + r * padded, length, round_up(length, VW));
+                for (int r = rows; r < RB; r++) /* rows past the group's heads: summed, never stored */
+                    inverse[r] = 0.0f;
+                block_values(scores, padded, v_cache + hk * dim, cache_stride, slots, dim, length, inverse,
                              outs, rows);
             }
         }

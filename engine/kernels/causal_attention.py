@@ -20,14 +20,19 @@ from engine.kernels import native
 
 class _Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        size = ctypes.c_long
+        size, pointer = ctypes.c_long, ctypes.c_void_p
         self.run = library.causal_attention_f32
-        self.run.argtypes = [ctypes.c_void_p] * 4 + [size] * 2 + [ctypes.c_void_p] + [size] * 7 + \
-            [ctypes.c_float, ctypes.c_void_p]
+        self.run.argtypes = (pointer,) * 4 + (size,) * 2 + (pointer,) + (size,) * 7 + (ctypes.c_float, pointer)
         self.run.restype = ctypes.c_int
         self.scratch_floats = library.causal_attention_scratch_floats
         self.scratch_floats.argtypes = [size, size]
         self.scratch_floats.restype = size
+        self.decode = library.paged_decode_attention_f32
+        self.decode.argtypes = (pointer,) * 4 + (size, pointer, size, pointer) + (size,) * 7 + (ctypes.c_float, pointer)
+        self.decode.restype = ctypes.c_int
+        self.decode_scratch_floats = library.paged_decode_scratch_floats
+        self.decode_scratch_floats.argtypes = [size]
+        self.decode_scratch_floats.restype = size
         multiple = library.causal_attention_dim_multiple
         multiple.restype = size
         self.dim_multiple = int(multiple())
@@ -77,6 +82,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     status = kernel.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, past, rows_ptr, q_heads,
                         kv_heads, dim, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
                         scratch.data_ptr())
+    assert status == 0, "shapes checked above"
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor | None:
+    """q: [B, Hq, D], one query per sequence -> [B, Hq, D], each over its `seq_lens[b]` cached
+    positions, whose keys and values lie in the caches ([slots, Hkv, D]) at the slots its row of
+    `block_table` ([B, nb] block ids, int64) gives.
+
+    None where the kernel does not apply (as `causal_attention`) or could not be built. Runs on the
+    calling thread alone."""
+    if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    batch, q_heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if dim % kernel.dim_multiple or q_heads % kv_heads or not all(_rows_dense(t) for t in (q, k_cache, v_cache)) \
+            or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k_cache.stride(0) != v_cache.stride(0):
+        return None
+    assert block_table.dtype == torch.int64 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int64
+    seq_lens = seq_lens.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    scratch = torch.empty(kernel.decode_scratch_floats(int(seq_lens.max())), dtype=torch.float32)
+    status = kernel.decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), batch,
+                           block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), block_size, q_heads,
+                           kv_heads, dim, q.stride(0), k_cache.stride(0), out.stride(0), scale, scratch.data_ptr())
     assert status == 0, "shapes checked above"
     return out
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.causal_attention import causal_attention
+from engine.kernels.causal_attention import causal_attention, decode_attention
 
 
 @dataclass
@@ -52,6 +52,7 @@ class AttentionGroup:
     # KV-cache rows of each one's positions, filled by its first layer for the others.
     chunks: Sequence[SequenceChunk] = ()
     kernel_rows: list[torch.Tensor | None] | None = None
+    seq_lens: torch.Tensor | None = None  # [B] of a group of decodes, for the decode kernel (filled likewise)
 
 
 @dataclass
@@ -214,8 +215,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if g.mask is None:  # one fresh sequence: causal over its own tokens
             outputs.append(causal_prompt_attention(q_group, k_group, v_group, scale))
             continue
-        if g.q_index is not None and torch.get_num_threads() == 1:  # prompt chunks, on one thread
-            by_kernel = prompt_chunks_by_kernel(q_group, k_group, v_group, k_cache, v_cache, g, meta.block_size, scale)
+        if torch.get_num_threads() == 1:  # our kernels, on one thread
+            if g.q_index is None:
+                by_kernel = decodes_by_kernel(q_group, k_cache, v_cache, g, meta.block_size, scale)
+            else:
+                by_kernel = prompt_chunks_by_kernel(q_group, k_group, v_group, k_cache, v_cache, g, meta.block_size,
+                                                    scale)
             if by_kernel is not None:
                 outputs.append(by_kernel)
                 continue
@@ -263,6 +268,18 @@ def prompt_chunks_by_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             return None
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def decodes_by_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
+                      block_size: int, scale: float) -> torch.Tensor | None:
+    """A group of decodes (one query per sequence) on our decode kernel (`decode_attention`),
+    each over its cached positions through its block table, instead of one masked SDPA call over
+    gathered blocks. None if the kernel declines them."""
+    assert group.block_table is not None, "decodes read the cache"
+    if group.seq_lens is None:
+        group.seq_lens = torch.tensor([c.start_position + 1 for c in group.chunks], dtype=torch.long)
+    return decode_attention(q, k_cache, v_cache, group.block_table.view(group.num_seqs, -1), group.seq_lens,
+                            block_size, scale)
 
 
 def _cache_rows(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
