@@ -93,7 +93,9 @@ def vllm_command(python: str, model: str, port: int, dtype: str) -> list[str]:
 
 # What each server's log says about how it runs (the first match of each, in order).
 SETTINGS_PATTERNS = {
-    "trio-llm": [r"dtype (\w+), context", r"weights: [^,]+, ([^\n]+)", r"CPUs: ([^\n]+)"],
+    # (the weights' line from its start, past the logger's prefix: a progress bar's "Loading
+    # weights: ..." on the same stream matched before)
+    "trio-llm": [r"dtype (\w+), context", r"(?m)^(?:[\w.]+:)*weights: [^,]+, ([^\n]+)", r"CPUs: ([^\n]+)"],
     "vLLM-CPU": [r"dtype=(torch\.\w+)", r"(quantization=\w+)", r"(VLLM_CPU_OMP_THREADS_BIND='[^']*')",
                  r"(reserve_cpu_num=\d+)", r"(core ids=\[[^\]]*\])"],
 }

@@ -35,8 +35,9 @@ def test_each_sides_settings_name_its_quantization(tmp_path):
     from bench.side_by_side import stated_settings
 
     ours = tmp_path / "ours.log"
-    ours.write_text("model m (Qwen2ForCausalLM), dtype float32, context 4096 tokens\n"
-                    "weights: 480.1 MiB per rank, linear layers int8 weight-only\nCPUs: 0,1 (bound)\n")
+    ours.write_text("Loading weights:  36%|###5      | 716M/1.98G [00:01<00:01, 711MB/s]\n"  # a progress bar first
+                    "INFO:web.app:model m (Qwen2ForCausalLM), dtype float32, context 4096 tokens\n"
+                    "INFO:web.app:weights: 480.1 MiB per rank, linear layers int8 weight-only\nCPUs: 0,1 (bound)\n")
     theirs = tmp_path / "theirs.log"
     theirs.write_text("Initializing an LLM engine with config: model='m', dtype=torch.float32, quantization=None, "
                       "... VLLM_CPU_OMP_THREADS_BIND='0-1'\n")

@@ -8,6 +8,8 @@
  *
  * The chunk's queries may follow positions already cached: keys and values are read through a
  * map from position to row (the KV cache's slots), or straight from the step's rows when fresh.
+ * A second entry point, `paged_decode_attention_f32` (at the end), takes a step's decodes: one
+ * query per sequence over its cached blocks, read in place.
  *
  * Per KV head: its keys are copied once, scaled and transposed, into [dim, tokens] rows, so a
  * chunk of keys' scores is a sum of broadcast query elements times key vectors. Then, for each of
@@ -17,6 +19,7 @@
  * compiler picks the machine's vector registers (-march=native); 16 lanes with AVX-512, else 8.
  */
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 /* Register blocking: a block's scores keep RB x 2 vectors of sums in registers, its weighted
@@ -72,9 +75,9 @@ long causal_attention_scratch_floats(long tokens, long dim) {
 }
 
 /* The row of k or v holding position p: rows[p], or p itself without a row map. */
-static inline long row_of(const long *rows, long p) { return rows ? rows[p] : p; }
+static inline long row_of(const int64_t *rows, long p) { return rows ? rows[p] : p; }
 
-static void transpose_scaled(const float *k, long k_stride, const long *rows, long keys, long dim,
+static void transpose_scaled(const float *k, long k_stride, const int64_t *rows, long keys, long dim,
                              long padded, float scale, float *kt) {
     for (long t = 0; t < keys; t++) {
         const float *key = k + row_of(rows, t) * k_stride;
@@ -147,7 +150,7 @@ static float row_softmax(float *row, long length, long span) {
  * scaled by each row's 1 / sum; `height` rows summed (at least `rows`), `rows` stored. Inlined
  * with a constant width and height, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void
-values_pass(const float *weights, long padded, const float *v, long v_stride, const long *kv_rows,
+values_pass(const float *weights, long padded, const float *v, long v_stride, const int64_t *kv_rows,
             long num_keys, const float *inverse, float *const *outs, int rows, long d0, const int width,
             const int height) {
     vf acc[RB][DC];
@@ -171,7 +174,7 @@ values_pass(const float *weights, long padded, const float *v, long v_stride, co
 }
 
 static inline __attribute__((always_inline)) void
-values_of_height(const float *weights, long padded, const float *v, long v_stride, const long *kv_rows,
+values_of_height(const float *weights, long padded, const float *v, long v_stride, const int64_t *kv_rows,
                  long dim, long num_keys, const float *inverse, float *const *outs, int rows,
                  const int height) {
     long d0 = 0;
@@ -185,7 +188,7 @@ values_of_height(const float *weights, long padded, const float *v, long v_strid
  * then one at a time; two or four rows summed where no more are asked (a decode's query heads
  * of one KV head are often two). */
 static void block_values(const float *weights, long padded, const float *v, long v_stride,
-                         const long *kv_rows, long dim, long num_keys, const float *inverse,
+                         const int64_t *kv_rows, long dim, long num_keys, const float *inverse,
                          float *const *outs, int rows) {
     if (rows <= 2)
         values_of_height(weights, padded, v, v_stride, kv_rows, dim, num_keys, inverse, outs, rows, 2);
@@ -203,7 +206,7 @@ static void block_values(const float *weights, long padded, const float *v, long
  * dim this build does not take (`causal_attention_dim_multiple`). `scratch`: at least
  * `causal_attention_scratch_floats(past + queries, dim)` floats. */
 int causal_attention_f32(const float *q, const float *k, const float *v, float *out, long queries,
-                         long past, const long *kv_rows, long q_heads, long kv_heads, long dim,
+                         long past, const int64_t *kv_rows, long q_heads, long kv_heads, long dim,
                          long q_stride, long k_stride, long v_stride, long out_stride, float scale,
                          float *scratch) {
     if (dim % VW != 0 || q_heads % kv_heads != 0)
@@ -254,7 +257,7 @@ static inline float lane_sum(vf x) {
 /* Scores of up to RB query heads (`rows` of them; the rest repeat the last) against keys
  * [0, num_keys), read through `kv_rows`: one pass over the keys, each key row loaded once. */
 static void decode_scores(const float *const heads[RB], int rows, const float *k, long k_stride,
-                          const long *kv_rows, long dim, long num_keys, float scale, long padded,
+                          const int64_t *kv_rows, long dim, long num_keys, float scale, long padded,
                           float *scores) {
     for (long j = 0; j < num_keys; j++) {
         const float *key = k + kv_rows[j] * k_stride;
@@ -268,7 +271,7 @@ static void decode_scores(const float *const heads[RB], int rows, const float *k
 }
 
 /* Floats of scratch memory `paged_decode_attention_f32` needs for sequences of up to
- * `max_len` positions (their slots are kept there too, as longs). */
+ * `max_len` positions (their slots are kept there too, as int64). */
 long paged_decode_scratch_floats(long max_len) {
     return (RB + 2) * round_up(max_len, KC);
 }
@@ -279,8 +282,8 @@ long paged_decode_scratch_floats(long max_len) {
  * (row b of block_table, stride table_stride) gives. out: [batch, q_heads, dim]. Returns 0, or
  * -1 for a dim this build does not take. */
 int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
-                               long batch, const long *block_table, long table_stride,
-                               const long *seq_lens, long block_size, long q_heads, long kv_heads,
+                               long batch, const int64_t *block_table, long table_stride,
+                               const int64_t *seq_lens, long block_size, long q_heads, long kv_heads,
                                long dim, long q_stride, long cache_stride, long out_stride, float scale,
                                float *scratch) {
     if (dim % VW != 0 || q_heads % kv_heads != 0)
@@ -290,10 +293,10 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
         max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     long padded = round_up(max_len, KC);
     float *scores = scratch;
-    long *slots = (long *)(scratch + RB * padded); /* two floats' room per long */
+    int64_t *slots = (int64_t *)(scratch + RB * padded); /* two floats' room per slot */
     for (long b = 0; b < batch; b++) {
         long length = seq_lens[b];
-        const long *table = block_table + b * table_stride;
+        const int64_t *table = block_table + b * table_stride;
         for (long p = 0; p < length; p++)
             slots[p] = table[p / block_size] * block_size + p % block_size;
         for (long hk = 0; hk < kv_heads; hk++) {

@@ -20,7 +20,7 @@ from engine.kernels import native
 
 class _Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        size, pointer = ctypes.c_long, ctypes.c_void_p
+        size, pointer = ctypes.c_long, ctypes.c_void_p  # index arrays are int64_t in C, passed as pointers
         self.run = library.causal_attention_f32
         self.run.argtypes = (pointer,) * 4 + (size,) * 2 + (pointer,) + (size,) * 7 + (ctypes.c_float, pointer)
         self.run.restype = ctypes.c_int
@@ -61,16 +61,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     None where the kernel does not apply (not float32 on CPU, a head size the build does not take,
     heads not laid out densely within a row) or could not be built. Runs on the calling thread
     alone, whatever torch's thread count."""
-    if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
-        return None  # (a graph being traced has no data to point the kernel at)
-    kernel = _kernel()
+    kernel = _kernel_for(q, k, v)
     if kernel is None:
         return None
     tokens, q_heads, dim = q.shape
-    kv_heads = k.shape[1]
-    if dim % kernel.dim_multiple or q_heads % kv_heads or not all(_rows_dense(t) for t in (q, k, v)) \
-            or k.dtype != q.dtype or v.dtype != q.dtype:
-        return None
     rows_ptr = None
     if kv_rows is not None:
         assert kv_rows.dtype == torch.int64 and kv_rows.is_contiguous() and kv_rows.numel() >= past + tokens
@@ -80,7 +74,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     scratch = torch.empty(kernel.scratch_floats(past + tokens, dim), dtype=torch.float32)
     status = kernel.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, past, rows_ptr, q_heads,
-                        kv_heads, dim, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
+                        k.shape[1], dim, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
                         scratch.data_ptr())
     assert status == 0, "shapes checked above"
     return out
@@ -94,25 +88,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     None where the kernel does not apply (as `causal_attention`) or could not be built. Runs on the
     calling thread alone."""
-    if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    kernel = _kernel()
-    if kernel is None:
+    kernel = _kernel_for(q, k_cache, v_cache)
+    if kernel is None or k_cache.stride(0) != v_cache.stride(0):
         return None
     batch, q_heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    if dim % kernel.dim_multiple or q_heads % kv_heads or not all(_rows_dense(t) for t in (q, k_cache, v_cache)) \
-            or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k_cache.stride(0) != v_cache.stride(0):
-        return None
     assert block_table.dtype == torch.int64 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int64
     seq_lens = seq_lens.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     scratch = torch.empty(kernel.decode_scratch_floats(int(seq_lens.max())), dtype=torch.float32)
     status = kernel.decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), batch,
                            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), block_size, q_heads,
-                           kv_heads, dim, q.stride(0), k_cache.stride(0), out.stride(0), scale, scratch.data_ptr())
+                           k_cache.shape[1], dim, q.stride(0), k_cache.stride(0), out.stride(0), scale,
+                           scratch.data_ptr())
     assert status == 0, "shapes checked above"
     return out
+
+
+def _kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Kernel | None:
+    """The kernel, if it takes these tensors: float32 on CPU, not being traced (a graph being
+    traced has no data to point it at), a head size the build takes, whole groups of query heads
+    per KV head, and each row's heads laid out densely."""
+    if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    kernel = _kernel()
+    if kernel is None or q.shape[2] % kernel.dim_multiple or q.shape[1] % k.shape[1] \
+            or k.dtype != q.dtype or v.dtype != q.dtype or not all(_rows_dense(t) for t in (q, k, v)):
+        return None
+    return kernel
 
 
 def _rows_dense(t: torch.Tensor) -> bool:
