@@ -83,9 +83,10 @@ def _prompt(tokens: int, heads: int, kv_heads: int, dim: int) -> tuple[torch.Ten
 
 
 def _our_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
-    scale = q.shape[-1] ** -0.5
-    assert causal_attention(q, k, v, scale) is not None, "the kernel is built here and takes this shape"
-    return lambda: causal_attention(q, k, v, scale)
+    """Our kernel on torch's threads (as `causal_prompt_attention` runs a prompt this long)."""
+    scale, threads = q.shape[-1] ** -0.5, torch.get_num_threads()
+    assert causal_attention(q, k, v, scale, threads=threads) is not None, "the kernel is built and takes this shape"
+    return lambda: causal_attention(q, k, v, scale, threads=threads)
 
 
 def attention_pairs(tokens: int, repeats: int, heads: int = 4, kv_heads: int = 2, dim: int = 64) -> list[Pair]:

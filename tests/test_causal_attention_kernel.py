@@ -37,11 +37,13 @@ def test_the_kernel_is_built_here():
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 64, 129, 300])
 @pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(4, 2, 16), (3, 1, 64), (2, 2, 128)])
-def test_equals_causal_sdpa(tokens, q_heads, kv_heads, dim):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_equals_causal_sdpa(tokens, q_heads, kv_heads, dim, threads):
     """Every block shape: a short last block of rows, a last chunk of keys past the prompt's end,
-    grouped and ungrouped query heads, head sizes of one to eight vectors."""
+    grouped and ungrouped query heads, head sizes of one to eight vectors; the heads on one thread,
+    or split unevenly over three (or capped at one thread per head)."""
     q, k, v = fused_qkv(tokens, q_heads, kv_heads, dim, seed=tokens * dim + q_heads)
-    got = kernel.causal_attention(q, k, v, dim ** -0.5)
+    got = kernel.causal_attention(q, k, v, dim ** -0.5, threads=threads)
     assert got is not None and got.shape == q.shape and got.is_contiguous()
     torch.testing.assert_close(got, reference(q, k, v, dim ** -0.5), rtol=1e-5, atol=1e-5)
 
@@ -64,18 +66,20 @@ def test_declines_what_it_does_not_take():
     assert kernel.causal_attention(*heads_apart, 0.25) is None
 
 
-def test_one_thread_float32_prompts_take_the_kernel_and_others_keep_torch(monkeypatch, threads):
-    q, k, v = fused_qkv(100, 4, 2, 16, seed=2)
-    expected = reference(q, k, v, 0.25)
-    sdpa_calls = []
+def test_float32_prompts_take_the_kernel_on_torchs_threads_once_long_enough(monkeypatch, threads):
+    prompts = [fused_qkv(100, 4, 2, 16, seed=2), fused_qkv(300, 4, 2, 16, seed=3)]
+    expected = [reference(q, k, v, 0.25) for q, k, v in prompts]
+    calls, sdpa_calls = [], []
+    real = attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **kw: calls.append(kw["threads"]) or real(*a, **kw))
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw))
-    threads(1)
-    torch.testing.assert_close(attention.causal_prompt_attention(q, k, v, 0.25), expected, rtol=1e-5, atol=1e-5)
+    for count in (1, 2):
+        threads(count)
+        for (q, k, v), rows in zip(prompts, expected, strict=True):
+            torch.testing.assert_close(attention.causal_prompt_attention(q, k, v, 0.25), rows, rtol=1e-5, atol=1e-5)
+    assert calls == [1, 1, 1, 2], "two threads for 300 tokens on two; one for 100 (not worth starting one)"
     assert sdpa_calls == [], "the kernel, not SDPA"
-    threads(2)
-    torch.testing.assert_close(attention.causal_prompt_attention(q, k, v, 0.25), expected, rtol=1e-5, atol=1e-5)
-    assert sdpa_calls == [1], "two threads: torch's causal call, which splits across them"
 
 
 def test_built_once_into_the_cache_then_loaded(tmp_path, monkeypatch):

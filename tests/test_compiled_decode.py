@@ -530,7 +530,8 @@ def test_a_prompt_attended_in_query_blocks_on_one_thread_equals_causal_attention
     assert calls == [True], "float16 (slower in blocks), one causal call"
     calls.clear()
     threads(2)
-    torch.testing.assert_close(causal_prompt_attention(q, k, v, 16 ** -0.5), expected, rtol=1e-5, atol=1e-5)
+    bf16 = causal_prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 16 ** -0.5)
+    torch.testing.assert_close(bf16.float(), expected, rtol=2e-2, atol=2e-2)
     assert calls == [True], "on two threads, one causal call"
 
 
@@ -549,8 +550,8 @@ async def test_on_one_compute_thread_the_one_row_head_and_our_attention_kernel_g
     by_kernel, head_rows = [], []
     kernel = attention.causal_attention
 
-    def spied_kernel(q, *rest):
-        out = kernel(q, *rest)
+    def spied_kernel(q, *rest, **options):
+        out = kernel(q, *rest, **options)
         by_kernel.append((q.shape[0], torch.get_num_threads(), out is not None))
         return out
 

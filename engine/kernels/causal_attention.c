@@ -18,6 +18,7 @@
  * rescaling), and the weighted sum of value rows. Written with GCC vector extensions, so the
  * compiler picks the machine's vector registers (-march=native); 16 lanes with AVX-512, else 8.
  */
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -198,43 +199,91 @@ static void block_values(const float *weights, long padded, const float *v, long
         values_of_height(weights, padded, v, v_stride, kv_rows, dim, num_keys, inverse, outs, rows, RB);
 }
 
+/* One prompt chunk's attention for query heads [first_head, end_head): what a thread of
+ * `causal_attention_f32` does, with scratch of its own. */
+struct prompt_job {
+    const float *q, *k, *v;
+    float *out;
+    long queries, past;
+    const int64_t *kv_rows;
+    long q_heads, kv_heads, dim, q_stride, k_stride, v_stride, out_stride;
+    float scale;
+    float *scratch;
+    long first_head, end_head;
+};
+
+static void prompt_heads(const struct prompt_job *job) {
+    long dim = job->dim, keys = job->past + job->queries, padded = round_up(keys, KC);
+    long group = job->q_heads / job->kv_heads, transposed = -1;
+    float *kt = job->scratch, *scores = job->scratch + dim * padded;
+    for (long hq = job->first_head; hq < job->end_head; hq++) {
+        long hk = hq / group;
+        if (hk != transposed) { /* a thread's heads are consecutive: each KV head copied once */
+            transpose_scaled(job->k + hk * dim, job->k_stride, job->kv_rows, keys, dim, padded, job->scale, kt);
+            transposed = hk;
+        }
+        for (long first = 0; first < job->queries; first += RB) {
+            int rows = job->queries - first < RB ? (int)(job->queries - first) : RB;
+            long num_keys = job->past + first + rows;
+            const float *q_rows[RB];
+            float *outs[RB];
+            float inverse[RB];
+            for (int r = 0; r < RB; r++) { /* a short last block repeats its last row */
+                long t = first + (r < rows ? r : rows - 1);
+                q_rows[r] = job->q + t * job->q_stride + hq * dim;
+                outs[r] = job->out + t * job->out_stride + hq * dim;
+            }
+            block_scores(q_rows, kt, dim, padded, num_keys, scores);
+            for (int r = 0; r < RB; r++)
+                inverse[r] = row_softmax(scores + r * padded, job->past + first + (r < rows ? r : rows - 1) + 1,
+                                         round_up(num_keys, VW));
+            block_values(scores, padded, job->v + hk * dim, job->v_stride, job->kv_rows, dim, num_keys, inverse,
+                         outs, rows);
+        }
+    }
+}
+
+static void *prompt_thread(void *job) {
+    prompt_heads(job);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+
 /* q: [queries, q_heads, dim], the queries of positions past .. past + queries - 1 of one sequence;
  * out: the same shape. k and v: rows of [kv_heads, dim], position p's in row kv_rows[p] (or row p
  * if kv_rows is NULL), for every position up to the last query's. Each tensor has its own stride
  * between rows (in floats), heads laid out densely within a row. Query position i attends to
- * positions 0 .. i; query head h reads KV head h / (q_heads / kv_heads). Returns 0, or -1 for a
- * dim this build does not take (`causal_attention_dim_multiple`). `scratch`: at least
+ * positions 0 .. i; query head h reads KV head h / (q_heads / kv_heads). The query heads are split
+ * in `threads` consecutive runs, one per thread: the calling one and threads started for the call
+ * (which inherit its CPUs); at most one per query head. Returns 0, or -1 for a dim this build
+ * does not take (`causal_attention_dim_multiple`). `scratch`: `threads` times
  * `causal_attention_scratch_floats(past + queries, dim)` floats. */
 int causal_attention_f32(const float *q, const float *k, const float *v, float *out, long queries,
                          long past, const int64_t *kv_rows, long q_heads, long kv_heads, long dim,
                          long q_stride, long k_stride, long v_stride, long out_stride, float scale,
-                         float *scratch) {
+                         long threads, float *scratch) {
     if (dim % VW != 0 || q_heads % kv_heads != 0)
         return -1;
-    long keys = past + queries, padded = round_up(keys, KC), group = q_heads / kv_heads;
-    float *kt = scratch, *scores = scratch + dim * padded;
-    for (long hk = 0; hk < kv_heads; hk++) {
-        transpose_scaled(k + hk * dim, k_stride, kv_rows, keys, dim, padded, scale, kt);
-        for (long hq = hk * group; hq < (hk + 1) * group; hq++) {
-            for (long first = 0; first < queries; first += RB) {
-                int rows = queries - first < RB ? (int)(queries - first) : RB;
-                long num_keys = past + first + rows;
-                const float *q_rows[RB];
-                float *outs[RB];
-                float inverse[RB];
-                for (int r = 0; r < RB; r++) { /* a short last block repeats its last row */
-                    long t = first + (r < rows ? r : rows - 1);
-                    q_rows[r] = q + t * q_stride + hq * dim;
-                    outs[r] = out + t * out_stride + hq * dim;
-                }
-                block_scores(q_rows, kt, dim, padded, num_keys, scores);
-                for (int r = 0; r < RB; r++)
-                    inverse[r] = row_softmax(scores + r * padded, past + first + (r < rows ? r : rows - 1) + 1,
-                                             round_up(num_keys, VW));
-                block_values(scores, padded, v + hk * dim, v_stride, kv_rows, dim, num_keys, inverse,
-                             outs, rows);
-            }
-        }
+    threads = threads < 1 ? 1 : threads > q_heads ? q_heads : threads > MAX_THREADS ? MAX_THREADS : threads;
+    long per_thread = causal_attention_scratch_floats(past + queries, dim);
+    struct prompt_job jobs[MAX_THREADS];
+    pthread_t started[MAX_THREADS];
+    int running[MAX_THREADS] = {0};
+    for (long t = 0; t < threads; t++) {
+        jobs[t] = (struct prompt_job){q, k, v, out, queries, past, kv_rows, q_heads, kv_heads, dim,
+                                      q_stride, k_stride, v_stride, out_stride, scale,
+                                      scratch + t * per_thread, t * q_heads / threads,
+                                      (t + 1) * q_heads / threads};
+        if (t > 0) /* a thread that cannot be started: its heads run on the calling thread below */
+            running[t] = pthread_create(&started[t], NULL, prompt_thread, &jobs[t]) == 0;
+    }
+    prompt_heads(&jobs[0]);
+    for (long t = 1; t < threads; t++) {
+        if (running[t])
+            pthread_join(started[t], NULL);
+        else
+            prompt_heads(&jobs[t]);
     }
     return 0;
 }

@@ -22,7 +22,7 @@ class _Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         size, pointer = ctypes.c_long, ctypes.c_void_p  # index arrays are int64_t in C, passed as pointers
         self.run = library.causal_attention_f32
-        self.run.argtypes = (pointer,) * 4 + (size,) * 2 + (pointer,) + (size,) * 7 + (ctypes.c_float, pointer)
+        self.run.argtypes = (pointer,) * 4 + (size,) * 2 + (pointer,) + (size,) * 7 + (ctypes.c_float, size, pointer)
         self.run.restype = ctypes.c_int
         self.scratch_floats = library.causal_attention_scratch_floats
         self.scratch_floats.argtypes = [size, size]
@@ -50,7 +50,7 @@ def available() -> bool:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, past: int = 0,
-                     kv_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+                     kv_rows: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor | None:
     """q: [T, Hq, D], the queries of positions `past` .. `past` + T - 1 of one sequence -> [T, Hq, D],
     each attending to its own position and every one before it.
 
@@ -58,9 +58,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     `kv_rows[p]` (int64, e.g. the KV cache's slots), or in row p without `kv_rows` (a fresh
     prompt's own keys and values).
 
+    `threads`: the query heads are split among that many threads (at most one per head): the
+    calling one and threads the kernel starts for the call, on the calling thread's CPUs.
+
     None where the kernel does not apply (not float32 on CPU, a head size the build does not take,
-    heads not laid out densely within a row) or could not be built. Runs on the calling thread
-    alone, whatever torch's thread count."""
+    heads not laid out densely within a row) or could not be built."""
     kernel = _kernel_for(q, k, v)
     if kernel is None:
         return None
@@ -72,9 +74,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     else:
         assert k.shape[0] >= past + tokens
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    scratch = torch.empty(kernel.scratch_floats(past + tokens, dim), dtype=torch.float32)
+    threads = max(1, min(threads, q_heads))
+    scratch = torch.empty(threads * kernel.scratch_floats(past + tokens, dim), dtype=torch.float32)
     status = kernel.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, past, rows_ptr, q_heads,
-                        k.shape[1], dim, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale,
+                        k.shape[1], dim, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale, threads,
                         scratch.data_ptr())
     assert status == 0, "shapes checked above"
     return out

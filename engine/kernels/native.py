@@ -32,7 +32,7 @@ from engine.paths import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 
 
 @functools.cache

@@ -307,6 +307,10 @@ def _cache_rows(chunk: SequenceChunk, block_size: int) -> torch.Tensor:
 # as float32 does (512 tokens: 2.61 against 3.63 ms); float16 loses at 1,024 tokens (23.8 against
 # 16.1 ms), so it keeps the one causal call.
 PROMPT_BLOCKED_MAX_TOKENS = 1024
+# Our kernel splits a prompt's query heads over torch's threads from queries x keys of this many
+# (about 180 fresh tokens): on two threads here, starting the second cost more than it saved at
+# 128 tokens (0.19 against 0.15 ms on one) and gained from 256 (0.38 against 0.46 ms).
+KERNEL_PARALLEL_MIN_PAIRS = 32768
 PROMPT_QUERY_BLOCK = 64
 PROMPT_BLOCKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -316,16 +320,19 @@ def causal_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     attending to itself and the tokens before it.
 
     torch's CPU flash kernel skips masked work only a whole 512-key block at a time, so a causal
-    prompt of up to 512 tokens costs what full attention does. On one compute thread, a float32
-    prompt runs our own kernel instead (`engine.kernels.causal_attention`: each query against its
-    own keys only; 1.6 against 3.4 ms at 512 tokens). Where that kernel does not apply, prompts of
-    up to `PROMPT_BLOCKED_MAX_TOKENS` in `PROMPT_BLOCKED_DTYPES` are computed a block of
+    prompt of up to 512 tokens costs what full attention does. A float32 prompt runs our own
+    kernel instead (`engine.kernels.causal_attention`: each query against its own keys only; 1.6
+    against 3.4 ms at 512 tokens on one thread, 0.93 against 2.2 on two), on torch's threads once
+    the prompt is long enough to pay for starting them (`KERNEL_PARALLEL_MIN_PAIRS`), else on this
+    one. Where that kernel does not apply, on one thread, prompts of up to
+    `PROMPT_BLOCKED_MAX_TOKENS` in `PROMPT_BLOCKED_DTYPES` are computed a block of
     `PROMPT_QUERY_BLOCK` queries at a time, each over the keys up to its own end, only the last
     `PROMPT_QUERY_BLOCK` of them masked: about half the products at 512 tokens."""
-    one_thread = torch.get_num_threads() == 1
-    if one_thread and (out := causal_attention(q, k, v, scale)) is not None:
+    threads, tokens = torch.get_num_threads(), q.shape[0]
+    kernel_threads = threads if tokens * tokens >= KERNEL_PARALLEL_MIN_PAIRS else 1
+    if (out := causal_attention(q, k, v, scale, threads=kernel_threads)) is not None:
         return out
-    tokens = q.shape[0]
+    one_thread = threads == 1
     if one_thread and PROMPT_QUERY_BLOCK < tokens <= PROMPT_BLOCKED_MAX_TOKENS and q.dtype in PROMPT_BLOCKED_DTYPES:
         return query_block_attention(q, k, v, scale)
     q_seq, k_seq, v_seq = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]

@@ -110,7 +110,7 @@ class Worker:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         if self._most_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
-            causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
+        causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
         self._warn_if_reduced_precision_is_slower()
         self._load_lora_adapters()
         info = self._decoder_info()
