@@ -1,6 +1,7 @@
-/* Causal self-attention over one sequence's prompt chunk, float32, on the calling thread.
+/* Causal self-attention over one sequence's prompt chunk, float32, on the calling thread or with
+ * its query heads split over threads started for the call.
  *
- * What `engine.models.attention.causal_prompt_attention` runs on one compute thread (see
+ * What `engine.models.attention.causal_prompt_attention` runs for a float32 prompt (see
  * engine/kernels/native.py for how this file is built and loaded, and docs/decisions.md, "A causal
  * attention kernel of our own"). torch's CPU flash kernel skips masked work only 512 keys at a
  * time, so a causal prompt of up to 512 tokens costs it what full attention does; this computes

@@ -1,5 +1,5 @@
-"""Causal attention over one sequence's prompt chunk on the calling thread:
-`engine/kernels/causal_attention.c`.
+"""Causal attention over one sequence's prompt chunk (on the calling thread, or its query heads
+split over several), and over a step's decodes: `engine/kernels/causal_attention.c`.
 
 `causal_attention` takes the kernel's case (float32, a head size the build takes, on CPU) and
 returns None for any other, or where the kernel could not be built, so its caller keeps torch's

@@ -14,11 +14,12 @@ operations, measured as the difference between 48 and 8 ms per decode step of
 64 sequences) into a padded [B, L, H, D] batch and handed to
 `scaled_dot_product_attention` with a causal mask built from positions.
 
-On one compute thread, in float32, our C kernels (engine/kernels) take both groups instead:
-the prompt chunks one sequence at a time (`causal_prompt_attention`, `prompt_chunks_by_kernel`),
-each query against its own positions only, cached ones read through their slots; the decodes
-in place (`decodes_by_kernel`). Where a kernel declines (another dtype, a head size it does not
-take, no C compiler here) the torch path above runs.
+In float32 our C kernels (engine/kernels) take these instead: a fresh prompt alone at any
+thread count (`causal_prompt_attention`), and on one compute thread both groups, the prompt
+chunks one sequence at a time (`prompt_chunks_by_kernel`), each query against its own positions
+only, cached ones read through their slots, and the decodes in place (`decodes_by_kernel`).
+Where a kernel declines (another dtype, a head size it does not take, no C compiler here) the
+torch path above runs.
 
 The compiled decode path (`engine.worker.decode_graphs`) uses `paged_decode_attention`
 instead: written as plain reductions over the block table, which inductor turns into
