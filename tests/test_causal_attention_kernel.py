@@ -4,6 +4,7 @@ does not apply, built once per machine into the cache, and absent without a comp
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 
 import pytest
@@ -95,6 +96,22 @@ def test_built_once_into_the_cache_then_loaded(tmp_path, monkeypatch):
     assert first == second and first.is_relative_to(tmp_path / "trio-llm" / "kernels")
     assert len(builds) == 1, "the second load found the library built"
     assert [p.name for p in first.parent.iterdir()] == [first.name], "no partial file left behind"
+
+
+def test_a_build_keeps_the_most_recently_used_builds_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernels = tmp_path / "trio-llm" / "kernels"
+    kernels.mkdir(parents=True)
+    older = [kernels / f"causal_attention-old{i}.so" for i in range(native.KEEP_BUILDS + 1)]
+    for age, path in enumerate(older):
+        path.write_bytes(b"")
+        os.utime(path, (1_000_000 - age, 1_000_000 - age))  # old0 the newest of them
+    other = kernels / "another_kernel-x.so"
+    other.write_bytes(b"")
+    os.utime(other, (1, 1))
+    built = native._built(native.SOURCE_DIR / "causal_attention.c", native.shutil.which("cc"))
+    kept = sorted(p.name for p in kernels.iterdir())
+    assert kept == sorted([built.name, *(p.name for p in older[:native.KEEP_BUILDS - 1]), other.name])
 
 
 def test_without_a_compiler_torch_keeps_the_work(monkeypatch, caplog):

@@ -1,14 +1,15 @@
 """Build a C kernel of ours for this machine on first use, cache it, load it with ctypes.
 
-A kernel is one C file beside this module, with no dependency but the C library. It is built
-with the system's C compiler (`$CC`, else `cc`: the one inductor's compiled graphs need too) for
-this CPU (`-march=native`) into `~/.cache/trio-llm/kernels/` (`engine.paths.cache_root`), under a
-name that hashes the source, the compiler's version, the flags and the CPU's features: a changed
-file, compiler or machine builds afresh, and everything else loads in a millisecond. Building
-takes about half a second; it happens at most once per machine and version, in whichever process
-first asks (the worker asks at load time, so no request waits for it; see
-`engine.worker.worker.Worker._load_model`). Two processes building at once each write a file of
-their own and rename it into place, so neither reads a half-written library.
+A kernel is one C file beside this module, with no dependency but the C library. It is built with
+the system's C compiler (`$CC`, else `cc`: the one inductor's compiled graphs need too) for this
+CPU (`-march=native`) into `~/.cache/trio-llm/kernels/` (`engine.paths.cache_root`), under a name
+that hashes the source, the compiler's version, the flags and the CPU's features: a changed file,
+compiler or machine builds afresh (the `KEEP_BUILDS` most recently used builds of a kernel are
+kept), and everything else loads in a millisecond. Building takes about half a second; it happens
+at most once per machine and version, in whichever process first asks (the worker asks at load
+time, so no request waits for it; see `engine.worker.worker.Worker._load_model`). Two processes
+building at once each write a file of their own and rename it into place, so neither reads a
+half-written library.
 
 Without a compiler, or if the build fails, `load` returns None and logs why once: the callers
 keep torch's kernels. ctypes calls release the GIL, as torch's own kernels do.
@@ -32,6 +33,7 @@ from engine.paths import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
+KEEP_BUILDS = 4
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 
 
@@ -68,6 +70,7 @@ def library_path(source: Path, compiler: str) -> Path:
 def _built(source: Path, compiler: str) -> Path:
     target = library_path(source, compiler)
     if target.exists():
+        os.utime(target)  # most recently used: what `_prune` keeps
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
@@ -79,7 +82,17 @@ def _built(source: Path, compiler: str) -> Path:
         if os.path.exists(partial):
             os.unlink(partial)
     logger.info("built the %s kernel for this machine: %s", source.stem, target)
+    _prune(target.parent, source.stem)
     return target
+
+
+def _prune(directory: Path, stem: str) -> None:
+    """Keep the `KEEP_BUILDS` most recently used builds of kernel `stem` (other versions of the
+    source, compilers or machines sharing the cache); a process that still has one loaded keeps
+    its mapping."""
+    builds = sorted(directory.glob(f"{stem}-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in builds[KEEP_BUILDS:]:
+        stale.unlink(missing_ok=True)
 
 
 def _cpu_features() -> str:
