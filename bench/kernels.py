@@ -1,5 +1,6 @@
-"""`trio-llm bench kernels`: the kernels chosen for one compute thread (docs/decisions.md, "One compute
-thread gets kernels of its own"), each beside the one it replaces, on this machine's threads.
+"""`trio-llm bench kernels`: the kernels the engine picks over torch's defaults (docs/decisions.md,
+"One compute thread gets kernels of its own" and "A causal attention kernel of our own"), each
+beside the one it replaces, on `--threads` torch threads.
 
 - the LM head at one row: oneDNN over the packed weight against MKL over [in, out] rows;
 - a causal prompt: torch's causal SDPA, and `attention.query_block_attention`'s query blocks (what
