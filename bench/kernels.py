@@ -106,9 +106,15 @@ def attention_pairs(tokens: int, repeats: int, heads: int = 4, kv_heads: int = 2
             _pair(what, ("query blocks", blocks), ours, None, repeats)]
 
 
-def chunk_group_pair(what: str, chunks: list[tuple[int, int]], repeats: int, heads: int = 4, kv_heads: int = 2,
-                     dim: int = 64, block_size: int = 16) -> Pair:
-    """`chunks`: (cached positions, new tokens) of each sequence in one step's group of prompt chunks."""
+# (q, k, v, k_cache, v_cache, group, block_size, scale): what both paths over a group take.
+GroupArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, attention.AttentionGroup,
+                  int, float]
+
+
+def step_group(chunks: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block_size: int = 16) -> GroupArgs:
+    """One group of a step's attention (prompt chunks, or decodes), `chunks` giving each sequence's
+    (cached positions, new tokens) in blocks of its own, its keys and values written to the cache
+    as a layer has them when it attends."""
     sequences, first_block = [], 0
     for past, new in chunks:
         blocks = -(-(past + new) // block_size)
@@ -119,7 +125,13 @@ def chunk_group_pair(what: str, chunks: list[tuple[int, int]], repeats: int, hea
     meta = attention.build_metadata(sequences, block_size, torch.device("cpu"))
     attention.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)  # as a layer does before attending
     (group,) = meta.groups
-    args = (q, k, v, k_cache, v_cache, group, block_size, dim ** -0.5)
+    return q, k, v, k_cache, v_cache, group, block_size, dim ** -0.5
+
+
+def chunk_group_pair(what: str, chunks: list[tuple[int, int]], repeats: int, heads: int = 4, kv_heads: int = 2,
+                     dim: int = 64) -> Pair:
+    """A step's group of prompt chunks: one padded, masked SDPA call against our kernel per sequence."""
+    args = step_group(chunks, heads, kv_heads, dim)
     torch.testing.assert_close(attention.prompt_chunks_by_kernel(*args), attention.masked_group_attention(*args),
                                rtol=1e-4, atol=1e-4)
     return _pair(f"{what} ({heads} q / {kv_heads} kv heads of {dim})",
@@ -127,27 +139,21 @@ def chunk_group_pair(what: str, chunks: list[tuple[int, int]], repeats: int, hea
                  ("our kernel per sequence", lambda: attention.prompt_chunks_by_kernel(*args)), None, repeats)
 
 
-def decode_group_pair(batch: int, cached: int, repeats: int, heads: int = 4, kv_heads: int = 2, dim: int = 64,
-                      block_size: int = 16) -> Pair:
+def decode_group_pair(batch: int, cached: int, repeats: int, heads: int = 4, kv_heads: int = 2, dim: int = 64) -> Pair:
     """`batch` decodes, each after `cached` positions in blocks of its own. Repeated calls find one
     layer's blocks in the last-level cache (13.6 MB at 64 decodes); a real step reads four layers'
     from memory, where this kernel and the decode graph's attention ran at the same speed."""
-    width = -(-(cached + 1) // block_size)
-    sequences = [attention.SequenceChunk(cached, 1, list(range(b * width, (b + 1) * width))) for b in range(batch)]
-    k_cache, v_cache = (torch.randn(batch * width * block_size, kv_heads, dim) for _ in range(2))
-    q = torch.randn(batch, heads, dim)
-    meta = attention.build_metadata(sequences, block_size, torch.device("cpu"))
-    (group,) = meta.groups
-    scale = dim ** -0.5
-    by_kernel = attention.decodes_by_kernel(q, k_cache, v_cache, group, block_size, scale)
-    assert by_kernel is not None, "the kernel is built here and takes this shape"
-    torch.testing.assert_close(by_kernel, attention.masked_group_attention(q, q, q, k_cache, v_cache, group, block_size,
-                                                                           scale), rtol=1e-4, atol=1e-4)
+    args = step_group([(cached, 1)] * batch, heads, kv_heads, dim)
+    q, _, _, k_cache, v_cache, group, block_size, scale = args
+
+    def ours() -> torch.Tensor | None:
+        return attention.decodes_by_kernel(q, k_cache, v_cache, group, block_size, scale)
+
+    assert ours() is not None, "the kernel is built here and takes this shape"
+    torch.testing.assert_close(ours(), attention.masked_group_attention(*args), rtol=1e-4, atol=1e-4)
     return _pair(f"{batch} decodes after {cached} cached ({heads} q / {kv_heads} kv heads of {dim})",
-                 ("masked SDPA, gathered", lambda: attention.masked_group_attention(q, q, q, k_cache, v_cache, group,
-                                                                                     block_size, scale)),
-                 ("our decode kernel", lambda: attention.decodes_by_kernel(q, k_cache, v_cache, group, block_size,
-                                                                            scale)), None, repeats)
+                 ("masked SDPA, gathered", lambda: attention.masked_group_attention(*args)),
+                 ("our decode kernel", ours), None, repeats)
 
 
 CHUNK_GROUPS = (("16 fresh prompts of 128 tokens", [(0, 128)] * 16),

@@ -114,6 +114,21 @@ static void block_scores(const float *const rows[RB], const float *kt, long dim,
     }
 }
 
+/* The sum of a vector's lanes, by halving (a tree, not a chain of dependent adds). */
+static inline float lane_sum(vf x) {
+#if VW == 16
+    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+    return x[0];
+}
+
 /* One row's scores over its `length` keys -> unnormalised weights, zero from `length` to `span`
  * (a multiple of VW); returns 1 / their sum. */
 static float row_softmax(float *row, long length, long span) {
@@ -142,10 +157,7 @@ static float row_softmax(float *row, long length, long span) {
         row[j] = 0.0f;
     for (long j = 0; j < span; j += VW)
         total += vload(row + j);
-    float sum = 0.0f;
-    for (int l = 0; l < VW; l++)
-        sum += total[l];
-    return 1.0f / sum;
+    return 1.0f / lane_sum(total);
 }
 
 /* Rows `outs` of the output, columns [d0, d0 + width * VW): weights x value rows [0, num_keys),
@@ -287,21 +299,6 @@ int causal_attention_f32(const float *q, const float *k, const float *v, float *
             prompt_heads(&jobs[t]);
     }
     return 0;
-}
-
-/* The sum of a vector's lanes, by halving (a tree, not a chain of dependent adds). */
-static inline float lane_sum(vf x) {
-#if VW == 16
-    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-#else
-    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3});
-    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5});
-    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6});
-#endif
-    return x[0];
 }
 
 /* Scores of up to RB query heads (`rows` of them; the rest repeat the last) against keys
