@@ -6,10 +6,10 @@ CPU (`-march=native`) into `~/.cache/trio-llm/kernels/` (`engine.paths.cache_roo
 that hashes the source, the compiler's version, the flags and the CPU's features: a changed file,
 compiler or machine builds afresh (the `KEEP_BUILDS` most recently used builds of a kernel are
 kept), and everything else loads in a millisecond. Building takes about half a second; it happens
-at most once per machine and version, in whichever process first asks (the worker asks at load
-time, so no request waits for it; see `engine.worker.worker.Worker._load_model`). Two processes
-building at once each write a file of their own and rename it into place, so neither reads a
-half-written library.
+at most once per machine and version, in whichever process first asks (a decoder's worker asks at
+load time, so no request waits for it; see `engine.worker.worker.Worker._load_model`). Two
+processes building at once each write a file of their own and rename it into place, so neither
+reads a half-written library.
 
 Without a compiler, or if the build fails, `load` returns None and logs why once: the callers
 keep torch's kernels. ctypes calls release the GIL, as torch's own kernels do.
