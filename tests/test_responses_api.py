@@ -129,3 +129,21 @@ def test_the_store_forgets_the_oldest_response_first():
     store.get("a")  # read: now the most recent
     store.put("c", StoredResponse({}, []))
     assert list(store.responses) == ["a", "c"]
+
+
+async def test_the_sdk_stream_helper_accumulates_text_and_function_calls(client):
+    """`client.responses.stream()` checks OpenAI's event sequence as it goes (an item announced
+    twice, or present in `response.created`, raises): text and a function call both pass through it."""
+    ask = {"model": client.served, "input": "hi", "max_output_tokens": 8, "temperature": 0}
+    whole = await client.responses.create(**ask)
+    async with client.responses.stream(**ask) as stream:
+        events = [event async for event in stream]
+    assert events[0].type == "response.created" and events[0].response.output == []
+    # cut by max_output_tokens: OpenAI ends with `response.incomplete` (the helper's final response
+    # is for `response.completed` only)
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == whole.output_text
+    async with client.responses.stream(model=client.served, input="w", tools=TOOLS, tool_choice="required",
+                                       max_output_tokens=60, parallel_tool_calls=False) as stream:
+        final = await stream.get_final_response()
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER)

@@ -131,7 +131,8 @@ class ResponseBuilder:
         return {
             "id": self.run.response_id, "object": "response", "created_at": self.run.created,
             "status": status or ("incomplete" if cut else "completed"), "model": self.run.model_name,
-            "output": self.items, "error": None,
+            # a snapshot: an event holding the live list would show items added after it was made
+            "output": copy.deepcopy(self.items), "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut and status is None else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "previous_response_id": req.previous_response_id, "parallel_tool_calls": req.parallel_tool_calls,
@@ -153,7 +154,7 @@ class ResponseBuilder:
         output = item[1]
         events: list[dict[str, Any]] = []
         if self.sequence == 0:
-            started = self.body("in_progress")  # before any item: no output yet
+            started = self.body("in_progress")  # before any item: `output: []`, as OpenAI sends it
             events += [self._event("response.created", response=started),
                        self._event("response.in_progress", response=started)]
         (choice,) = self.chat.chunk(output)["choices"]
