@@ -68,7 +68,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # sample only among these
     bad_words: tuple[str, ...] = ()  # words never generated (as token sequences: `bad_words_token_ids`)
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+    truncate_prompt_tokens: int | None = None  # keep only N of the prompt's tokens
+    truncation_side: str = "left"  # which end truncate_prompt_tokens cuts: left keeps the last N (vLLM's)
     # Filled in by the engine from `bad_words`: each word's token ids, with and without a leading space.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
     # Filled in by the engine: the model's EOS ids (generation_config + tokenizer).
@@ -150,6 +151,9 @@ class SamplingParams:
         if keep is not None and (not _is_int(keep) or keep < 1):
             raise InvalidRequestError(f"truncate_prompt_tokens must be at least 1, got {keep!r}",
                                       param="truncate_prompt_tokens")
+        if self.truncation_side not in ("left", "right"):
+            raise InvalidRequestError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}",
+                                      param="truncation_side")
         allowed = self.allowed_token_ids
         if allowed is not None and (not allowed or not all(_is_int(t) and t >= 0 for t in allowed)):
             raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids",

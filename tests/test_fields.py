@@ -93,6 +93,8 @@ CHECKED_ELSEWHERE = {
     "return_token_ids": "test_fields::test_token_ids_in_answers",
     "prompt_token_ids": "test_fields::test_token_ids_in_answers",
     "return_tokens_as_token_ids": "test_fields::test_token_ids_in_answers",
+    "truncation_side": "test_fields::test_vllm_request_fields_carry_over",
+    "metadata": "test_fields::test_vllm_request_fields_carry_over (accepted; changes no output, as in vLLM)",
 }
 GREEDY = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -148,6 +150,7 @@ CHAT_CHECKED_ELSEWHERE = {
     "tools": "test_tools", "tool_choice": "test_tools", "parallel_tool_calls": "test_tools",
     "chat_template_kwargs": "test_reasoning", "continue_final_message": "test_tools",
     "chat_template": "test_structured_outputs::test_bad_words_truncation_echo_and_request_templates",
+    "reasoning_effort": "test_fields::test_vllm_request_fields_carry_over",
 }
 
 
@@ -263,3 +266,34 @@ async def test_server_load_counts_requests_while_they_are_served(tiny_model_dir)
         assert (await one.get("/load")).json() == {"server_load": 0}
     async with running_server(engine_config(tiny_model_dir)) as untracked, httpx.AsyncClient() as http:
         assert (await http.get(untracked.url + "/load")).json() == {"server_load": 0}  # vLLM's answer when off
+
+
+async def test_vllm_request_fields_carry_over(tiny_model_dir):
+    """Fields vLLM accepts: truncation_side picks the end truncate_prompt_tokens cuts, metadata is
+    accepted and changes nothing, reasoning_effort reaches the chat template; an empty prompt is a
+    400 (vLLM's), not a run."""
+    async with running_server(engine_config(tiny_model_dir), ServerSettings(trust_request_chat_template=True)) \
+            as server:
+        ids = [5, 6, 7, 8, 9]
+        kept = {}
+        for side in ("left", "right"):
+            body = {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 2, "truncation_side": side,
+                    "return_token_ids": True}
+            kept[side] = (await request(server.url, "POST", "/v1/completions", body)).json()["choices"][0][
+                "prompt_token_ids"]
+        assert kept == {"left": [8, 9], "right": [5, 6]}
+        wrong = await request(server.url, "POST", "/v1/completions", {**GREEDY, "truncation_side": "middle"})
+        assert wrong.status == 400 and wrong.json()["error"]["param"] == "truncation_side"
+        tagged = await _post(server, metadata={"team": "search"})
+        assert _text(tagged) == _text(await _post(server))
+        for empty in ("", ["hello", ""]):
+            refused = await request(server.url, "POST", "/v1/completions", {**GREEDY, "prompt": empty})
+            assert refused.status == 400 and "empty" in refused.json()["error"]["message"], refused.body
+        template = "effort={{ reasoning_effort | default('unset') }}"
+        for effort, shown in ((None, "unset"), ("low", "low")):
+            body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template,
+                    **({"reasoning_effort": effort} if effort else {})}
+            rendered = (await request(server.url, "POST", "/v1/chat/completions/render", body)).json()
+            detok = await request(server.url, "POST", "/detokenize", {"tokens": rendered["token_ids"]})
+            assert detok.json()["prompt"] == f"effort={shown}"
+        assert (await _post(server)).status == 200  # and everyone else is served

@@ -99,6 +99,9 @@ class _Sampling(_Body):
     logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs instead of the top N
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncate_prompt_tokens cuts
+    # OpenAI's tags for a request (up to 16 string pairs): accepted and not used, as vLLM accepts them
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
     # vLLM's beam search: `n` beams, scored by cumulative logprob / length ** length_penalty;
     # early_stopping as Hugging Face's (true, false or "never"). web/beam_search_api.py.
     use_beam_search: bool = False
@@ -170,6 +173,8 @@ class _Sampling(_Body):
             "logprob_token_ids": self.logprob_token_ids,
             "bad_words": tuple(self.bad_words or ()), "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
+        if self.truncation_side is not None:
+            values["truncation_side"] = self.truncation_side
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -302,6 +307,15 @@ class _ChatSampling(_Sampling, _ChatTemplating):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
+    # OpenAI's reasoning effort: the chat template reads it as `reasoning_effort` (gpt-oss's does), as in
+    # vLLM; a template that does not read it renders as without it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        extra = super().template_kwargs()
+        if self.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", self.reasoning_effort)
+        return extra
 
 
 class ChatCompletionRequest(_ChatSampling):

@@ -141,7 +141,7 @@ class InputProcessor:
 
     def prepared(self, engine_input: EngineInput, params: SamplingParams) -> EngineInput:
         """The prompt as it will run: truncated as asked, and checked against the model."""
-        engine_input = _truncated(engine_input, params.truncate_prompt_tokens)
+        engine_input = _truncated(engine_input, params.truncate_prompt_tokens, params.truncation_side)
         self._check_against_model(params, engine_input)
         return engine_input
 
@@ -178,11 +178,13 @@ class InputProcessor:
                                  mm_features=tuple(engine_input.mm_features), lora_name=lora_name)
 
 
-def _truncated(engine_input: EngineInput, keep: int | None) -> EngineInput:
-    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (vLLM's left truncation)."""
+def _truncated(engine_input: EngineInput, keep: int | None, side: str = "left") -> EngineInput:
+    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (vLLM's default, left truncation), or
+    its first with `truncation_side="right"`."""
     if keep is None or len(engine_input.token_ids) <= keep:
         return engine_input
     if engine_input.embeds is not None or engine_input.mm_features:
         raise InvalidRequestError("truncate_prompt_tokens is not supported with prompt embeddings or images",
                                   param="truncate_prompt_tokens")
-    return replace(engine_input, token_ids=engine_input.token_ids[-keep:])
+    kept = engine_input.token_ids[-keep:] if side == "left" else engine_input.token_ids[:keep]
+    return replace(engine_input, token_ids=kept)
