@@ -176,6 +176,10 @@ async def test_request_id_headers_forced_usage_token_strs_stream_options_and_con
         events = [json.loads(e) for e in sse_events(streamed.body) if e != "[DONE]"]
         assert all("usage" in e for e in events)  # no stream_options asked: the server forces it, every chunk
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
+        chat = await request(server.url, "POST", "/v1/chat/completions", {**BASE["chat/completions"], "stream": True})
+        chunks = [json.loads(e) for e in sse_events(chat.body) if e != "[DONE]"]
+        assert all(c.get("usage") for c in chunks), chunks  # the role chunk too (vLLM's test asks every chunk)
+        assert chunks[0]["usage"]["completion_tokens"] == 0 and chunks[-1]["usage"]["completion_tokens"] == 2
         tokens = await request(server.url, "POST", "/tokenize", {"prompt": "hello there", "return_token_strs": True})
         body = tokens.json()
         assert len(body["token_strs"]) == body["count"] and body["max_model_len"] == 64

@@ -333,8 +333,8 @@ async def create_chat_completion(state: ServerState) -> Response:
         body = sse.stream_events(run.first, run.outputs, lambda item: stream.chunk(item[1], continuous),
                                  lambda: [stream.usage_chunk()] if req.include_usage or force_usage else [],
                                  state.streams)
-        return Response(prepend(sse.event(stream.role_chunk(req.n)), body), content_type="text/event-stream",
-                        headers=sse.HEADERS)
+        role = stream.role_chunk(req.n, run.first[1].num_prompt_tokens if continuous else None)
+        return Response(prepend(sse.event(role), body), content_type="text/event-stream", headers=sse.HEADERS)
     (final,) = await final_outputs(run.first, run.outputs, 1)
     tokens = sum(len(c.token_ids) for c in final.outputs)
     return await json_response(state, lambda: chat_response(run.response_id, run.created, run.model_name, final,

@@ -242,9 +242,12 @@ class ChatStream:
         return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": choices, **extra}
 
-    def role_chunk(self, n: int) -> dict[str, Any]:
+    def role_chunk(self, n: int, prompt_tokens: int | None = None) -> dict[str, Any]:
+        """The first chunk: each choice's role. With `prompt_tokens` (continuous usage) it carries
+        the usage so far, as vLLM's does: the prompt, no completion tokens."""
+        extra = {} if prompt_tokens is None else {"usage": usage(prompt_tokens, 0)}
         return self._wrap([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None} for i in range(n)])
+                            "finish_reason": None} for i in range(n)], **extra)
 
     def chunk(self, output: RequestOutput, continuous_usage: bool = False) -> dict[str, Any]:
         """One chunk; with `continuous_usage` it carries the usage so far."""
