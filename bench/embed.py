@@ -115,7 +115,8 @@ async def server_round(url: str, sentences: list[str], concurrency: int) -> Serv
 
 async def run(model_dir: str, count: int, concurrency: int, batch: int, rounds: int, port: int) -> str:
     sentences = make_sentences(count)
-    command = [sys.executable, "-m", "web.cli", "serve", model_dir, "--port", str(port), "--max-num-seqs", "256"]
+    command = [sys.executable, "-m", "web.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+               "--max-num-seqs", "256"]
     server = await trio.lowlevel.open_process(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -78,8 +78,8 @@ def check_same_dtype(dtype: str, trio_llm_args: list[str]) -> None:
 
 
 def trio_llm_command(model: str, port: int, dtype: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "web.cli", "serve", model, "--port", str(port), "--served-model-name",
-            SERVED_NAME, "--max-num-seqs", "64", "--dtype", dtype, *split_dtype(extra)[1]]
+    return [sys.executable, "-m", "web.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", SERVED_NAME, "--max-num-seqs", "64", "--dtype", dtype, *split_dtype(extra)[1]]
 
 
 def vllm_command(python: str, model: str, port: int, dtype: str) -> list[str]:

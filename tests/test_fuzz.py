@@ -34,7 +34,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir):
     port = _free_port()
-    command = [sys.executable, "-m", "web.cli", "serve", tiny_model_dir, "--port", str(port),
+    command = [sys.executable, "-m", "web.cli", "serve", tiny_model_dir, "--host", "127.0.0.1", "--port", str(port),
                "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-embeds",
                "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "info"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -19,12 +19,15 @@ from web.settings import ServerSettings
 
 
 async def _bound_url(stderr) -> str:
+    """The server's URL, once it says it listens on every interface (no --host: vLLM's default) and
+    warns that it has no --api-key."""
     seen = b""
-    while not (match := re.search(rb"Serving on (http://127\.0\.0\.1:\d+)", seen)):
+    while not (match := re.search(rb"Serving on http://0\.0\.0\.0:(\d+).*listening on every interface", seen,
+                                  flags=re.S)):
         chunk = await stderr.receive_some(4096)
         assert chunk, f"the server exited before listening: {seen.decode(errors='replace')[-2000:]}"
         seen += chunk
-    return match.group(1).decode()
+    return f"http://127.0.0.1:{match.group(1).decode()}"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -74,12 +75,51 @@ def test_every_serve_option_has_help_and_shows_its_default():
     assert "(default: None)" not in text and text.count("(default: the embedded tiny model)") == 1
 
 
-def test_an_unknown_flag_is_refused_with_the_commands_own_usage(capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", "--no-such-flag"])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and "usage: trio-llm serve" in err and "unrecognized arguments: --no-such-flag" in err
+def test_a_bad_command_line_is_one_line_with_did_you_mean(capsys):
+    for args, said in ((["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag; "),
+                       (["serve", "--max-num-sqes", "4"], "(did you mean --max-num-seqs?)"),
+                       (["serve", "--dtype", "halff"], "(did you mean half?)"),
+                       (["generate", "--temprature", "1"], "(did you mean --temperature?)")):
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"trio-llm {args[0]}: error: ") and said in err
+        assert err.endswith(f"see trio-llm {args[0]} --help\n"), err
     assert "layer" not in _parser().format_help()  # the top-level help is for users, not the module's docstring
+
+
+def test_a_vllm_serve_command_line_carries_over(capsys, caplog):
+    """vLLM's spellings map to the same settings; its flags with no feature behind them here are
+    accepted with a logged note, or refused in one line with the reason, before anything loads."""
+    from web.options import engine_options
+    serve = _parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    args = serve.parse_args(["--model", "m", "--dtype", "half", "--block-size", "32", "--num-gpu-blocks-override",
+                             "100", "--disable-log-stats", "--swap-space", "4", "--kv-cache-dtype", "auto",
+                             "--disable-log-requests", "--disable-fastapi-docs", "--max-model-len", "64"])
+    assert (args.model_option, args.host) == ("m", "0.0.0.0")  # every interface, as vLLM
+    chosen = engine_options(args)
+    assert (chosen["dtype"], chosen["block_size"], chosen["num_kv_blocks"], chosen["max_model_len"]) == \
+        ("float16", 32, 100, 64)
+    assert engine_options(serve.parse_args(["m", "--dtype", "float"]))["dtype"] == "float32"
+    refused = [(["--quantization", "awq"], "--quantization awq: not implemented here; trio-llm quantizes"),
+               (["--speculative-config", "{}"], "speculative decoding is not implemented"),
+               (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: the KV cache is held in the model's dtype"),
+               (["--revision", "main"], "local directories only"),
+               (["--model", "other"], "two models given")]
+    for extra, said in refused:
+        assert main(["serve", "m", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("trio-llm serve: ") and err.count("\n") == 1 and said in err, err
+    with caplog.at_level(logging.INFO, logger="trio_llm.serve"):
+        assert main(["serve", "m", "--swap-space", "4", "--speculative-config", "{}"]) == 2
+    assert "note: --swap-space 4 changes nothing here: preempted requests are recomputed" in caplog.text
+
+
+def test_generate_with_a_missing_model_is_one_line(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path / "missing"), "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"trio-llm generate: cannot load the model: model directory '{tmp_path / 'missing'}' does not exist\n"
 
 
 def test_the_scheduling_policy_flag_reaches_the_engine_config():

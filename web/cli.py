@@ -10,22 +10,26 @@ package, so no module of the product imports the benchmarks.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import re
 import sys
 from contextlib import AbstractAsyncContextManager, nullcontext
 from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TypeAlias
+from typing import NoReturn, TypeAlias
 
 import trio
 
 from engine.api import ARCHITECTURES, SHAPES, SpawnedEngine, TinyModelSpec, engine_process_started, shaped_spec
 from engine.config import EngineConfig
 from engine.cpu_binding import bind_this_thread
+from engine.log_format import configure_logging
 from web import options
 from web.settings import ServerSettings
 from web.startup import check_port_free, startup_failure
+from web.vllm_flags import foreign_flag_lines
 
 COMMAND_GROUP = "trio_llm.commands"
 # What add_subparsers() returns (generic only to type checkers, hence the string).
@@ -56,8 +60,34 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line: the error, the closest option or choice
+    ("did you mean"), and where the usage is. (argparse prints the whole usage first: 65 lines for
+    `serve`.) Sub-commands' parsers are of this class too (add_subparsers uses the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = self._closest(message)
+        self.exit(2, f"{self.prog}: error: {message}{f' (did you mean {hint}?)' if hint else ''}; "
+                     f"see {self.prog} --help\n")
+
+    def _closest(self, message: str) -> str | None:
+        if message.startswith("unrecognized arguments: "):
+            given = [word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("-")]
+            known = list(self._option_string_actions)
+        else:
+            choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+            if choice is None:
+                return None
+            given, known = [choice.group(1)], re.findall(r"'?([^',\s]+)'?", choice.group(2))
+        for word in given:
+            close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+            if close:
+                return close[0]
+        return None
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trio-llm", description=DESCRIPTION)
+    parser: argparse.ArgumentParser = OneLineErrorParser(prog="trio-llm", description=DESCRIPTION)
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -72,6 +102,7 @@ def _add_serve(sub: Subcommands) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (hypercorn, trio worker)",
                          formatter_class=HelpFormatter)
     srv.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded tiny model)")
+    srv.add_argument("--model", dest="model_option", default=None, help="vLLM's other spelling of the model argument")
     options.add_server_options(srv)
     options.add_engine_options(srv)
     srv.set_defaults(run=_serve, command_parser=srv)
@@ -113,12 +144,23 @@ def model_dir(model: str | None) -> str:
     return model or str(ensure_default_model())
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _refused(command: str, args: argparse.Namespace) -> bool:
+    """Print a line for each flag given that cannot be honoured, and log a note for each accepted
+    one that changes nothing (vLLM flags with no feature behind them here)."""
     refused = options.refused_flags(args)
-    if refused:
-        for reason in refused:
-            print(f"trio-llm serve: {reason}", file=sys.stderr)
+    if getattr(args, "model_option", None) and args.model and args.model_option != args.model:
+        refused.append(f"two models given: {args.model} and --model {args.model_option}; give one")
+    for reason in refused:
+        print(f"trio-llm {command}: {reason}", file=sys.stderr)
+    for note in foreign_flag_lines(args)[0]:
+        logging.getLogger("trio_llm.serve").info("note: %s", note)
+    return bool(refused)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if _refused("serve", args):
         return 2
+    args.model = args.model or args.model_option
     try:
         if args.uds is None:
             check_port_free(args.host, args.port)  # before loading a model that may take minutes
@@ -162,10 +204,16 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.api import LLM, SamplingParams
-    llm = LLM(model_dir(args.model), **options.engine_options(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    for output in llm.generate(args.prompts, params, use_tqdm=False):
+    if _refused("generate", args):
+        return 2
+    try:
+        from engine.api import LLM, SamplingParams
+        llm = LLM(model_dir(args.model), **options.engine_options(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    except BaseException as exc:  # as serve: a failure users can fix is one line
+        return startup_failure(exc, debug=args.log_level.lower() == "debug", command="generate")
+    for output in outputs:
         print(f"{output.prompt!r} -> {output.outputs[0].text!r} ({output.outputs[0].finish_reason})")
     return 0
 
@@ -175,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser, with its usage (not the top level's)
         getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(level=args.log_level.upper())
+    configure_logging(args.log_level.upper())
     return int(args.run(args))
 
 

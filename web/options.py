@@ -26,14 +26,19 @@ from engine.config import (
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from web.cors import CorsSettings
 from web.settings import ServerSettings
+from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_lines
 
 HASH_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+# vLLM's --dtype spellings: its other names for the same dtypes
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+QUANTIZATIONS = ["int8", "w8a8", "int4"]
 
 
 def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
     """The engine's options; `seed=False` for a command whose --seed means something else."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations (auto: the checkpoint's torch_dtype)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES],
+                   help="weights and activations (auto: the checkpoint's torch_dtype; half: float16, float: float32, "
+                        "as in vLLM)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
@@ -45,6 +50,10 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="prompts (or embeddings inputs) one request may carry")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="memory for the KV cache, per rank (default: VLLM_CPU_KVCACHE_SPACE GiB if set, else 1 GiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache blocks, whatever --kv-cache-memory-bytes allows (vLLM's name; the cache is on the "
+                        "--device)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's GPU memory share: refused (size the cache with --kv-cache-memory-bytes)")
     p.add_argument("--device", default="cpu", help="torch device the model runs on")
@@ -105,7 +114,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="where the model runs: mp (worker processes of this machine), ray (Ray actors, on the "
                         "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
                         "uni, or mp with tensor parallelism")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "w8a8", "int4"],
+    p.add_argument("--quantization", "-q", default=None, metavar="{" + ",".join(QUANTIZATIONS) + "}",
                    help="quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
                         "activations quantized per row at run time too, or int4 weight-only in groups of 32 "
                         "(default: as stored; a GGUF file of quantized tensors runs as int8)")
@@ -140,13 +149,16 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, with slots for any adapter up to "
                         "--max-lora-rank (also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+    add_foreign_flags(p, ENGINE_FLAGS)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from the parsed options."""
-    return {"dtype": args.dtype, "tokenizer": args.tokenizer, "max_model_len": args.max_model_len,
+    return {"dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "tokenizer": args.tokenizer,
+            "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_logprobs": args.max_logprobs, "max_prompts_per_request": args.max_prompts_per_request,
+            "max_logprobs": args.max_logprobs, "block_size": args.block_size,
+            "num_kv_blocks": args.num_gpu_blocks_override, "max_prompts_per_request": args.max_prompts_per_request,
             "kv_cache_memory_bytes": kv_cache_bytes(args.kv_cache_memory_bytes, os.environ),
             "device": args.device, "seed": getattr(args, "seed", None) or 0,
             "enable_prefix_caching": args.enable_prefix_caching,
@@ -212,7 +224,9 @@ def kv_cache_bytes(flag: int | None, environ: Mapping[str, str]) -> int:
 
 
 def add_server_options(srv: argparse.ArgumentParser) -> None:
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--host", default="0.0.0.0",
+                     help="address to listen on: every interface, as vLLM (127.0.0.1: this machine only; without "
+                          "--api-key start-up warns that anyone who reaches the port can use it)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version "
@@ -259,6 +273,7 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help="put the model's <think>...</think> part in reasoning_content")
     srv.add_argument("--allow-unknown-fields", action="store_true",
                      help="log and ignore request fields neither OpenAI nor vLLM defines (default: 400 naming them)")
+    add_foreign_flags(srv, SERVER_FLAGS)
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -280,7 +295,12 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 def refused_flags(args: argparse.Namespace) -> list[str]:
     """One line per flag given that trio-llm cannot honour."""
-    reasons = []
+    reasons = foreign_flag_lines(args)[1]
+    quantization = getattr(args, "quantization", None)
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        reasons.append(f"--quantization {quantization}: not implemented here; trio-llm quantizes float checkpoints "
+                       f"at load ({', '.join(QUANTIZATIONS)}), loads llm-compressor int8 checkpoints and GGUF files "
+                       "as they are (no --quantization needed)")
     if getattr(args, "trust_remote_code", False):
         reasons.append("--trust-remote-code: trio-llm runs no code from model directories; it loads the "
                        "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, LLaVA, "

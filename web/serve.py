@@ -25,6 +25,7 @@ from web.settings import ServerSettings
 from web.state import ServerState
 
 logger = logging.getLogger(__name__)
+EVERY_INTERFACE = ("0.0.0.0", "::", "")  # hosts that bind every interface (vLLM's default)
 
 def hypercorn_config(host: str, port: int, settings: ServerSettings, log_level: str = "info") -> HypercornConfig:
     config = HypercornConfig()
@@ -70,6 +71,9 @@ async def serve(engine_config: EngineConfig, settings: ServerSettings, host: str
         binds = await nursery.start(_serve_then_stop, app, config, stop.wait, nursery.cancel_scope)
         for bind in binds:
             logger.info("Serving on %s", bind)
+        if host in EVERY_INTERFACE and not settings.uds and not settings.api_key:
+            logger.warning("listening on every interface (%s) with no --api-key: anyone who can reach this machine "
+                           "can use the server; --host 127.0.0.1 serves this machine only", binds[0])
         task_status.started(binds)
     if state.engine_error is not None:
         logger.error("exiting with status 1: the engine died while serving")

@@ -99,15 +99,15 @@ def explain(exc: BaseException) -> str | None:
     return None
 
 
-def startup_failure(exc: BaseException, *, debug: bool = False) -> int:
-    """Report a failure of `trio-llm serve` and return the exit status (never 0)."""
+def startup_failure(exc: BaseException, *, debug: bool = False, command: str = "serve") -> int:
+    """Report a failure of `trio-llm COMMAND` (serve, or generate) and return the exit status (never 0)."""
     if isinstance(exc, KeyboardInterrupt):
         return 130
     line = explain(exc)
     if line is None or debug:
         traceback.print_exception(exc, file=sys.stderr)
     if line is not None:
-        print(f"trio-llm serve: {line}", file=sys.stderr)
+        print(f"trio-llm {command}: {line}", file=sys.stderr)
     return 1
 
 

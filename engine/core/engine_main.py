@@ -53,6 +53,7 @@ from engine.errors import EngineDeadError
 from engine.ipc import wire
 from engine.ipc.fast_socket import STREAM_BROKEN, STREAM_ENDED, FastSocketStream
 from engine.ipc.process import die_with_parent
+from engine.log_format import configure_logging
 
 logger = logging.getLogger(__name__)
 FINAL_FLUSH_TIMEOUT = 5.0
@@ -245,7 +246,7 @@ def main() -> None:
     args = parser.parse_args()
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the engine stops
-    logging.basicConfig(level=args.log_level)
+    configure_logging(args.log_level)
     trio.run(_main, args.fd, clock=SharedClock(args.clock_offset))
 
 
