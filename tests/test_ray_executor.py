@@ -8,8 +8,15 @@ process starts a Ray cluster, not every process that meets such a test."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -19,6 +26,7 @@ from bench.http import Reader, open_request, request
 from engine import EngineDeadError, SamplingParams, open_engine
 from engine.executor.ray_executor import RayExecutor
 from tests.conftest import engine_config
+from tests.helpers import log_until
 from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.server_fixtures import running_server
 from tests.test_multiproc import PROMPTS, assert_gone
@@ -123,3 +131,39 @@ async def test_pipeline_stages_on_ray_generate_transformers_greedy_tokens(ray_cl
     from tests.test_pipeline_parallel import four_layer_llama, greedy
     path, expected = four_layer_llama(tmp_path_factory)
     assert await greedy(engine_config(path, dtype="float32", pipeline_parallel_size=2, executor="ray")) == expected
+
+
+def test_serve_on_ray_without_a_cluster_starts_a_local_one_and_leaves_nothing(tiny_model_dir, tmp_path):
+    """A newcomer's `trio-llm serve MODEL --distributed-executor-backend ray -tp 2` with no
+    RAY_ADDRESS: the local Ray instance outlives trio's idle worker threads (Ray's daemons die with
+    the thread that started them), SIGTERM stops it quietly, and neither a session directory nor an
+    auth token is left behind."""
+    from trio._core._thread_cache import IDLE_TIMEOUT
+
+    home = tmp_path / "home"
+    home.mkdir()
+    temp = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(HOME=str(home), TMPDIR=str(temp), XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME",
+                                                                               os.path.expanduser("~/.cache")))
+    command = [sys.executable, "-m", "web.cli", "serve", tiny_model_dir, "--host", "127.0.0.1", "--port", "0",
+               "--distributed-executor-backend", "ray", "-tp", "2", "--enforce-eager"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        log = log_until(server, "Serving on")
+        url = log[-1].split("Serving on ")[1].split()[0]
+        body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.post("/v1/completions", json=body).status_code == 200
+            time.sleep(IDLE_TIMEOUT + 1)  # the condition under test: trio retires the start-up thread
+            later = client.post("/v1/completions", json=body)
+            assert later.status_code == 200 and later.json()["usage"]["completion_tokens"] == 4
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        rest = server.stderr.read()
+        assert "SIGTERM received at time" not in rest and "Traceback" not in rest, rest[-3000:]
+        assert not (home / ".ray").exists() and list(temp.iterdir()) == []
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(temp)

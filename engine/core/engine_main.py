@@ -233,8 +233,24 @@ class SharedClock(trio.abc.Clock):
 
 
 async def _main(fd: int) -> None:
-    async with FastSocketStream(socket.socket(fileno=fd), cooperative=True) as stream:
-        await serve_engine(stream)
+    """Serve the engine on `fd` until told to stop, or until SIGTERM (the server's second ask, or a
+    signal to the whole process group): then the engine stops as when cancelled, its workers and
+    any Ray instance it started cleaned up, and the process exits 0."""
+    async with trio.open_nursery() as nursery:
+        serving = trio.CancelScope()
+        nursery.start_soon(_stop_on_sigterm, serving)
+        with serving:
+            async with FastSocketStream(socket.socket(fileno=fd), cooperative=True) as stream:
+                await serve_engine(stream)
+        nursery.cancel_scope.cancel()
+
+
+async def _stop_on_sigterm(scope: trio.CancelScope) -> None:
+    """The first SIGTERM cancels `scope`; later ones are absorbed while the engine cleans up (the
+    server's staged stop ends with SIGKILL if that takes too long)."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Ray places the workers and owns their processes; the rest is the multi-process
 executor's (engine/executor/worker_group.py):
 - start: connect to the Ray cluster (`RAY_ADDRESS`, else a local one this
-  executor starts and stops), reserve a placement group of one bundle per
+  executor starts and stops: engine/executor/ray_cluster.py), reserve a placement group of one bundle per
   rank (`STRICT_PACK`: tensor-parallel ranks share a node), start one
   `RayWorker` actor per bundle, log where each rank runs, then have every
   actor connect back to a TCP listener here (secret checked first) and serve
@@ -46,6 +46,8 @@ from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor import ray_refs
 from engine.executor.multiproc import check_tensor_parallel
+from engine.executor.ray_cluster import first_line as _first_line
+from engine.executor.ray_cluster import ray_connected
 from engine.executor.rpc import WorkerConnection, WorkerGroup
 from engine.executor.worker_group import STARTUP_TIMEOUT, WorkerGroupExecutor
 from engine.ipc.fast_socket import FastSocketStream
@@ -75,7 +77,6 @@ class RayExecutor(WorkerGroupExecutor):
         self._ended: list[anyio.Event] = []
         self._alive: list[bool] = []
         self._pg: Any = None
-        self._owns_ray = False
         self._node_id = ""  # this process's Ray node
         self._stopped = False
         self._watchers: anyio.CancelScope | None = None
@@ -87,8 +88,8 @@ class RayExecutor(WorkerGroupExecutor):
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
-            stack.push_async_callback(self._stop_workers)
-            await anyio.to_thread.run_sync(self._connect_ray)
+            await stack.enter_async_context(ray_connected(self.world_size * self.threads_per_worker))
+            stack.push_async_callback(self._stop_workers)  # before leaving Ray
             self._node_id = ray.get_runtime_context().get_node_id()
             await self._place_actors()
             connections = await self._start_workers()
@@ -111,18 +112,6 @@ class RayExecutor(WorkerGroupExecutor):
 
     async def aclose(self) -> None:
         await self._stop_workers()
-
-    def _connect_ray(self) -> None:
-        """Join the cluster at RAY_ADDRESS (or one `ray.init` already joined); else start a local
-        one with this machine's CPUs, stopped again by `_stop_workers`."""
-        if ray.is_initialized():
-            return
-        address = os.environ.get("RAY_ADDRESS")
-        self._owns_ray = True  # connected or started here: disconnected (or stopped) here
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=usable_cpus(), include_dashboard=False, log_to_driver=False)
 
     async def _place_actors(self) -> None:
         bundles = [{"CPU": self.threads_per_worker} for _ in range(self.world_size)]
@@ -246,7 +235,6 @@ class RayExecutor(WorkerGroupExecutor):
             if group is not None:
                 group.fail(EngineDeadError("the executor was closed"))
             actors, pg, self.actors, self._pg = self.actors, self._pg, [], None
-            owns_ray, self._owns_ray = self._owns_ray, False
             await anyio.to_thread.run_sync(_kill, actors)
             with anyio.move_on_after(SHUTDOWN_GRACE):
                 for actor in actors:  # a call to a killed actor fails once Ray has seen it end
@@ -254,7 +242,8 @@ class RayExecutor(WorkerGroupExecutor):
                 for placement in self.placements:  # and this node's worker processes are gone
                     if placement.node_id == self._node_id:
                         await _process_ended(placement.pid)
-            await anyio.to_thread.run_sync(_leave, pg, owns_ray)
+            if pg is not None:
+                await anyio.to_thread.run_sync(_remove_placement_group, pg)
             if self._watchers is not None:
                 self._watchers.cancel()  # a `serve` call Ray no longer reports on must not hold the exit
 
@@ -271,13 +260,9 @@ def _kill(actors: list[Any]) -> None:
             ray.kill(actor)
 
 
-def _leave(pg: Any, stop_ray: bool) -> None:
-    """Remove the placement group and leave the cluster (stopping it if this process started it)."""
-    if pg is not None:
-        with suppress(Exception):
-            remove_placement_group(pg)
-    if stop_ray:
-        ray.shutdown()
+def _remove_placement_group(pg: Any) -> None:
+    with suppress(Exception):  # the cluster is gone already
+        remove_placement_group(pg)
 
 
 async def _check_hello(sock: socket.socket, secret: bytes, world_size: int) -> int | None:
@@ -321,7 +306,3 @@ def _tuned(sock: socket.socket) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
     return sock
 
-
-def _first_line(error: BaseException) -> str:
-    """Ray's errors run to many lines (ids, hints); an engine error names the cause in one."""
-    return (str(error).strip().splitlines() or [""])[0]
