@@ -108,3 +108,47 @@ async def test_the_number_of_prompts_in_one_request_is_bounded(engine):
     with pytest.raises(InvalidRequestError, match="more than the limit of 2048"):
         await engine.encode(["a"] * 2049)
     assert engine.is_running and engine.stats().num_waiting == 0
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_after_tokenizing_a_prefix_only(tiny_model_dir):
+    """A 15 MiB prompt took 15 s to refuse: the whole text was tokenized before the context check.
+    Now only a bounded prefix is (PROBE_CHARS_PER_TOKEN per token of context), for completions and
+    chat, while other requests are served; with truncate_prompt_tokens the whole text is needed and
+    tokenized."""
+    from engine.render.renderer import PROBE_CHARS_PER_TOKEN
+
+    limit = 128
+    huge = "hello world the engine says " * 40_000  # ~1.1 MB: 70x the probe, ~600k tokens
+    config = engine_config(tiny_model_dir, max_model_len=limit, max_num_seqs=8)
+    async with running_server(config, ServerSettings(max_body_bytes=4 << 20)) as server:
+        tokenizer = server.engine.tokenizer
+        encoded: list[int] = []
+        original = tokenizer.encode
+
+        def recording(text, *args):
+            encoded.append(len(text))
+            return original(text, *args)
+
+        tokenizer.encode = recording
+        async with trio.open_nursery() as nursery:
+            small: list[int] = []
+
+            async def small_requests():
+                for _ in range(3):
+                    small.append((await request(server.url, "POST", "/v1/completions", COMPLETION)).status)
+
+            nursery.start_soon(small_requests)
+            for path, body in (("/v1/completions", {"prompt": huge, "max_tokens": 2}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}],
+                                                         "max_tokens": 2})):
+                refused = await request(server.url, "POST", path, body)
+                error = refused.json()["error"]
+                assert refused.status == 400 and error["param"] == "prompt", refused.body[:300]
+                assert f"maximum context length is {limit} tokens. However, your request has more than" in \
+                    error["message"]
+        assert small == [200, 200, 200]
+        assert max(encoded) == PROBE_CHARS_PER_TOKEN * limit  # the prefix, never the whole text
+        cut = await request(server.url, "POST", "/v1/completions",
+                            {"prompt": huge, "max_tokens": 2, "truncate_prompt_tokens": 8})
+        assert cut.status == 200 and cut.json()["usage"]["prompt_tokens"] == 8
+        assert max(encoded) == len(huge)

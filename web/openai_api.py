@@ -34,6 +34,7 @@ from web.protocol import (
     check_model,
     checked_messages,
     echoed_text,
+    message_texts,
     parse_body,
 )
 from web.responses import ChatStream, CompletionStream, chat_response, completion_response, usage
@@ -304,6 +305,8 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, id_prefix: 
     is a 400 before any answer starts). Cancellation aborts the engine request."""
     engine = generation_engine(state)
     tools = chat_tools(state, req)
+    if req.truncate_prompt_tokens is None:  # the messages' text alone cannot fit: refused before rendering
+        await engine.refuse_texts_too_long(["\n".join(message_texts(req.messages))])
     prompt_input = await chat_prompt_for(state, engine, req, req.messages, tools.tools if tools else None)
     params = await chat_sampling_params(state, engine, req, tools)
     response_id, created = f"{id_prefix}{random_id()}", int(time.time())

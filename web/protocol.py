@@ -292,6 +292,19 @@ def checked_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The text of every message (string contents and text parts), in order."""
+    texts = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [part["text"] for part in content
+                      if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)]
+    return texts
+
+
 def echoed_text(messages: list[dict[str, Any]], echo: bool) -> str:
     """With `echo`: the final message's text when the assistant wrote it (the reply continues it)."""
     final = messages[-1] if messages else {}
