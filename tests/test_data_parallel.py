@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.http import Reader, open_request, request
 from engine import EngineDeadError, SamplingParams
 from engine.api import open_engine_process
-from engine.core.data_parallel import PrefixMemory, choose_core, prefix_hashes, sum_stats
+from engine.core.data_parallel import PrefixMemory, choose_core, prefix_hashes, shared_cpus_warning, sum_stats
 from engine.core.stats import EngineStats
 from engine.cpu_binding import CpuLayout, split_layout
 from tests.conftest import engine_config
@@ -62,6 +62,16 @@ def test_compute_cpus_split_between_engines():
     assert all(part.server == (0,) for part in split_layout(layout, 2))
     assert [part.compute for part in split_layout(CpuLayout((1,), (0,)), 2)] == [(1,), (1,)]  # they share
     assert split_layout(None, 3) == [None, None, None]
+
+
+def test_engines_that_must_share_compute_cpus_are_warned_about():
+    shared = engine_config("m", data_parallel_size=2, cpu_layout=CpuLayout((1,), (0,)))
+    assert shared_cpus_warning(shared) == ("2 data-parallel engines share 1 compute CPU(s) (CPU 1): they take turns "
+                                           "on them, so -dp 2 serves no faster than one engine here; each engine "
+                                           "needs CPUs of its own (--cpu-threads-bind)")
+    for config in (engine_config("m", data_parallel_size=2, cpu_layout=CpuLayout((1, 2), (0,))),
+                   engine_config("m", data_parallel_size=2, cpu_layout=None), engine_config("m")):
+        assert shared_cpus_warning(config) is None
 
 
 def test_engine_stats_sum_counts_and_average_usage():

@@ -7,6 +7,7 @@ process of its own (`open_engine_process`, as `trio-llm serve` runs it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -19,7 +20,12 @@ from engine.api.async_engine import AsyncEngine
 from engine.concurrency.loop_lag import run_loop_lag_probe
 from engine.config import EngineConfig
 from engine.core.core_client import CoreClient, handshake
-from engine.core.data_parallel import DataParallelCores, data_parallel_configs, run_data_parallel_rank
+from engine.core.data_parallel import (
+    DataParallelCores,
+    data_parallel_configs,
+    run_data_parallel_rank,
+    shared_cpus_warning,
+)
 from engine.core.engine_core import CoreHandle
 from engine.core.engine_spawn import ENGINE_COMMAND, SpawnedEngine, spawn_engine, terminate
 from engine.core.messages import EngineInit
@@ -113,6 +119,9 @@ async def open_engine_process(config: EngineConfig, *, observer: StatsObserver |
     parallelism, only once every engine has (until then the others serve on).
     """
     configs = data_parallel_configs(config)
+    warning = shared_cpus_warning(config)
+    if warning is not None:
+        logging.getLogger("trio_llm.engine").warning(warning)
     async with _engine_processes(configs, command, spawned) as started:
         # Loaded here while the engine processes import torch and load the model.
         tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)

@@ -171,6 +171,18 @@ class DataParallelCores:
         await gather_first_failure([partial(getattr(core, method), *args) for core in live])
 
 
+def shared_cpus_warning(config: EngineConfig) -> str | None:
+    """What to tell a user whose data-parallel engines must share compute CPUs (fewer CPUs than
+    engines): they take turns, so the engines serve no faster than one would. None otherwise."""
+    layout, size = config.cpu_layout, config.data_parallel_size
+    if size == 1 or layout is None or len(layout.compute) >= size:
+        return None
+    cpus = ", ".join(map(str, layout.compute))
+    return (f"{size} data-parallel engines share {len(layout.compute)} compute CPU(s) (CPU {cpus}): they "
+            f"take turns on them, so -dp {size} serves no faster than one engine here; each engine needs CPUs of "
+            "its own (--cpu-threads-bind)")
+
+
 def data_parallel_configs(config: EngineConfig) -> list[EngineConfig]:
     """One engine's config per data-parallel rank: the compute CPUs split between them (each
     engine a share; they share CPUs only when there are fewer than engines)."""

@@ -65,6 +65,26 @@ def use_compile_cache(cache_dir: str | None) -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
+def prepare_inductor(cache_dir: Path) -> None:
+    """Before compiling: inductor's files under `cache_dir` (see `keep_headers_in`) and its vector
+    instruction sets settled (`settle_vector_isa`)."""
+    keep_headers_in(cache_dir)
+    settle_vector_isa(cache_dir)
+
+
+def keep_headers_in(cache_dir: Path) -> None:
+    """Inductor's precompiled C++ headers (~300 MB per compiler and flag set) go under `cache_dir`
+    with the rest of its cache. Inductor fixes their directory when it is imported, from the
+    system's temporary directory (/tmp/torchinductor_USER), whatever TORCHINDUCTOR_CACHE_DIR says;
+    so that directory is moved here, before anything is compiled. (A private name of inductor's:
+    if a torch release drops it, the headers go back to /tmp and nothing else changes.)"""
+    from torch._inductor import codecache
+
+    if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
+        codecache._HEADER_DIR = str(cache_dir / "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = str(cache_dir / "precompiled_headers" / "locks")
+
+
 def settle_vector_isa(cache_dir: Path) -> None:
     """Spare every start after the first inductor's probe of the vector instruction sets.
 
@@ -90,6 +110,12 @@ def settle_vector_isa(cache_dir: Path) -> None:
         memo.write_text("passed" if [str(i) for i in passed] == [str(i) for i in reported] else "failed")
     if memo.read_text() == "passed":
         inductor_config.cpp.vec_isa_ok = True
+
+
+# Measured on 2 cores (docs/benchmarks.md, "Start-up"): the first compile of a model's graphs.
+COMPILE_TIME_NOTE = "the first start of a model here takes about 1 minute on 2 cores for a small one, 2 for 0.5B"
+RECOMPILE_NOTE = ("Each new model, dtype, quantization, LoRA set or KV cache size compiles once more; each "
+                  "compiled graph is kept.")
 
 
 MIN_ROWS = 2  # dynamo specialises a dimension of size 1: on its graph one row is padded to two
@@ -132,7 +158,7 @@ class DecodeGraphs:
     def _use_dynamo(self) -> None:
         """`torch.compile` with its guards, for a model that does not export into one graph."""
         if self.cache_dir is not None:
-            settle_vector_isa(self.cache_dir)
+            prepare_inductor(self.cache_dir)
         # Each model compiled in one process (tests open many) adds an entry to forward's cache.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         register_inductor_lowering()
@@ -189,12 +215,12 @@ class DecodeGraphs:
             self.loaded_from_disk = True
             return step
         if self.cache_dir is not None:
-            settle_vector_isa(self.cache_dir)
+            prepare_inductor(self.cache_dir)
         hidden, positions, *_ = self._scratch_rows(TRACE_ROWS, 8)
         meta = self._metadata(TRACE_ROWS, [], [], [], 8)
-        progress(f"compiling the decode graph with AOTInductor: the first start of this model here takes about "
-                 f"20 s on 2 cores, later ones load it from {self.cache_dir or 'a temporary directory'} "
-                 "(--enforce-eager skips compiling)")
+        progress(f"compiling the decode graph with AOTInductor: {COMPILE_TIME_NOTE}; later starts load it from "
+                 f"{self.cache_dir or 'a temporary directory'} in seconds. {RECOMPILE_NOTE} (--enforce-eager skips "
+                 "compiling)")
         try:
             return precompiled_graph.compile_and_save(path, self.model, (hidden, positions, self.kv_caches, meta))
         except Exception as exc:  # noqa: BLE001 -- export refuses many things; torch.compile takes them

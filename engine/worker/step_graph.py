@@ -28,7 +28,7 @@ import torch
 from engine.models.attention import AttentionMetadata, SequenceChunk, attention_step, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.worker import precompiled_graph
-from engine.worker.decode_graphs import settle_vector_isa
+from engine.worker.decode_graphs import prepare_inductor
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class StepGraph:
             self.loaded_from_disk = True
             return step
         if self.cache_dir is not None:
-            settle_vector_isa(self.cache_dir)
+            prepare_inductor(self.cache_dir)
         progress("compiling the step graph with AOTInductor (the first start of this model here only)")
         device = self.model.device
         hidden = torch.zeros(TRACE_TOKENS, self.model.config.hidden_size, dtype=self.model.dtype, device=device)
