@@ -30,6 +30,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_embed(bench)
     _add_bench_fuzz(bench)
     _add_bench_keepalive(bench)
+    _add_bench_overload(bench)
     _add_bench_core_request(bench)
     _add_bench_prefix_hash(bench)
     _add_bench_eplb(bench)
@@ -178,6 +179,23 @@ def _bench_keepalive(args: argparse.Namespace) -> int:
     report = keepalive.run(args.url.rstrip("/"), args.api_key, args.requests, args.timeout, args.max_body_bytes)
     print(report.summary())
     return 1 if report.failures else 0
+
+
+def _add_bench_overload(bench: Subcommands) -> None:
+    ov = bench.add_parser("overload", help="a running server's /health under more streams than --max-num-seqs, and "
+                                           "small requests beside a huge prompt, each beside the idle floor")
+    ov.add_argument("--url", default="http://127.0.0.1:8000", help="the running server to load")
+    ov.add_argument("--streams", type=int, default=80, help="concurrent streaming completions")
+    ov.add_argument("--seconds", type=float, default=30.0, help="how long the streams run")
+    ov.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed completion")
+    ov.add_argument("--huge-prompt-mib", type=float, default=15.0, help="the huge prompt's size (0: skip it)")
+    ov.set_defaults(run=_bench_overload)
+
+
+def _bench_overload(args: argparse.Namespace) -> int:
+    from bench import overload
+    print(overload.run(args.url.rstrip("/"), args.streams, args.seconds, args.max_tokens, args.huge_prompt_mib))
+    return 0
 
 
 def _add_bench_core_request(bench: Subcommands) -> None:
