@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -31,11 +32,18 @@ async def _bound_url(stderr) -> str:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-async def test_signal_lets_the_in_flight_stream_finish_then_exits_zero(tiny_model_dir, signum):
+async def test_signal_lets_the_in_flight_stream_finish_then_exits_zero(tiny_model_dir, signum, tmp_path):
+    """...and leaves no file in the temporary directory: what the server, the engine and torch
+    write goes under the cache root (inductor's precompiled headers went to /tmp)."""
     command = [sys.executable, "-m", "web.cli", "--log-level", "info", "serve", tiny_model_dir, "--port", "0",
                "--kv-cache-memory-bytes", str(1 << 24), "--grace-period", "20"]
-    with trio.fail_after(90):
-        process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    with trio.fail_after(180):  # a first start compiles the model's graphs
+        process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                   env=env)
         try:
             url = await _bound_url(process.stderr)
             body = {"prompt": "keep going", "max_tokens": 60, "ignore_eos": True, "stream": True}
@@ -59,6 +67,7 @@ async def test_signal_lets_the_in_flight_stream_finish_then_exits_zero(tiny_mode
     assert json.loads(events[-1])["choices"][0]["finish_reason"] == "length"
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    assert sorted(p.name for p in temp.iterdir()) == []
 
 
 async def test_streams_still_open_when_the_grace_period_ends_get_an_error_event_and_done(tiny_model_dir):

@@ -88,3 +88,43 @@ async def test_a_long_waiting_queue_never_stalls_the_loop(tiny_model_dir):
         stats = server.engine.stats()
         assert stats.num_running == stats.num_waiting == 0
         assert longest < 1.0, f"the loop stalled for {longest:.2f} s"
+
+
+async def test_the_loop_runs_while_a_long_prompt_is_tokenized(tiny_model_dir):
+    """The tokenizers library's `encode` holds the GIL for the whole call: tokenizing a 15 MiB
+    prompt in a worker thread stopped the event loop for 13 s (every request waited, /health too).
+    Long texts go through its `encode_batch`, which releases it: the loop keeps turning meanwhile.
+    With the GIL held, the loop's longest pause is the whole tokenization; here it is a fraction of
+    it (the ids' conversion to a Python list holds the GIL briefly)."""
+    import time
+
+    from engine.render.tokenizer import GIL_FREE_CHARS, Tokenizer
+
+    tokenizer = Tokenizer(tiny_model_dir)
+    text = "hello world the engine says " * 40_000  # ~1.1 MB: about a second of tokenizing
+    assert len(text) >= GIL_FREE_CHARS
+    done = trio.Event()
+    took = 0.0
+
+    def tokenize():
+        nonlocal took
+        start = time.perf_counter()
+        ids = tokenizer.encode(text)
+        took = time.perf_counter() - start
+        return ids
+
+    tokens: list[list[int]] = []
+
+    async def run():
+        tokens.append(await trio.to_thread.run_sync(tokenize))
+        done.set()
+
+    longest = 0.0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        while not done.is_set():
+            before = time.perf_counter()
+            await trio.lowlevel.checkpoint()
+            longest = max(longest, time.perf_counter() - before)
+    assert longest < took / 2, f"the loop paused {longest:.2f} s of a {took:.2f} s tokenization"
+    assert tokens == [tokenizer.backend.encode(text).ids]  # the same tokens as the one-text call

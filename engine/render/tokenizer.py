@@ -13,6 +13,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.errors import ModelLoadError
 from engine.models.hf_config import read_json_file, require_model_dir
 
+# Texts this long are encoded without the GIL (see Tokenizer._encode); shorter ones are cheaper
+# through `encode`, which skips the library's thread pool.
+GIL_FREE_CHARS = 4096
+
 
 def _token_text(value: Any) -> str | None:
     """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
@@ -60,7 +64,7 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids: list[int] = self._encode(text, add_special_tokens).ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids
@@ -73,9 +77,17 @@ class Tokenizer:
             return [self.encode(t, add_special_tokens) for t in texts]
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
+    def _encode(self, text: str, add_special_tokens: bool) -> Any:
+        """The tokenizers library's encoding of `text`. Its `encode` holds the GIL for the whole call
+        (a 15 MiB text: 13 s in which the event loop's thread could not run), its `encode_batch`
+        releases it: long texts, which are tokenized in worker threads, go through the latter."""
+        if len(text) < GIL_FREE_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
     def encode_truncated(self, text: str, max_tokens: int) -> list[int]:
         """Token ids with special tokens, the text cut from the right so that all fit `max_tokens`."""
-        encoding = self.backend.encode(text, add_special_tokens=False)
+        encoding = self._encode(text, False)
         encoding.truncate(max(0, max_tokens - self.backend.num_special_tokens_to_add(False)))
         return self.backend.post_process(encoding).ids[:max_tokens]
 

@@ -112,8 +112,18 @@ def settle_vector_isa(cache_dir: Path) -> None:
         inductor_config.cpp.vec_isa_ok = True
 
 
-# Measured on 2 cores (docs/benchmarks.md, "Start-up"): the first compile of a model's graphs.
-COMPILE_TIME_NOTE = "the first start of a model here takes about 1 minute on 2 cores for a small one, 2 for 0.5B"
+# The first compile of a model's two graphs (decode and step), measured on 2 cores: 57 s for a
+# tiny model, 108 s for the Qwen2.5-0.5B shape (docs/benchmarks.md, "Start-up"). A fixed part
+# (inductor's headers and wrapper code), and a part that grows with the weights' kernels.
+COMPILE_FIXED_SECONDS, COMPILE_SECONDS_PER_MILLION_PARAMETERS = 55.0, 0.1
+
+
+def compile_estimate(parameters: int) -> str:
+    """What the first compile of a model with `parameters` weights is likely to take, in words."""
+    seconds = COMPILE_FIXED_SECONDS + COMPILE_SECONDS_PER_MILLION_PARAMETERS * parameters / 1e6
+    return f"about {round(seconds / 10) * 10:.0f} s on 2 cores for this model's size"
+
+
 RECOMPILE_NOTE = ("Each new model, dtype, quantization, LoRA set or KV cache size compiles once more; each "
                   "compiled graph is kept.")
 
@@ -218,7 +228,8 @@ class DecodeGraphs:
             prepare_inductor(self.cache_dir)
         hidden, positions, *_ = self._scratch_rows(TRACE_ROWS, 8)
         meta = self._metadata(TRACE_ROWS, [], [], [], 8)
-        progress(f"compiling the decode graph with AOTInductor: {COMPILE_TIME_NOTE}; later starts load it from "
+        estimate = compile_estimate(sum(p.numel() for p in self.model.parameters()))
+        progress(f"compiling the decode and step graphs with AOTInductor: {estimate}; later starts load them from "
                  f"{self.cache_dir or 'a temporary directory'} in seconds. {RECOMPILE_NOTE} (--enforce-eager skips "
                  "compiling)")
         try:
