@@ -185,7 +185,7 @@ def _add_bench_overload(bench: Subcommands) -> None:
     ov = bench.add_parser("overload", help="a running server's /health under more streams than --max-num-seqs, and "
                                            "small requests beside a huge prompt, each beside the idle floor")
     ov.add_argument("--url", default="http://127.0.0.1:8000", help="the running server to load")
-    ov.add_argument("--streams", type=int, default=80, help="concurrent streaming completions")
+    ov.add_argument("--streams", type=int, default=80, help="concurrent streaming completions (0: skip them)")
     ov.add_argument("--seconds", type=float, default=30.0, help="how long the streams run")
     ov.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed completion")
     ov.add_argument("--huge-prompt-mib", type=float, default=15.0, help="the huge prompt's size (0: skip it)")
