@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -147,15 +148,20 @@ def test_serve_on_ray_without_a_cluster_starts_a_local_one_and_leaves_nothing(ti
     env.update(HOME=str(home), TMPDIR=str(temp), XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME",
                                                                                os.path.expanduser("~/.cache")))
     command = [sys.executable, "-m", "web.cli", "serve", tiny_model_dir, "--host", "127.0.0.1", "--port", "0",
-               "--distributed-executor-backend", "ray", "-tp", "2", "--enforce-eager"]
+               "--distributed-executor-backend", "ray", "-tp", "2", "--enforce-eager", "--kv-cache-memory-bytes",
+               str(1 << 24)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
         log = log_until(server, "Serving on")
+        (started,) = [line for line in log if "Started a local Ray instance" in line]
+        ray_up = datetime.strptime(started[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # Ray's log line
         url = log[-1].split("Serving on ")[1].split()[0]
         body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
         with httpx.Client(base_url=url, timeout=60) as client:
             assert client.post("/v1/completions", json=body).status_code == 200
-            time.sleep(IDLE_TIMEOUT + 1)  # the condition under test: trio retires the start-up thread
+            # The condition under test: trio retires the thread that started Ray once it has been idle
+            # IDLE_TIMEOUT s (the engine's start-up after `ray.init` usually takes that long already).
+            time.sleep(max(0.0, ray_up + IDLE_TIMEOUT + 1 - time.time()))
             later = client.post("/v1/completions", json=body)
             assert later.status_code == 200 and later.json()["usage"]["completion_tokens"] == 4
         server.send_signal(signal.SIGTERM)
