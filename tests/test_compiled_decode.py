@@ -593,3 +593,19 @@ def test_the_compile_estimate_grows_with_the_model_from_the_measured_points():
     """57 s measured for a tiny model and 108 s for the 0.5B shape (494M parameters), on 2 cores."""
     assert compile_estimate(300_000) == "about 60 s on 2 cores for this model's size"
     assert compile_estimate(494_000_000) == "about 100 s on 2 cores for this model's size"
+
+
+def test_a_compiled_graph_is_filed_by_device_and_dtype(tiny_model_dir, tmp_path):
+    """A package compiled for one device or dtype is never handed to another: both are in its
+    name (the KV cache's device and dtype, and the model's dtype). Shown with caches on the meta
+    device standing in for a GPU's."""
+    graphs = decode_graphs(tiny_model_dir, tmp_path)
+    model, caches = graphs.model, graphs.kv_caches
+
+    def path(kv_caches):
+        return precompiled_graph.artefact_path(tmp_path, model, kv_caches, graphs.block_size, TRACE_ROWS)
+
+    elsewhere = [(k.to("meta"), v.to("meta")) for k, v in caches]
+    halved = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in caches]
+    assert len({path(caches), path(elsewhere), path(halved)}) == 3
+    assert path(caches) == path([(k.clone(), v.clone()) for k, v in caches])  # the same: the same name

@@ -86,3 +86,16 @@ async def test_missing_directory_and_oversized_context_are_named(tiny_model_dir,
 def test_bad_engine_options_are_refused(option, value):
     with pytest.raises(ValueError, match=option):
         EngineConfig(model="somewhere", **{option: value})
+
+
+def test_auto_dtype_is_the_checkpoints_but_bfloat16_for_float32_on_cuda():
+    """vLLM's `auto` on a GPU: a float32 checkpoint runs in bfloat16 (16-bit tensor cores and half
+    the bytes to read); the CPU keeps the checkpoint's dtype. An explicit dtype always wins."""
+    from engine.models.loader import resolve_dtype
+
+    assert resolve_dtype("auto", "float32", "cpu") is torch.float32
+    assert resolve_dtype("auto", "float32", "cuda") is torch.bfloat16
+    assert resolve_dtype("auto", "torch.float32", "cuda:1") is torch.bfloat16
+    assert resolve_dtype("auto", "float16", "cuda") is torch.float16  # a 16-bit checkpoint keeps its dtype
+    assert resolve_dtype("float32", "float32", "cuda") is torch.float32
+    assert resolve_dtype("auto", "bfloat16", "cpu") is torch.bfloat16

@@ -31,8 +31,13 @@ from engine.models.vision import LlavaVision, VisionConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str) -> torch.dtype:
-    name = checkpoint_dtype if requested == "auto" else requested
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: str = "cpu") -> torch.dtype:
+    """The dtype a model runs in. `auto`: the checkpoint's, except that a float32 checkpoint runs in
+    bfloat16 on a CUDA device, as vLLM's `auto` does there (a GPU's tensor cores and bandwidth
+    want 16 bits); on the CPU float32 stays float32."""
+    name = checkpoint_dtype.removeprefix("torch.") if requested == "auto" else requested
+    if requested == "auto" and name == "float32" and torch.device(device).type == "cuda":
+        name = "bfloat16"
     name = name.removeprefix("torch.")
     if name not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {name!r}; supported: {sorted(DTYPES)}")
@@ -87,7 +92,7 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
         weights = dequantized(iterate_weights(files), weight_scales(files), quantized)
     else:
         weights = iterate_weights(safetensors_files(model_dir))
-    torch_dtype = resolve_dtype(dtype, cfg.torch_dtype)
+    torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     try:
         model = DecoderForCausalLM(cfg, torch_dtype, device, tp, experts, stage)  # uninitialised: weights next
     except ValueError as exc:  # a dimension tensor parallelism cannot split
@@ -131,7 +136,7 @@ def load_llava(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     every rank). Blocking: run it off the event loop."""
     model_dir = Path(model_dir)
     cfg = parse_llava_config(read_config_json(model_dir))
-    torch_dtype = resolve_dtype(dtype, cfg.text.torch_dtype)
+    torch_dtype = resolve_dtype(dtype, cfg.text.torch_dtype, device)
     try:
         decoder = DecoderForCausalLM(cfg.text, torch_dtype, device, tp)
     except ValueError as exc:
@@ -172,7 +177,7 @@ def load_encoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     cfg = EncoderConfig.from_hf(read_config_json(model_dir))
     if cfg.late_interaction and cfg.projection_dim is None:  # colbert-ai does not write it into config.json
         cfg = replace(cfg, projection_dim=_checkpoint_rows(safetensors_files(model_dir), PROJECTION_NAMES))
-    model = BertEncoder(cfg, resolve_dtype(dtype, cfg.torch_dtype), device)
+    model = BertEncoder(cfg, resolve_dtype(dtype, cfg.torch_dtype, device), device)
     with torch.no_grad():
         model.load_weights(iterate_weights(safetensors_files(model_dir)))
     return model.eval()
