@@ -29,7 +29,7 @@ from engine.log_format import configure_logging
 from web import options
 from web.settings import ServerSettings
 from web.startup import check_port_free, startup_failure
-from web.vllm_flags import foreign_flag_lines
+from web.vllm_flags import foreign_flag_notes
 
 COMMAND_GROUP = "trio_llm.commands"
 # What add_subparsers() returns (generic only to type checkers, hence the string).
@@ -145,14 +145,14 @@ def model_dir(model: str | None) -> str:
 
 
 def _refused(command: str, args: argparse.Namespace) -> bool:
-    """Print a line for each flag given that cannot be honoured, and log a note for each accepted
-    one that changes nothing (vLLM flags with no feature behind them here)."""
+    """Whether the command line asks for something that cannot be honoured: a line is printed for
+    each such flag. (A vLLM flag accepted with no effect here is logged as a note instead.)"""
     refused = options.refused_flags(args)
     if getattr(args, "model_option", None) and args.model and args.model_option != args.model:
         refused.append(f"two models given: {args.model} and --model {args.model_option}; give one")
     for reason in refused:
         print(f"trio-llm {command}: {reason}", file=sys.stderr)
-    for note in foreign_flag_lines(args)[0]:
+    for note in foreign_flag_notes(args):
         logging.getLogger("trio_llm.serve").info("note: %s", note)
     return bool(refused)
 

@@ -26,7 +26,7 @@ from engine.config import (
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from web.cors import CorsSettings
 from web.settings import ServerSettings
-from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_lines
+from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_refusals
 
 HASH_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 # vLLM's --dtype spellings: its other names for the same dtypes
@@ -295,7 +295,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 def refused_flags(args: argparse.Namespace) -> list[str]:
     """One line per flag given that trio-llm cannot honour."""
-    reasons = foreign_flag_lines(args)[1]
+    reasons = foreign_flag_refusals(args)
     quantization = getattr(args, "quantization", None)
     if quantization is not None and quantization not in QUANTIZATIONS:
         reasons.append(f"--quantization {quantization}: not implemented here; trio-llm quantizes float checkpoints "

@@ -17,7 +17,7 @@ only for the rest, so `--help` lists every flag a vLLM user may bring.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ class ForeignFlag:
 
 
 _REFUSED: tuple[str, ...] = ()  # `harmless=_REFUSED`: refused whatever its value
+LOCAL_ONLY = "models and tokenizers load from local directories only (not hub ids) for now"
 
 ENGINE_FLAGS = (
     ForeignFlag("--disable-log-stats", "trio-llm logs no periodic stats lines; /metrics serves them",
@@ -68,13 +69,11 @@ ENGINE_FLAGS = (
                 "generation_config.json), or per request", harmless=_REFUSED),
     ForeignFlag("--worker-cls", "workers are trio-llm's own", harmless=("auto",)),
     ForeignFlag("--worker-extension-cls", "workers take no extensions", harmless=("",)),
-    ForeignFlag("--revision", "models load from local directories only (not hub ids) for now: give the "
-                "directory of the revision you want", harmless=_REFUSED),
-    ForeignFlag("--tokenizer-revision", "tokenizers load from local directories only for now (--tokenizer DIR)",
-                harmless=_REFUSED),
+    *(ForeignFlag(flag, f"{LOCAL_ONLY}: {what}", harmless=_REFUSED) for flag, what in (
+        ("--revision", "give the directory of the revision you want"),
+        ("--tokenizer-revision", "give the tokenizer's directory (--tokenizer DIR)"),
+        ("--download-dir", "nothing is downloaded"))),
     ForeignFlag("--code-revision", "trio-llm runs no code from model repositories", harmless=_REFUSED),
-    ForeignFlag("--download-dir", "models load from local directories only (not hub ids) for now; nothing is "
-                "downloaded", harmless=_REFUSED),
 )
 
 SERVER_FLAGS = (
@@ -121,14 +120,19 @@ def add_foreign_flags(parser: argparse.ArgumentParser, flags: Sequence[ForeignFl
 ALL_FLAGS = {foreign.flag: foreign for foreign in (*ENGINE_FLAGS, *SERVER_FLAGS)}
 
 
-def foreign_flag_lines(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(notes, refusals): one line for each foreign flag given, accepted or refused."""
-    notes, refusals = [], []
+def _given(args: argparse.Namespace) -> Iterator[tuple[ForeignFlag, str | None, str]]:
+    """Each foreign flag given: the flag, its value (None for a switch), and how to show both."""
     for flag, value in (getattr(args, "foreign_flags", None) or {}).items():
-        foreign = ALL_FLAGS[flag]
-        shown = f"{flag} {value}" if isinstance(value, str) else flag
-        if foreign.refuses(value if isinstance(value, str) else None):
-            refusals.append(f"{shown}: {foreign.why}")
-        else:
-            notes.append(f"{shown} changes nothing here: {foreign.why}")
-    return notes, refusals
+        value = value if isinstance(value, str) else None
+        yield ALL_FLAGS[flag], value, flag if value is None else f"{flag} {value}"
+
+
+def foreign_flag_notes(args: argparse.Namespace) -> list[str]:
+    """A line for each foreign flag given and accepted: why it changes nothing here."""
+    return [f"{shown} changes nothing here: {foreign.why}" for foreign, value, shown in _given(args)
+            if not foreign.refuses(value)]
+
+
+def foreign_flag_refusals(args: argparse.Namespace) -> list[str]:
+    """A line for each foreign flag given that cannot be honoured, with the reason."""
+    return [f"{shown}: {foreign.why}" for foreign, value, shown in _given(args) if foreign.refuses(value)]

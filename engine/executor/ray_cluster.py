@@ -20,9 +20,9 @@ The local instance needs care, each point seen in a failed start:
   directory removed on the way out, failed start included, and the token is passed to Ray's
   processes in the environment (`RAY_AUTH_TOKEN`), never written to a file.
 - `ray.init` puts Ray's failure handler on SIGTERM (it prints a C++ stack trace and kills the
-  process), over this process's own handling: the engine process ignores SIGTERM so that a
-  SIGTERM sent to the whole process group leaves the server to stop it. The handler this process
-  had is put back once Ray is up (from the main thread, the only one that may set handlers).
+  process) over this process's own: the engine process stops cleanly on SIGTERM, Ray included.
+  The handler this process had is put back once Ray is up (from the main thread, the only one
+  that may set handlers).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Ray places the workers and owns their processes; the rest is the multi-process
 executor's (engine/executor/worker_group.py):
 - start: connect to the Ray cluster (`RAY_ADDRESS`, else a local one this
-  executor starts and stops: engine/executor/ray_cluster.py), reserve a placement group of one bundle per
-  rank (`STRICT_PACK`: tensor-parallel ranks share a node), start one
+  executor starts and stops: engine/executor/ray_cluster.py), reserve a
+  placement group of one bundle per rank (`STRICT_PACK`: tensor-parallel ranks share a node), start one
   `RayWorker` actor per bundle, log where each rank runs, then have every
   actor connect back to a TCP listener here (secret checked first) and serve
   the usual worker program over it. Torch's process group rendezvous on rank
@@ -46,8 +46,7 @@ from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor import ray_refs
 from engine.executor.multiproc import check_tensor_parallel
-from engine.executor.ray_cluster import first_line as _first_line
-from engine.executor.ray_cluster import ray_connected
+from engine.executor.ray_cluster import first_line, ray_connected
 from engine.executor.rpc import WorkerConnection, WorkerGroup
 from engine.executor.worker_group import STARTUP_TIMEOUT, WorkerGroupExecutor
 from engine.ipc.fast_socket import FastSocketStream
@@ -198,7 +197,7 @@ class RayExecutor(WorkerGroupExecutor):
         """Wait for rank `rank`'s `serve` call to end; how it did, in words."""
         outcome = await ray_refs.settled(self._serving[rank])
         error = outcome.exception()
-        return "its worker returned" if error is None else f"{type(error).__name__}: {_first_line(error)}"
+        return "its worker returned" if error is None else f"{type(error).__name__}: {first_line(error)}"
 
     async def _describe_early_exit(self, rank: int) -> str:
         with anyio.move_on_after(SHUTDOWN_GRACE):

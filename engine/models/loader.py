@@ -35,10 +35,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str = "cpu") ->
     """The dtype a model runs in. `auto`: the checkpoint's, except that a float32 checkpoint runs in
     bfloat16 on a CUDA device, as vLLM's `auto` does there (a GPU's tensor cores and bandwidth
     want 16 bits); on the CPU float32 stays float32."""
-    name = checkpoint_dtype.removeprefix("torch.") if requested == "auto" else requested
+    name = (checkpoint_dtype if requested == "auto" else requested).removeprefix("torch.")
     if requested == "auto" and name == "float32" and torch.device(device).type == "cuda":
         name = "bfloat16"
-    name = name.removeprefix("torch.")
     if name not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {name!r}; supported: {sorted(DTYPES)}")
     return DTYPES[name]

@@ -113,7 +113,7 @@ def settle_vector_isa(cache_dir: Path) -> None:
 
 
 # The first compile of a model's two graphs (decode and step), measured on 2 cores: 57 s for a
-# tiny model, 108 s for the Qwen2.5-0.5B shape (docs/benchmarks.md, "Start-up"). A fixed part
+# tiny model, 108 s for the Qwen2.5-0.5B shape (docs/benchmarks.md, "A newcomer's first hour"). A fixed part
 # (inductor's headers and wrapper code), and a part that grows with the weights' kernels.
 COMPILE_FIXED_SECONDS, COMPILE_SECONDS_PER_MILLION_PARAMETERS = 55.0, 0.1
 
