@@ -129,11 +129,23 @@ class PoolerOptions:
         return cls(**raw)
 
 
+def vllm_capture_sizes(max_num_seqs: int, largest: int | None = None) -> tuple[int, ...]:
+    """vLLM's default `cudagraph_capture_sizes`: 1, 2, 4, then every 8 up to 248, then every 16,
+    up to `largest` (vLLM's `max_cudagraph_capture_size`; default min(2 x max_num_seqs, 512))."""
+    top = min(max_num_seqs * 2, 512) if largest is None else largest
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)]
+    return tuple(s for s in sizes if s <= top)
+
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     """`--compilation-config` (a subset of vLLM's keys): the batch sizes the decode graph is warmed
-    up at (`cudagraph_capture_sizes`; default powers of two up to 64, capped at max_num_seqs; the
-    graph's batch is dynamic, so the largest is what counts: larger batches run eagerly), and
+    up at on CPU (`cudagraph_capture_sizes`; default powers of two up to 64, capped at max_num_seqs;
+    the graph's batch is dynamic, so the largest is what counts: larger batches run eagerly) or
+    captured at on CUDA (default vLLM's: 1, 2, 4, every 8 to 248, every 16 above, up to
+    `max_cudagraph_capture_size`, by default min(2 x max_num_seqs, 512); a batch is padded up to
+    the next size), and
     where compiled artefacts are cached (`cache_dir`; default
     $XDG_CACHE_HOME/trio-llm/torch_compile, by default ~/.cache/trio-llm/torch_compile, or
     TORCHINDUCTOR_CACHE_DIR if set). `compile_prompts` (ours; default true): prompt chunks and
@@ -141,6 +153,7 @@ class CompilationConfig:
     inside it (engine/worker/step_graph.py); false keeps them eager."""
 
     cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int | None = None
     cache_dir: str | None = None
     compile_prompts: bool = True
 
@@ -152,6 +165,10 @@ class CompilationConfig:
                 raise ValueError(f"compilation_config.cudagraph_capture_sizes must be a non-empty list of positive "
                                  f"integers, got {sizes!r}")
             object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+        largest = self.max_cudagraph_capture_size
+        if largest is not None and (type(largest) is not int or largest < 1):
+            raise ValueError("compilation_config.max_cudagraph_capture_size must be a positive integer, "
+                             f"got {largest!r}")
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
             raise ValueError(f"compilation_config.cache_dir must be a directory, got {self.cache_dir!r}")
         if not isinstance(self.compile_prompts, bool):
@@ -441,8 +458,11 @@ class EngineConfig:
     def decode_batch_sizes(self) -> tuple[int, ...]:
         """The batch sizes the decode graph is warmed up at; the largest bounds it (see CompilationConfig)."""
         sizes = self.compilation_config.cudagraph_capture_sizes
+        largest = self.compilation_config.max_cudagraph_capture_size
         if sizes is not None:
-            return sizes
+            return sizes if largest is None else tuple(s for s in sizes if s <= largest) or sizes[:1]
+        if self.device.startswith("cuda"):
+            return vllm_capture_sizes(self.max_num_seqs, largest)
         return tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < self.max_num_seqs}
                             | {min(self.max_num_seqs, 64)}))
 

@@ -30,6 +30,7 @@ from engine.models.attention import (
     SequenceChunk,
     build_metadata,
     causal_prompt_attention,
+    gathered_decode_attention,
     paged_attention,
     paged_decode_attention,
 )
@@ -459,8 +460,10 @@ def test_a_model_that_does_not_export_runs_on_torch_compile(tmp_path_factory, tm
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
-def test_decode_attention_equals_the_eager_attention_over_ragged_sequences(dtype, num_kv_heads):
-    """The compiled graphs' attention formula (run eagerly here) against the eager path's SDPA:
+@pytest.mark.parametrize("decode_attention", [paged_decode_attention, gathered_decode_attention])
+def test_decode_attention_equals_the_eager_attention_over_ragged_sequences(dtype, num_kv_heads, decode_attention):
+    """The compiled graphs' attention formula (run eagerly here), and the captured CUDA graphs',
+    against the eager path's SDPA:
     sequences of different lengths, some ending mid-block and one of a single token, grouped
     query heads, tables padded with a scratch block, and a padding row past the real ones."""
     generator = torch.Generator().manual_seed(0)
@@ -481,7 +484,7 @@ def test_decode_attention_equals_the_eager_attention_over_ragged_sequences(dtype
 
     padded = [t + [0] * (width - len(t)) for t in tables] + [[0] * width]
     meta = DecodeMetadata(torch.tensor([*last, 0]), torch.tensor(padded), torch.tensor([*lengths, 1]), block_size)
-    got = paged_decode_attention(q, k_cache, v_cache, meta, scale)
+    got = decode_attention(q, k_cache, v_cache, meta, scale)
 
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

@@ -79,6 +79,20 @@ class DecodeMetadata:
     seq_lens: torch.Tensor  # [B] tokens each sequence attends to (its cached ones plus the new one)
     block_size: int
 
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """The batch's attention: reductions written for inductor (`paged_decode_attention`)."""
+        return paged_decode_attention(q, k_cache, v_cache, self, scale)
+
+
+@dataclass
+class GatheredDecodeMetadata(DecodeMetadata):
+    """A batch of decodes for a captured CUDA graph (`engine.worker.cuda_graphs`): attention is one
+    SDPA call over the keys and values the block table gathers (`gathered_decode_attention`),
+    which runs eagerly on any device and launches the same kernels at every replay."""
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return gathered_decode_attention(q, k_cache, v_cache, self, scale)
+
 
 @dataclass(frozen=True)
 class GraphedAttention:
@@ -385,3 +399,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = (per_block.unsqueeze(-1) * values.unsqueeze(4)).sum(2).sum(1)  # [B, Hkv, G, D]
     out = out / weights.sum(-1, keepdim=True)
     return out.reshape(B, num_heads, dim).to(q.dtype)
+
+
+def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] (one query per sequence) -> [B, Hq, D]: the keys and values of each sequence's
+    block table gathered ([B, Hkv, L, D]), then one SDPA call masked to each one's length.
+
+    Grouped-query attention without copying the keys per query head: a sequence's one query per
+    head is laid out as G queries of its KV head ([B, Hkv, G, D]), which every SDPA backend takes
+    (`enable_gqa` is not taken by all of CUDA's). Shapes depend only on the batch size and the
+    table's width, never on the lengths, so a CUDA graph captured at one width replays at any
+    lengths within it."""
+    B, num_heads, dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    length = meta.block_table.shape[1] * meta.block_size
+    keys = k_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
+    values = v_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
+    allowed = torch.arange(length, device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, L]
+    out = F.scaled_dot_product_attention(q.view(B, num_kv_heads, group, dim), keys.transpose(1, 2),
+                                         values.transpose(1, 2), attn_mask=allowed[:, None, None, :], scale=scale)
+    return out.reshape(B, num_heads, dim)

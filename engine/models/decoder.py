@@ -21,7 +21,6 @@ from engine.models.attention import (
     DecodeMetadata,
     GraphedAttention,
     paged_attention,
-    paged_decode_attention,
     step_attention,
     write_kv,
 )
@@ -88,8 +87,8 @@ class DecoderLayer(nn.Module):
         if isinstance(meta, GraphedAttention):  # a compiled step graph: attention is opaque to it
             return self.o_proj(step_attention(q, k, v, self.index, self.scale).reshape(T, -1))
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
-        if isinstance(meta, DecodeMetadata):  # a compiled decode graph
-            out = paged_decode_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        if isinstance(meta, DecodeMetadata):  # a compiled decode graph or a captured CUDA graph
+            out = meta.attend(q, kv_cache[0], kv_cache[1], self.scale)
         else:
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(T, -1))

@@ -50,6 +50,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
+    @property
+    def max_positions(self) -> int:
+        """Positions the tables hold: the longest sequence the model runs."""
+        return int(self.cos.shape[0])
+
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their tokens' positions [T]."""
         cos = self.cos[positions].unsqueeze(1)

@@ -179,6 +179,10 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.capture_sizes[-1]
 
+    def takes(self, count: int, blocks: int) -> bool:
+        """Whether a step of `count` decodes runs on the graph (any table width does)."""
+        return count <= self.max_batch
+
     @property
     def min_rows(self) -> int:
         """The fewest rows a step runs with: one on the exported graph, two on dynamo's."""

@@ -27,6 +27,7 @@ from engine.multimodal import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.worker.cuda_graphs import CapturedDecode
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.grammar_masks import Budget, GrammarMasks
 from engine.worker.sampler import SamplingRow, sample, top_logprobs
@@ -75,10 +76,11 @@ class ModelRunner:
                  pooler: PoolerConfig = PoolerConfig(), report_expert_load: bool = False,
                  vision: LlavaVision | None = None,
                  save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None,
-                 grammar: GrammarMasks | None = None, decode_graphs: DecodeGraphs | None = None,
+                 grammar: GrammarMasks | None = None, decode_graphs: DecodeGraphs | CapturedDecode | None = None,
                  step_graph: StepGraph | None = None, num_blocks: int | None = None,
                  lora: LoRAServing | None = None, stage: PipelineStage = PipelineStage(), tp_rank: int = 0) -> None:
-        """`decode_graphs`: compiled graphs that decode-only steps run on (None: all eager);
+        """`decode_graphs`: the compiled graph (CPU) or captured graphs (CUDA) the step's decodes run
+        on (None: all eager);
         `step_graph`: the compiled graph the other steps run on (None: eager). `lora`: the LoRA
         adapters served.
         `num_blocks`: the scheduler's blocks (default: all the cache holds). `stage`: this rank's
@@ -224,7 +226,8 @@ class ModelRunner:
         embeds = self._embed(batch, input_ids)
         graphs = self.decode_graphs
         num_decodes = next((i for i, s in enumerate(batch) if s.num_tokens != 1), len(batch))  # decodes come first
-        if graphs is None or not 0 < num_decodes <= graphs.max_batch:
+        blocks = max((s.start_position // self.block_size + 1 for s in batch[:num_decodes]), default=0)
+        if graphs is None or not num_decodes or not graphs.takes(num_decodes, blocks):
             return self._forward_eager(batch, embeds, pos)
         with self._adapters(batch[:num_decodes]):
             decoded = self._decode_compiled(graphs, batch[:num_decodes], embeds[:num_decodes], pos[:num_decodes])
@@ -253,8 +256,8 @@ class ModelRunner:
             hidden: torch.Tensor = self.model(embeds, pos, self.kv_caches, meta)
         return hidden
 
-    def _decode_compiled(self, graphs: DecodeGraphs, batch: list[ScheduledRequest], embeds: torch.Tensor,
-                         pos: torch.Tensor) -> torch.Tensor:
+    def _decode_compiled(self, graphs: DecodeGraphs | CapturedDecode, batch: list[ScheduledRequest],
+                         embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The step's decodes on the compiled graph."""
         size = self.block_size
         slots, lengths, tables = [], [], []

@@ -25,7 +25,7 @@ from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from engine.lora.layers import LoRAServing
 from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.bert import BertEncoder, is_encoder_config
-from engine.models.decoder import DecoderForCausalLM
+from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.hf_config import is_llava_config, parse_decoder_config, read_config_json
 from engine.models.layers import Linear
 from engine.models.loader import load_decoder, load_encoder, load_llava
@@ -36,6 +36,7 @@ from engine.models.pooler import read_pooler_config
 from engine.models.vision import LlavaVision
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
+from engine.worker.cuda_graphs import CapturedDecode, CudaGraphCapture, max_table_blocks
 from engine.worker.decode_graphs import DecodeGraphs, use_compile_cache
 from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.expert_mover import ExpertMover
@@ -211,8 +212,11 @@ class Worker:
         caches = [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
                    torch.zeros(shape, dtype=self.model.dtype, device=self.device))
                   for _ in self.model.layers]
-        graphs = step_graph = None
-        if compiled:
+        graphs: DecodeGraphs | CapturedDecode | None = None
+        step_graph = None
+        if compiled and self._captures_graphs():
+            graphs = self._captured_decode(caches, num_blocks)
+        elif compiled:
             cache_dir = use_compile_cache(self.config.compilation_config.cache_dir)
             graphs = DecodeGraphs(self.model, caches, self.config.block_size, num_blocks,
                                   self.config.decode_batch_sizes, cache_dir)
@@ -227,10 +231,30 @@ class Worker:
                                   decode_graphs=graphs, step_graph=step_graph, num_blocks=num_blocks,
                                   lora=self.lora, stage=self.stage, tp_rank=self.tp.rank)
         with bound_to(self.compute_cpus), torch.inference_mode():
-            if graphs is not None:
+            if isinstance(graphs, CapturedDecode):
+                graphs.capture_all()
+            elif graphs is not None:
                 graphs.compile_all()
             if step_graph is not None:
                 step_graph.compile()
+
+    def _captures_graphs(self) -> bool:
+        """Whether the decode step is captured as CUDA graphs (on CUDA) rather than compiled."""
+        return self.device.type == "cuda"
+
+    def _captured_decode(self, caches: list[KVCache], num_blocks: int) -> CapturedDecode | None:
+        """On CUDA, decode steps replay captured CUDA graphs (engine/worker/cuda_graphs.py) rather
+        than an AOTInductor package, which is built and checked for CPU only. LoRA adapters and MoE
+        experts pick their rows at run time, which a captured graph cannot: those models decode
+        eagerly, and say so."""
+        assert isinstance(self.model, DecoderForCausalLM)
+        if self.lora is not None or self.model.moe_layers:
+            logger.warning("CUDA graphs are not captured for %s: decode steps run eagerly",
+                           "LoRA adapters" if self.lora is not None else "an MoE model's experts")
+            return None
+        max_len = self.model.rope.max_positions if self.model.rope is not None else self.config.block_size
+        return CapturedDecode(self.model, caches, self.config.block_size, num_blocks, self.config.decode_batch_sizes,
+                              max_table_blocks(max_len, self.config.block_size), CudaGraphCapture())
 
     def _compiles(self) -> bool:
         """Whether decode steps run compiled graphs: unless --enforce-eager, for a decoder on one

@@ -1,0 +1,207 @@
+"""Decode steps as captured CUDA graphs: one per (batch size, block-table width), replayed over
+static input buffers, as vLLM captures its decode step per `cudagraph_capture_sizes`.
+
+A GPU step run eagerly is launch-bound: the 0.5B shape's decode launched ~976 kernels a step
+from Python (issue 48). A captured graph replays them all in one call. What a replay needs:
+
+- fixed shapes. A batch is padded up to the next captured size (`padded_size`), its block
+  tables to the next captured width; the padding rows write their keys and values into the
+  scratch block past the scheduler's blocks and attend only to it, as on the compiled CPU graph
+  (engine/worker/decode_graphs.py), so padding never reaches a real sequence;
+- fixed addresses. Each graph reads its inputs from buffers allocated once (the largest size
+  and width; smaller graphs read a prefix), and a step copies its inputs into them;
+- attention with shapes that do not depend on the lengths: `gathered_decode_attention` (SDPA
+  over the gathered table, masked to each length), which runs on any device.
+
+Which widths: a width bucket costs a graph per size, and a graph's gathered keys grow with
+size x width, so wide tables get graphs only at the sizes where size x width tokens stays
+within `GATHER_TOKEN_BUDGET`; a step no graph takes runs eagerly.
+
+The capture itself is a backend (`GraphCapture`): `CudaGraphCapture` on a GPU; `CallThrough` on
+CPU, which runs the same buffers and padding through the eager model at every replay, so the
+whole path is tested where CI runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from engine.models.attention import GatheredDecodeMetadata
+from engine.models.decoder import DecoderForCausalLM, KVCache
+
+logger = logging.getLogger(__name__)
+
+# A captured graph's gathered keys and values hold size x width x block_size tokens per layer
+# call; graphs whose product exceeds this many tokens are not captured (those steps run eagerly).
+GATHER_TOKEN_BUDGET = 1 << 19
+FIRST_WIDTH_TOKENS = 256  # the narrowest table captured, in tokens; each next width is 4x wider
+
+
+def padded_size(count: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of the (ascending) `sizes` that holds `count`; None if none does."""
+    i = bisect.bisect_left(sizes, count)
+    return sizes[i] if i < len(sizes) else None
+
+
+def table_widths(max_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The block-table widths graphs are captured at: FIRST_WIDTH_TOKENS, 4x that, ..., up to the
+    widest table a sequence of max_model_len tokens needs."""
+    width = max(1, FIRST_WIDTH_TOKENS // block_size)
+    widths = []
+    while width < max_blocks:
+        widths.append(width)
+        width *= 4
+    return (*widths, max_blocks)
+
+
+class GraphCapture(Protocol):
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Capture `run` (which reads and writes fixed buffers only); returns its replay, which
+        returns the same output tensor each time, refilled."""
+
+
+class CallThrough:
+    """No capture: each replay calls `run` again, over the same buffers (CPU, and tests)."""
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        run()
+        return run
+
+
+class CudaGraphCapture:
+    """`torch.cuda.CUDAGraph`s sharing one memory pool (captured largest first, so the smaller
+    ones reuse the largest one's memory, as vLLM captures)."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None  # the first graph's pool handle
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture: lazy initialisation, allocator
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+        self.pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+
+
+class CapturedDecode:
+    """The decode step of one model over one KV cache as captured graphs (see the module doc).
+    The same face as `DecodeGraphs`: `takes`, `run`, `compute_logits`, `steps_run`."""
+
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int, scratch_block: int,
+                 capture_sizes: Sequence[int], max_blocks: int, capture: GraphCapture) -> None:
+        if not capture_sizes or min(capture_sizes) < 1:
+            raise ValueError(f"capture sizes must be positive, got {list(capture_sizes)}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.sizes = tuple(sorted(set(capture_sizes)))
+        self.widths = table_widths(max_blocks, block_size)
+        self._capture = capture
+        device, largest, widest = model.device, self.sizes[-1], self.widths[-1]
+        self._hidden = torch.zeros(largest, model.config.hidden_size, dtype=model.dtype, device=device)
+        self._positions = torch.zeros(largest, dtype=torch.long, device=device)
+        self._slots = torch.zeros(largest, dtype=torch.long, device=device)
+        self._seq_lens = torch.ones(largest, dtype=torch.long, device=device)
+        self._tables = torch.full((largest, widest), scratch_block, dtype=torch.long, device=device)
+        self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self.steps_run = 0  # decode steps served by a graph (tests, metrics)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def shape_for(self, count: int, blocks: int) -> tuple[int, int] | None:
+        """The captured (size, width) a step of `count` decodes whose longest table has `blocks`
+        blocks replays on; None if none is captured for it (the step runs eagerly)."""
+        size = padded_size(count, self.sizes)
+        width = padded_size(blocks, self.widths)
+        if size is None or width is None or (size, width) not in self._graphs:
+            return None
+        return size, width
+
+    def takes(self, count: int, blocks: int) -> bool:
+        return self.shape_for(count, blocks) is not None
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (size, width) captured: at each width, the sizes within GATHER_TOKEN_BUDGET (the
+        smallest size always)."""
+        return [(size, width) for width in self.widths for size in self.sizes
+                if size == self.sizes[0] or size * width * self.block_size <= GATHER_TOKEN_BUDGET]
+
+    def capture_all(self, progress: Callable[[str], None] = logger.info) -> float:
+        """Capture every graph (largest first); returns the seconds it took. Once, at start-up."""
+        start = time.perf_counter()
+        shapes = sorted(self.shapes(), key=lambda s: (s[0] * s[1], s), reverse=True)
+        with torch.inference_mode():
+            for size, width in shapes:
+                self._graphs[size, width] = self._capture.capture(self._forward(size, width))
+        seconds = time.perf_counter() - start
+        progress(f"captured {len(shapes)} decode graphs (batch sizes {self.sizes[0]}-{self.max_batch}, "
+                 f"{len(self.widths)} table widths up to {self.widths[-1] * self.block_size} tokens) "
+                 f"in {seconds:.1f} s")
+        return seconds
+
+    def _forward(self, size: int, width: int) -> Callable[[], torch.Tensor]:
+        """The model's decode over the first `size` rows and `width` table columns of the buffers."""
+        meta = GatheredDecodeMetadata(self._slots[:size], self._tables[:size, :width], self._seq_lens[:size],
+                                      self.block_size)
+        hidden, positions = self._hidden[:size], self._positions[:size]
+        return lambda: self.model(hidden, positions, self.kv_caches, meta)
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], seq_lens: Sequence[int],
+            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One decode step of `len(slots)` sequences (as `DecodeGraphs.run`): the inputs copied into
+        the buffers, padding rows pointed at the scratch block, the graph replayed. Returns the real
+        rows' final hidden states (a view of the graph's output: read it before the next step)."""
+        count = len(slots)
+        shape = self.shape_for(count, max(len(t) for t in block_tables))
+        assert shape is not None, "no graph for this step: the caller checks takes() first"
+        size, width = shape
+        self._hidden[:count].copy_(hidden[:count])
+        self._positions[:count].copy_(positions[:count])
+        self._fill_metadata(slots, seq_lens, block_tables, size, width)
+        out = self._graphs[shape]()
+        self.steps_run += 1
+        return out[:count]
+
+    def _fill_metadata(self, slots: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                       size: int, width: int) -> None:
+        """Slots, lengths and tables of the real rows, the scratch block for the rest: one host
+        tensor each, copied in without waiting for the device."""
+        count, scratch = len(slots), self.scratch_block
+        pad = size - count
+        table = torch.full((size, width), scratch, dtype=torch.long)
+        for row, blocks in enumerate(block_tables):
+            table[row, :len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
+        pinned = torch.cuda.is_available() and self._slots.is_cuda
+        for buffer, values in ((self._slots, [*slots, *[scratch * self.block_size] * pad]),
+                               (self._seq_lens, [*seq_lens, *[1] * pad])):
+            buffer[:size].copy_(torch.tensor(values, dtype=torch.long, pin_memory=pinned), non_blocking=pinned)
+        self._tables[:size, :width].copy_(table.pin_memory() if pinned else table, non_blocking=pinned)
+        self._hidden[count:size].zero_()
+        self._positions[count:size].zero_()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+def max_table_blocks(max_model_len: int, block_size: int) -> int:
+    """The widest block table a sequence of `max_model_len` tokens needs."""
+    return math.ceil(max_model_len / block_size)

@@ -1,0 +1,127 @@
+"""Captured decode graphs (engine/worker/cuda_graphs.py), run on CPU through `CallThrough`: the
+capture sizes, the padding, the static buffers and the gathered attention are the code a GPU
+runs; only the capture itself is CUDA's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from engine import EngineConfig, open_engine
+from engine.config import CompilationConfig, vllm_capture_sizes
+from engine.models.attention import SequenceChunk, build_metadata
+from engine.worker import cuda_graphs, worker
+from engine.worker.cuda_graphs import CallThrough, CapturedDecode, padded_size, table_widths
+from engine.worker.worker import Worker
+from tests.conftest import engine_config
+from tests.helpers import final_output, greedy
+
+
+def test_the_default_capture_sizes_are_vllms_and_a_cuda_engine_uses_them():
+    sizes = vllm_capture_sizes(256)
+    assert sizes[:3] == (1, 2, 4)
+    assert sizes[3:34] == (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168,
+                           176, 184, 192, 200, 208, 216, 224, 232, 240, 248)
+    assert sizes[34:] == (256, 272, 288, 304, 320, 336, 352, 368, 384, 400, 416, 432, 448, 464, 480, 496, 512)
+    assert vllm_capture_sizes(4) == (1, 2, 4, 8)  # min(2 x max_num_seqs, 512)
+    assert EngineConfig(model="m", device="cuda", max_num_seqs=4).decode_batch_sizes == (1, 2, 4, 8)
+    largest = CompilationConfig(max_cudagraph_capture_size=24)
+    assert EngineConfig(model="m", device="cuda:0", compilation_config=largest).decode_batch_sizes == (1, 2, 4, 8, 16,
+                                                                                                      24)
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size must be a positive integer"):
+        CompilationConfig.from_json('{"max_cudagraph_capture_size": 0}')
+
+
+def test_a_batch_is_padded_to_the_next_captured_size_and_a_table_to_the_next_width():
+    sizes = (1, 2, 4, 8, 16)
+    assert [padded_size(n, sizes) for n in (1, 3, 4, 5, 16, 17)] == [1, 4, 4, 8, 16, None]
+    assert table_widths(2048, 16) == (16, 64, 256, 1024, 2048)
+    assert table_widths(32, 16) == (16, 32)
+    assert table_widths(8, 16) == (8,)  # a model shorter than the first width: one width, all of it
+
+
+def _captured(model_dir: str, sizes=(1, 2, 4)) -> CapturedDecode:
+    """The tiny model's decode, captured (on CPU: called through) over a cache of 40 blocks plus
+    the scratch block."""
+    w = Worker(EngineConfig(model=model_dir, dtype="float32", enforce_eager=True, num_kv_blocks=40))
+    w.load_model()
+    w.initialize_kv_cache(41)
+    graphs = CapturedDecode(w.runner.model, w.runner.kv_caches, 16, 40, sizes, 32, CallThrough())
+    graphs.capture_all(progress=lambda line: None)
+    return graphs
+
+
+def test_a_padded_replay_equals_the_eager_step_and_padding_touches_only_the_scratch_block(tiny_model_dir):
+    """Three ragged sequences (one past the first table width) replayed on the size-4 graph: the
+    same hidden states and cache writes as the eager model's step, and the padding row's key went
+    to the scratch block only."""
+    graphs = _captured(tiny_model_dir)
+    assert graphs.shapes() == [(1, 16), (2, 16), (4, 16), (1, 32), (2, 32), (4, 32)]
+    torch.manual_seed(0)
+    for k, v in graphs.kv_caches:
+        k.normal_(), v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in graphs.kv_caches]
+    lengths, tables = [1, 20, 300], [[0], [1, 2], list(range(3, 22))]
+    slots = [t[(n - 1) // 16] * 16 + (n - 1) % 16 for n, t in zip(lengths, tables, strict=True)]
+    hidden = torch.randn(3, graphs.model.config.hidden_size)
+    positions = torch.tensor([n - 1 for n in lengths])
+    assert graphs.shape_for(3, 19) == (4, 32)
+    with torch.inference_mode():
+        got = graphs.run(hidden, positions, slots, lengths, tables).clone()
+        after_graph = [(k.clone(), v.clone()) for k, v in graphs.kv_caches]
+        for (k, v), (k0, v0) in zip(graphs.kv_caches, before, strict=True):
+            k.copy_(k0), v.copy_(v0)
+        chunks = [SequenceChunk(n - 1, 1, t) for n, t in zip(lengths, tables, strict=True)]
+        meta = build_metadata(chunks, 16, torch.device("cpu"), torch.float32)
+        want = graphs.model(hidden, positions, graphs.kv_caches, meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    scratch = slice(40 * 16, 41 * 16)
+    for (k, _), (k0, _), (k_eager, _) in zip(after_graph, before, graphs.kv_caches, strict=True):
+        torch.testing.assert_close(k[:scratch.start], k_eager[:scratch.start])  # real blocks: as the eager step
+        assert not torch.equal(k[scratch], k0[scratch])  # the padding row wrote its key there
+    assert graphs.steps_run == 1
+
+
+def test_a_step_no_graph_holds_is_not_taken(tiny_model_dir, monkeypatch):
+    """Above the largest size, or at a width whose graphs the gather budget left out, the step
+    runs eagerly (the runner asks `takes` first)."""
+    monkeypatch.setattr(cuda_graphs, "GATHER_TOKEN_BUDGET", 2 * 32 * 16)
+    graphs = _captured(tiny_model_dir)
+    assert graphs.shapes() == [(1, 16), (2, 16), (4, 16), (1, 32), (2, 32)]
+    assert graphs.takes(4, 16) and graphs.takes(2, 17)
+    assert not graphs.takes(3, 17) and not graphs.takes(5, 1)
+
+
+async def test_an_engine_decoding_on_captured_graphs_gives_the_eager_engines_tokens(tiny_model_dir, monkeypatch):
+    """The worker's CUDA path (captured graphs, attention gathered, batches padded), its capture
+    called through on CPU: the same greedy tokens as the eager engine, with the decodes on graphs,
+    one prompt's decodes past the first table width."""
+    prompts = [[5, 6, 7], list(range(1, 301)), [9] * 40, [11, 12]]
+    options = {"dtype": "float32", "compilation_config": CompilationConfig(cudagraph_capture_sizes=(1, 2, 4))}
+
+    async def tokens(config: EngineConfig) -> list[list[int]]:
+        got: dict[int, list[int]] = {}
+        async with open_engine(config) as engine:
+            async def run(i: int) -> None:
+                final = await final_output(engine, prompts[i], greedy(12, ignore_eos=True))
+                got[i] = list(final.outputs[0].token_ids)
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(run, i)
+        return [got[i] for i in range(len(prompts))]
+
+    want = await tokens(engine_config(tiny_model_dir, enforce_eager=True, **options))
+    captured: list[CapturedDecode] = []
+    real_captured_decode = Worker._captured_decode
+
+    def spy(self, caches, num_blocks):
+        graphs = real_captured_decode(self, caches, num_blocks)
+        captured.append(graphs)
+        return graphs
+
+    monkeypatch.setattr(Worker, "_captures_graphs", lambda self: True)
+    monkeypatch.setattr(Worker, "_captured_decode", spy)
+    monkeypatch.setattr(worker, "CudaGraphCapture", CallThrough)
+    assert await tokens(engine_config(tiny_model_dir, enforce_eager=False, **options)) == want
+    assert len(captured) == 1 and captured[0].steps_run >= 10
