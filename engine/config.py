@@ -129,6 +129,9 @@ class PoolerOptions:
         return cls(**raw)
 
 
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # the KV cache off CUDA when no size is given
+
+
 def vllm_capture_sizes(max_num_seqs: int, largest: int | None = None) -> tuple[int, ...]:
     """vLLM's default `cudagraph_capture_sizes`: 1, 2, 4, then every 8 up to 248, then every 16,
     up to `largest` (vLLM's `max_cudagraph_capture_size`; default min(2 x max_num_seqs, 512))."""
@@ -277,7 +280,10 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30  # memory budget for the KV cache
+    # Memory for the KV cache, per rank. None: on CUDA what gpu_memory_utilization leaves (measured
+    # at start-up, engine/worker/gpu_memory.py), elsewhere DEFAULT_KV_CACHE_BYTES.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # vLLM's: the share of each GPU the engine may use
     num_kv_blocks: int | None = None  # overrides the budget (tests use it to force preemption)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # defaults to max(2048, max_num_seqs)
@@ -391,11 +397,13 @@ class EngineConfig:
         if self.executor == "inproc" and self.world_size > 1:
             raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 needs worker processes "
                              "(executor='mp' or 'ray')")
-        positive = ["block_size", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        positive = ["block_size", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
                     "pipeline_parallel_size",
                     "max_prompts_per_request", "max_image_bytes", "max_image_pixels"]
-        optional_positive = ["max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prompt_embeds_bytes",
-                             "renderer_workers"]
+        optional_positive = ["max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens",
+                             "max_prompt_embeds_bytes", "renderer_workers"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -448,6 +456,12 @@ class EngineConfig:
         """Whether each step's thread count is measured (`adaptive_cpu_threads`): on a CPU, with one
         rank (tensor-parallel ranks step together, and one rank's choice would stall the others)."""
         return self.adaptive_cpu_threads and self.device.split(":")[0] == "cpu" and self.tensor_parallel_size == 1
+
+    @property
+    def measures_kv_cache(self) -> bool:
+        """Whether the KV cache is sized by a profile run (gpu_memory_utilization): on CUDA, unless
+        kv_cache_memory_bytes is given."""
+        return self.kv_cache_memory_bytes is None and self.device.startswith("cuda")
 
     @property
     def eager(self) -> bool:

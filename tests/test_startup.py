@@ -48,7 +48,7 @@ def _failures(tiny_model_dir, unknown_architecture, busy_port):
     return [
         (["/no/such/model"], 1, "model directory '/no/such/model' does not exist"),
         ([unknown_architecture], 1, "MambaForCausalLM"),
-        ([tiny_model_dir, "--kv-cache-memory-bytes", "1000"], 1, "raise kv_cache_memory_bytes"),
+        ([tiny_model_dir, "--kv-cache-memory-bytes", "1000"], 1, "raise --kv-cache-memory-bytes"),
         ([tiny_model_dir, "--port", busy_port], 1, "choose another --port"),
     ]
 
@@ -101,7 +101,7 @@ def test_a_vllm_serve_command_line_carries_over(capsys, caplog):
     assert engine_options(serve.parse_args(["m", "--dtype", "float"]))["dtype"] == "float32"
     refused = [(["--quantization", "awq"], "--quantization awq: not implemented here; trio-llm quantizes"),
                (["--trust-remote-code"], "runs no code from model directories"),
-               (["--gpu-memory-utilization", "0.9"], "--kv-cache-memory-bytes"),
+               (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
                (["--eplb-config", '{"window_size": 10}'], "only with --enable-eplb"),
                (["--speculative-config", "{}"], "speculative decoding is not implemented"),
                (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: the KV cache is held in the model's dtype"),
@@ -112,8 +112,12 @@ def test_a_vllm_serve_command_line_carries_over(capsys, caplog):
         err = capsys.readouterr().err
         assert err.startswith("trio-llm serve: ") and err.count("\n") == 1 and said in err, err
     with caplog.at_level(logging.INFO, logger="trio_llm.serve"):
-        assert main(["serve", "m", "--swap-space", "4", "--speculative-config", "{}"]) == 2
+        assert main(["serve", "m", "--swap-space", "4", "--gpu-memory-utilization", "0.8",
+                     "--speculative-config", "{}"]) == 2
     assert "note: --swap-space 4 changes nothing here: preempted requests are recomputed" in caplog.text
+    assert "note: --gpu-memory-utilization changes nothing here: it sizes the KV cache on CUDA" in caplog.text
+    on_cuda = engine_options(serve.parse_args(["m", "--device", "cuda", "--gpu-memory-utilization", "0.5"]))
+    assert (on_cuda["gpu_memory_utilization"], on_cuda["kv_cache_memory_bytes"]) == (0.5, None)
 
 
 def test_generate_with_a_missing_model_is_one_line(capsys, tmp_path):
@@ -187,12 +191,14 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
 
 
 def test_the_kv_cache_size_follows_the_flag_then_vllm_cpus_variable():
+    """None leaves it to the engine: 1 GiB on CPU, what --gpu-memory-utilization leaves on CUDA."""
     from web.options import kv_cache_bytes
-    assert kv_cache_bytes(12345, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 12345
-    assert kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 4 << 30
-    assert kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "0"}) == kv_cache_bytes(None, {}) == 1 << 30
+    assert kv_cache_bytes(12345, "cpu", {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 12345
+    assert kv_cache_bytes(None, "cpu", {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 4 << 30
+    assert kv_cache_bytes(None, "cuda", {"VLLM_CPU_KVCACHE_SPACE": "4"}) is None  # a CPU variable
+    assert kv_cache_bytes(None, "cpu", {"VLLM_CPU_KVCACHE_SPACE": "0"}) is kv_cache_bytes(None, "cpu", {}) is None
     with pytest.raises(ValueError, match="number of GiB"):
-        kv_cache_bytes(None, {"VLLM_CPU_KVCACHE_SPACE": "lots"})
+        kv_cache_bytes(None, "cpu", {"VLLM_CPU_KVCACHE_SPACE": "lots"})
 
 
 def test_the_command_line_starts_the_engine_process_before_importing_torch():

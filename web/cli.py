@@ -29,7 +29,6 @@ from engine.log_format import configure_logging
 from web import options
 from web.settings import ServerSettings
 from web.startup import check_port_free, startup_failure
-from web.vllm_flags import foreign_flag_notes
 
 COMMAND_GROUP = "trio_llm.commands"
 # What add_subparsers() returns (generic only to type checkers, hence the string).
@@ -152,7 +151,7 @@ def _refused(command: str, args: argparse.Namespace) -> bool:
         refused.append(f"two models given: {args.model} and --model {args.model_option}; give one")
     for reason in refused:
         print(f"trio-llm {command}: {reason}", file=sys.stderr)
-    for note in foreign_flag_notes(args):
+    for note in options.option_notes(args):
         logging.getLogger("trio_llm.serve").info("note: %s", note)
     return bool(refused)
 

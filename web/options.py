@@ -26,7 +26,7 @@ from engine.config import (
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
 from web.cors import CorsSettings
 from web.settings import ServerSettings
-from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_refusals
+from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_notes, foreign_flag_refusals
 
 HASH_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 # vLLM's --dtype spellings: its other names for the same dtypes
@@ -55,7 +55,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="KV cache blocks, whatever --kv-cache-memory-bytes allows (vLLM's name; the cache is on the "
                         "--device)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="vLLM's GPU memory share: refused (size the cache with --kv-cache-memory-bytes)")
+                   help="share of each GPU the engine may use (default 0.9): the KV cache takes what the weights, "
+                        "activations and CUDA graphs leave, measured at start-up; CUDA only "
+                        "(--kv-cache-memory-bytes wins)")
     p.add_argument("--device", default="cpu", help="torch device the model runs on")
     if seed:
         p.add_argument("--seed", type=int, default=0, help="seed of the sampler's generator for unseeded requests")
@@ -159,7 +161,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_logprobs": args.max_logprobs, "block_size": args.block_size,
             "num_kv_blocks": args.num_gpu_blocks_override, "max_prompts_per_request": args.max_prompts_per_request,
-            "kv_cache_memory_bytes": kv_cache_bytes(args.kv_cache_memory_bytes, os.environ),
+            "kv_cache_memory_bytes": kv_cache_bytes(args.kv_cache_memory_bytes, args.device, os.environ),
+            **({} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}),
             "device": args.device, "seed": getattr(args, "seed", None) or 0,
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
@@ -210,13 +213,14 @@ def images_per_prompt(value: Any) -> int:
     return count
 
 
-def kv_cache_bytes(flag: int | None, environ: Mapping[str, str]) -> int:
-    """The flag, else vLLM-CPU's `VLLM_CPU_KVCACHE_SPACE` (GiB), else 1 GiB."""
+def kv_cache_bytes(flag: int | None, device: str, environ: Mapping[str, str]) -> int | None:
+    """The flag; else on CPU vLLM-CPU's `VLLM_CPU_KVCACHE_SPACE` (GiB); else None (the engine's
+    default: what --gpu-memory-utilization leaves on CUDA, 1 GiB elsewhere)."""
     if flag is not None:
         return flag
     space = environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-    if not space or space == "0":  # vLLM reads 0 as "its default"
-        return 1 << 30
+    if not space or space == "0" or device.startswith("cuda"):  # vLLM reads 0 as "its default"
+        return None
     try:
         return int(float(space) * (1 << 30))
     except ValueError:
@@ -293,6 +297,16 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                                             tuple(args.allowed_headers), args.allow_credentials))
 
 
+def option_notes(args: argparse.Namespace) -> list[str]:
+    """A line for each flag given that changes nothing on this command line (vLLM flags with no
+    feature here, and device-specific ones on another device)."""
+    notes = foreign_flag_notes(args)
+    if getattr(args, "gpu_memory_utilization", None) is not None and not args.device.startswith("cuda"):
+        notes.append("--gpu-memory-utilization changes nothing here: it sizes the KV cache on CUDA devices; on "
+                     "CPU the cache is --kv-cache-memory-bytes (or VLLM_CPU_KVCACHE_SPACE GiB), as on vLLM-CPU")
+    return notes
+
+
 def refused_flags(args: argparse.Namespace) -> list[str]:
     """One line per flag given that trio-llm cannot honour."""
     reasons = foreign_flag_refusals(args)
@@ -307,9 +321,9 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
                        "BERT and its cross-encoders, ColBERT) from their weights")
     if getattr(args, "eplb_config", None) is not None and not getattr(args, "enable_eplb", False):
         reasons.append("--eplb-config takes effect only with --enable-eplb; add it, or drop --eplb-config")
-    if getattr(args, "gpu_memory_utilization", None) is not None:
-        reasons.append("--gpu-memory-utilization: the KV cache is sized in bytes here: use "
-                       "--kv-cache-memory-bytes")
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    if utilization is not None and not 0 < utilization <= 1:
+        reasons.append(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         value = getattr(args, name, ["*"])
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.eplb_driver import EplbDriver
 from engine.core.stats import StatsObserver
@@ -40,14 +40,30 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
     if not config.enable_chunked_prefill and config.token_budget < max_model_len:
         raise ValueError(f"without chunked prefill, max_num_batched_tokens ({config.token_budget}) must be at "
                          f"least max_model_len ({max_model_len}), or long prompts could never be scheduled")
-    num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // model_info.kv_bytes_per_block
+    budget = await _kv_cache_bytes(config, executor) if config.num_kv_blocks is None else 0
+    num_blocks = config.num_kv_blocks or budget // model_info.kv_bytes_per_block
     if num_blocks * config.block_size < max_model_len and config.num_kv_blocks is None:
         raise ModelLoadError(
-            f"the KV cache budget ({config.kv_cache_memory_bytes} bytes) holds {num_blocks * config.block_size} "
-            f"tokens, fewer than max_model_len ({max_model_len}); raise kv_cache_memory_bytes or lower max_model_len")
+            f"the KV cache budget ({budget} bytes) holds {num_blocks * config.block_size} tokens, fewer than "
+            f"max_model_len ({max_model_len}); raise {_budget_flag(config)} or lower max_model_len")
     served_pooling_tasks(config, model_info)  # a --runner or --pooler-config task the model cannot serve
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + model_info.eos_token_ids))
     return replace(model_info, num_kv_blocks=num_blocks, max_model_len=max_model_len, eos_token_ids=eos)
+
+
+async def _kv_cache_bytes(config: EngineConfig, executor: Executor) -> int:
+    """Each rank's KV cache bytes: as given; on CUDA, the least any rank's profile run leaves
+    within --gpu-memory-utilization (vLLM's rule: every rank holds as many blocks); else 1 GiB."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if not config.measures_kv_cache:
+        return DEFAULT_KV_CACHE_BYTES
+    budgets = await executor.collective_rpc("kv_cache_bytes_for", (config.gpu_memory_utilization,))
+    return min(budgets)
+
+
+def _budget_flag(config: EngineConfig) -> str:
+    return "--gpu-memory-utilization" if config.measures_kv_cache else "--kv-cache-memory-bytes"
 
 
 def build_scheduler(config: EngineConfig, info: ModelInfo, connector: SharedStorageConnector | None = None,

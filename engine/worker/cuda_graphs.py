@@ -158,6 +158,12 @@ class CapturedDecode:
                  f"in {seconds:.1f} s")
         return seconds
 
+    def run_largest(self) -> torch.Tensor:
+        """The shape with the most gathered tokens, run once uncaptured: what its graph's memory
+        pool holds (engine/worker/gpu_memory.py profiles it)."""
+        size, width = max(self.shapes(), key=lambda shape: shape[0] * shape[1])
+        return self._forward(size, width)()
+
     def _forward(self, size: int, width: int) -> Callable[[], torch.Tensor]:
         """The model's decode over the first `size` rows and `width` table columns of the buffers."""
         meta = GatheredDecodeMetadata(self._slots[:size], self._tables[:size, :width], self._seq_lens[:size],

@@ -24,6 +24,7 @@ from engine.kernels import causal_attention as causal_attention_kernel
 from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from engine.lora.layers import LoRAServing
 from engine.model_info import ModelInfo, PoolerConfig
+from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.bert import BertEncoder, is_encoder_config
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.hf_config import is_llava_config, parse_decoder_config, read_config_json
@@ -36,10 +37,11 @@ from engine.models.pooler import read_pooler_config
 from engine.models.vision import LlavaVision
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
-from engine.worker.cuda_graphs import CapturedDecode, CudaGraphCapture, max_table_blocks
+from engine.worker.cuda_graphs import CallThrough, CapturedDecode, CudaGraphCapture, max_table_blocks
 from engine.worker.decode_graphs import DecodeGraphs, use_compile_cache
 from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.expert_mover import ExpertMover
+from engine.worker.gpu_memory import GIB, CudaMemory, MemoryProbe, kv_cache_budget, measure
 from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_graph import StepGraph
@@ -237,6 +239,50 @@ class Worker:
                 graphs.compile_all()
             if step_graph is not None:
                 step_graph.compile()
+
+    def kv_cache_bytes_for(self, utilization: float) -> int:
+        """The KV cache's bytes on this rank's GPU when the engine may use `utilization` of it
+        (--gpu-memory-utilization), from a profile run (engine/worker/gpu_memory.py)."""
+        assert isinstance(self.model, DecoderForCausalLM), "load_model() first (a decoder)"
+        decode = self._profile_decode if not self.config.eager and self._captures_graphs() else None
+        with bound_to(self.compute_cpus), torch.inference_mode():
+            profile = measure(self._memory_probe(), self._profile_step, decode)
+        budget = kv_cache_budget(profile, utilization)
+        logger.info("GPU memory: %s; the KV cache gets %.2f GiB (--gpu-memory-utilization %s)",
+                    profile.describe(), budget / GIB, utilization)
+        return budget
+
+    def _memory_probe(self) -> MemoryProbe:
+        return CudaMemory(self.device)
+
+    def _profile_caches(self) -> list[KVCache]:
+        """One block per layer: every profiled token writes there (the profile's outputs are dropped)."""
+        assert isinstance(self.model, DecoderForCausalLM)
+        shape = (self.config.block_size, self.model.num_local_kv_heads, self.model.config.head_dim)
+        return [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.model.dtype, device=self.device)) for _ in self.model.layers]
+
+    def _profile_step(self) -> None:
+        """The largest step the scheduler sends: one fresh prompt of the whole token budget, and the
+        logits of as many rows as sequences may sample."""
+        model = self.model
+        assert isinstance(model, DecoderForCausalLM) and model.rope is not None
+        tokens, size = min(self.config.token_budget, model.rope.max_positions), self.config.block_size
+        chunk = SequenceChunk(0, tokens, [0] * -(-tokens // size))
+        meta = build_metadata([chunk], size, self.device, model.dtype)
+        hidden = torch.zeros(tokens, model.config.hidden_size, dtype=model.dtype, device=self.device)
+        out = model(hidden, torch.arange(tokens, device=self.device), self._profile_caches(), meta)
+        if model.lm_head is not None:
+            model.compute_logits(out[:self.config.max_num_seqs])
+
+    def _profile_decode(self) -> None:
+        """The captured decode graph that gathers the most, run once uncaptured."""
+        model = self.model
+        assert isinstance(model, DecoderForCausalLM) and model.rope is not None
+        graphs = CapturedDecode(model, self._profile_caches(), self.config.block_size, 0,
+                                self.config.decode_batch_sizes,
+                                max_table_blocks(model.rope.max_positions, self.config.block_size), CallThrough())
+        graphs.run_largest()
 
     def _captures_graphs(self) -> bool:
         """Whether the decode step is captured as CUDA graphs (on CUDA) rather than compiled."""
