@@ -59,7 +59,7 @@ async def _kv_cache_bytes(config: EngineConfig, executor: Executor) -> int:
     if not config.measures_kv_cache:
         return DEFAULT_KV_CACHE_BYTES
     budgets = await executor.collective_rpc("kv_cache_bytes_for", (config.gpu_memory_utilization,))
-    return min(budgets)
+    return int(min(budgets))
 
 
 def _budget_flag(config: EngineConfig) -> str:
