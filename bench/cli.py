@@ -38,6 +38,27 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_structured(bench)
     _add_bench_lora(bench)
     _add_bench_lora_delta(bench)
+    _add_bench_gpu(bench)
+
+
+def _add_bench_gpu(bench: Subcommands) -> None:
+    gp = bench.add_parser("gpu", help="the device check: greedy parity with transformers, offline and served tok/s "
+                                      "and ITL beside the bandwidth floor, on one GPU in ~5 minutes")
+    gp.add_argument("--device", default="cuda", help="torch device (cpu with --quick: this script's own check)")
+    gp.add_argument("--quick", action="store_true", help="every part at tiny sizes")
+    gp.add_argument("--port", type=int, default=8031, help="port of the servers it starts")
+    gp.add_argument("--logs", default=None,
+                    help="directory for the servers' logs (default: $OUT, else a temporary one)")
+    gp.set_defaults(run=_bench_gpu)
+
+
+def _bench_gpu(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from bench import gpu
+    logs = args.logs or os.environ.get("OUT") or tempfile.mkdtemp(prefix="trio-llm-gpu-logs-")
+    return gpu.run(args.device, args.quick, args.port, Path(logs))
 
 
 def _add_bench_lora(bench: Subcommands) -> None:

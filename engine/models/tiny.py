@@ -68,6 +68,8 @@ class TinyModelSpec:
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {"arch": "qwen2", "layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864,
                      "vocab": 151936, "max_positions": 32768, "rope_theta": 1000000.0},
+    "llama3-8b": {"arch": "llama", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
+                  "vocab": 128256, "max_positions": 8192, "rope_theta": 500000.0},
 }
 
 
