@@ -302,6 +302,11 @@ class EngineConfig:
     # True keeps every step on the eager model (vLLM's --enforce-eager). None: compile, unless
     # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).
     enforce_eager: bool | None = None
+    # vLLM's --async-scheduling: the core schedules step N+1 while step N runs (a decode's input is
+    # then the token N is sampling, filled in by the worker), so scheduling and publishing a step's
+    # outputs overlap the next step's forward pass. One worker only (no tensor or pipeline
+    # parallelism, no EPLB).
+    async_scheduling: bool = False
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     max_logprobs: int = 20
@@ -413,6 +418,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.loop_lag_interval is not None and not self.loop_lag_interval > 0:
             raise ValueError(f"loop_lag_interval must be positive, got {self.loop_lag_interval}")
+        if self.async_scheduling and (self.world_size > 1 or self.enable_eplb):
+            raise ValueError("async_scheduling runs with one worker: not with tensor_parallel_size or "
+                             "pipeline_parallel_size > 1, nor with enable_eplb")
         if self.eplb_config.num_redundant_experts and not self.enable_eplb:
             raise ValueError("eplb_config.num_redundant_experts needs enable_eplb (redundant experts are placed "
                              "by the load balancer)")

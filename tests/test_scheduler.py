@@ -1,12 +1,14 @@
 """Scheduler: continuous batching, chunked prefill, preemption, policies, gates, abort. Plain sync tests."""
 
+import collections
+import random
 import zlib
 
 import pytest
 
 from engine.sampling_params import SamplingParams
 from engine.sched.block_manager import KVBlockManager
-from engine.sched.output import ModelRunnerOutput
+from engine.sched.output import PLACEHOLDER_TOKEN, ModelRunnerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Admission, Scheduler, SchedulerConfig
 
@@ -213,3 +215,89 @@ def test_steps_in_flight_split_the_running_batch_and_are_never_rescheduled_or_pr
     sched.update_from_output(first, result)
     again = sched.schedule()
     assert {s.request_id for s in again.scheduled} == {s.request_id for s in first.scheduled}
+
+
+def async_scheduler(**options):
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, async_scheduling=True,
+                             **options)
+    return Scheduler(config, KVBlockManager(64, 4))
+
+
+def land(sched, out, token):
+    """The step `out`'s output comes back: `token` for each request it sampled."""
+    return sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={s.request_id: token
+                                                                              for s in out.scheduled if s.sample}))
+
+
+def test_async_scheduling_decodes_one_step_ahead_on_the_token_in_flight_and_stops_at_max_tokens():
+    """Each step is scheduled while the one before is in flight, its input the placeholder of the
+    token that step samples; never two steps ahead, and never a step past max_tokens."""
+    sched = async_scheduler()
+    sched.add_request(make_request("a", n_prompt=8, max_tokens=4))
+    first = sched.schedule()  # the prompt
+    second = sched.schedule()  # while the prompt is in flight
+    assert [(s.token_ids, s.start_position, s.sample) for s in second.scheduled] == [([PLACEHOLDER_TOKEN], 8, True)]
+    assert sched.schedule().is_empty  # one step ahead at most
+    assert sched._pick_victim() is None  # in flight: never preempted
+    assert land(sched, first, 101)[0].new_token_ids == [101]
+    third = sched.schedule()
+    assert [(s.start_position, s.token_ids) for s in third.scheduled] == [(9, [PLACEHOLDER_TOKEN])]
+    land(sched, second, 102)
+    fourth = sched.schedule()
+    assert [s.start_position for s in fourth.scheduled] == [10]
+    land(sched, third, 103)
+    assert sched.schedule().is_empty  # the step in flight samples the fourth and last token
+    (update,) = land(sched, fourth, 104)
+    assert update.finished and update.request.output_token_ids == [101, 102, 103, 104]
+    assert not sched.has_work() and sched.kv.num_used_blocks == 0
+
+
+def test_async_scheduling_drops_the_step_ahead_of_a_request_that_stopped():
+    """A request ends on EOS in the step in flight: the step ahead's token is dropped, its blocks
+    are free, and the worker hears it finished with the next step."""
+    sched = async_scheduler()
+    sched.add_request(make_request("a", n_prompt=4, max_tokens=10, eos_token_ids=(2,)))
+    sched.add_request(make_request("b", n_prompt=4, max_tokens=10))
+    first = sched.schedule()
+    ahead = sched.schedule()
+    (stopped, _) = land(sched, first, 2)  # EOS for both; b ignores it
+    assert stopped.finished and stopped.request.output_token_ids == [2]
+    assert [u.request.request_id for u in land(sched, ahead, 5)] == ["b"]
+    assert sched.schedule().finished_request_ids == ["a"]
+    assert sched.kv.block_ids("a") == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_async_scheduling_keeps_the_accounting_over_random_workloads_and_tokens_in_order(seed):
+    """Two steps in flight at all times, random arrivals, aborts and tight blocks: the block
+    accounting stays exact and each request's tokens arrive in the order its steps sampled them."""
+    from tests.test_scheduler_invariants import check_block_accounting
+    rng = random.Random(seed)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=rng.choice([16, 64]), max_model_len=128,
+                             async_scheduling=True)
+    sched = Scheduler(config, KVBlockManager(rng.choice([24, 48]), 4))
+    pending: collections.deque = collections.deque()
+    sent: dict[str, list[int]] = collections.defaultdict(list)  # tokens sampled per request, in step order
+    ahead_steps = 0
+    for step in range(400):
+        if step < 300 and rng.random() < 0.4:
+            max_tokens = rng.randrange(1, 20)
+            sched.add_request(make_request(f"r{step}", n_prompt=rng.randrange(1, 24), max_tokens=max_tokens,
+                                           eos_token_ids=(3,)))
+        if sched.requests and rng.random() < 0.05:
+            sched.finish_requests([rng.choice(list(sched.requests))], RequestStatus.FINISHED_ABORTED)
+        out = sched.schedule()
+        ahead_steps += any(s.token_ids == [PLACEHOLDER_TOKEN] for s in out.scheduled)
+        pending.append(out)
+        if len(pending) == 2 or (pending and out.is_empty):
+            oldest = pending.popleft()
+            tokens = {s.request_id: rng.choice([3, 50, 60, 70]) for s in oldest.scheduled if s.sample}
+            for rid, token in tokens.items():
+                sent[rid].append(token)
+            sched.update_from_output(oldest, ModelRunnerOutput(sampled_token_ids=tokens))
+            check_block_accounting(sched)
+        for request in sched.running:
+            assert request.output_token_ids == sent[request.request_id][:len(request.output_token_ids)]
+    while pending:
+        sched.update_from_output(pending.popleft(), ModelRunnerOutput())
+    assert ahead_steps > 50

@@ -78,6 +78,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="let each forward pass use between 1 thread and one per compute CPU, whichever steps "
                         "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "
                         "one per compute CPU")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="schedule each step while the one before it runs (vLLM's async scheduling); one worker only")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run every step on the eager model (default: decode steps run one graph compiled at "
                         "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)")
@@ -169,7 +171,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "enable_chunked_prefill": args.enable_chunked_prefill, "scheduling_policy": args.scheduling_policy,
             "cpu_layout": parse_cpu_threads_bind(args.cpu_threads_bind, available_cpus()),
             "adaptive_cpu_threads": args.adaptive_cpu_threads,
-            "enforce_eager": args.enforce_eager,
+            "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
             "compilation_config": CompilationConfig.from_json(args.compilation_config or "{}"),
             "structured_outputs_config": StructuredOutputsConfig.from_json(args.structured_outputs_config or "{}"),
             "enable_prompt_embeds": args.enable_prompt_embeds,

@@ -69,11 +69,22 @@ class FakeDeviceBackend:
 
     def __init__(self) -> None:
         self.pending: list[FakeWork] = []
+        self.recorded = 0  # pieces of work recorded in all
+        self._new_record: anyio.Event | None = None
 
     def record(self, stream: Any) -> FakeWork:
         work = FakeWork(stream=stream)
         self.pending.append(work)
+        self.recorded += 1
+        if self._new_record is not None:
+            self._new_record.set()
         return work
+
+    async def wait_until_recorded(self, count: int) -> None:
+        """Until `count` pieces of work have been recorded in all. Cancellation stops the wait."""
+        while self.recorded < count:
+            self._new_record = anyio.Event()
+            await self._new_record.wait()
 
     def is_done(self, handle: FakeWork) -> bool:
         return handle.done.is_set()

@@ -13,22 +13,55 @@ from typing import Any
 
 import anyio
 
+from engine.concurrency.device_event import DeviceBackend
 from engine.concurrency.to_the_end import run_to_the_end
 from engine.config import EngineConfig
 from engine.eplb.plan import LayerPlan
-from engine.executor.base import Executor
+from engine.executor.base import Executor, PendingStep
+from engine.executor.step_queue import StepQueue, device_backend_for
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
 
 
 class InProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
+    def __init__(self, config: EngineConfig, worker: Worker | None = None,
+                 device_backend: DeviceBackend | None = None) -> None:
+        """`device_backend`: how a step's device work is awaited under async scheduling (default:
+        the device's own; tests pass a `FakeDeviceBackend`)."""
         self.worker = worker or Worker(config)
         self._limiter = anyio.CapacityLimiter(1)
+        self._async_scheduling = config.async_scheduling
+        self._device_backend = device_backend or device_backend_for(config.device)
+        self._steps: StepQueue | None = None  # with async scheduling, while the executor is open
         # Expert staging runs next to the forward pass: it only reads live weights and writes its own buffer.
         self._staging_limiter = anyio.CapacityLimiter(1)
         self._info: ModelInfo | None = None
+
+    async def __aenter__(self) -> InProcExecutor:
+        """With async scheduling, start the step queue (steps started without waiting)."""
+        if self._async_scheduling:
+            self._steps = await StepQueue(self.worker.execute_model, self._limiter, self._device_backend).__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        """The step queue stops (the step running in the thread ends first; steps not yet started
+        are dropped if the caller was cancelled), then the worker is released."""
+        if self._steps is not None:
+            steps, self._steps = self._steps, None
+            await steps.__aexit__(*exc_info)
+        return await super().__aexit__(*exc_info)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Two with async scheduling: the next step is scheduled while one runs."""
+        return 2 if self._async_scheduling else 1
+
+    async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:
+        """With async scheduling, queue the step and return at once; else run it to the end."""
+        if self._steps is None:
+            return await super().start_model(sched_out)
+        return self._steps.start(sched_out)
 
     async def load_model(self) -> ModelInfo:
         if self._info is None:  # an LLM facade reuses a loaded worker across engine runs

@@ -27,6 +27,11 @@ class NewRequestData:
     max_tokens: int | None = None  # the output tokens it may generate, resolved (constrained outputs plan to it)
 
 
+# Async scheduling: the input token of a decode scheduled while the step before it is in flight, the
+# token that step samples. The worker, which runs steps in order, puts it in.
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions `start_position...`."""

@@ -18,6 +18,7 @@ transfer) defer a waiting request without consuming budget:
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,7 +26,14 @@ from typing import Any, Protocol
 
 from engine.sched.block_manager import KVBlock, KVBlockManager
 from engine.sched.encoder_cache import EncoderCacheManager
-from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.sched.output import (
+    PLACEHOLDER_TOKEN,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine.sched.queues import make_queue
 from engine.sched.request import Request, RequestStatus, check_stop
 
@@ -72,6 +80,10 @@ class SchedulerConfig:
     # Steps in flight at once (pipeline stages): each step takes at most its share of the running
     # requests, so the next step has requests of its own to run while this one is in flight.
     micro_batches: int = 1
+    # vLLM's async scheduling: a decoding request is scheduled again while its last step is in
+    # flight, its input the token that step is sampling (`PLACEHOLDER_TOKEN`; the worker, which
+    # runs steps in order, has it by then). The next step is scheduled while this one runs.
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -109,10 +121,13 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache when a request first ran, and those found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Requests in a step that was scheduled and whose output has not come back (pipeline
-        # parallelism keeps several steps in flight): none is scheduled again, nor preempted,
-        # until `update_from_output` has taken its step's result.
-        self.in_flight: set[str] = set()
+        # Requests in steps that were scheduled and whose output has not come back (pipeline
+        # parallelism and async scheduling keep several steps in flight), with how many steps: none
+        # is preempted, nor scheduled again (but for async scheduling's one step ahead), until
+        # `update_from_output` has taken its steps' results.
+        self.in_flight: collections.Counter[str] = collections.Counter()
+        self._ahead: collections.Counter[str] = collections.Counter()  # their tokens, not yet computed
+        self._placeholders: collections.Counter[str] = collections.Counter()  # tokens those steps sample
 
     # ---- intake and abort ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -185,7 +200,10 @@ class Scheduler:
             self._finished_for_worker = out.finished_request_ids + self._finished_for_worker
             out.finished_request_ids = []
             return out
-        self.in_flight.update(scheduled)
+        for item in out.scheduled:
+            self.in_flight[item.request_id] += 1
+            self._ahead[item.request_id] += item.num_tokens
+            self._placeholders[item.request_id] += item.sample
         out.encoder_inputs, self._encoder_inputs = self._encoder_inputs, {}
         out.ec_loads = self.external.build_connector_meta() if self.external is not None else {}
         out.freed_encoder_hashes = self.encoder_cache.take_evicted()
@@ -205,16 +223,18 @@ class Scheduler:
         share = -(-len(self.running) // self.config.micro_batches)  # this step's part of the running batch
         while i < len(self.running) and budget > 0 and len(scheduled) < share:
             request = self.running[i]
-            if request.request_id in self.in_flight:  # its last step's output is not back yet
+            ahead = self._ahead[request.request_id]  # tokens of its steps in flight
+            if ahead and not self._runs_ahead(request):  # its last step's output is not back yet
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_new, to_encode = self._plan_encoder(request, request.num_computed_tokens, num_new)
+            start = request.num_computed_tokens + ahead
+            num_new = min(request.num_tokens + self._placeholders[request.request_id] - start, budget)
+            num_new, to_encode = self._plan_encoder(request, start, num_new)
             if num_new == 0:  # its next image cannot be encoded this step
                 i += 1
                 continue
             stuck = False
-            while not self.kv.allocate_slots(request, num_new):
+            while not self.kv.allocate_slots(request, ahead + num_new):
                 victim = self._pick_victim()
                 if victim is None:  # every other request is in flight: this one waits a step
                     stuck = True
@@ -230,8 +250,9 @@ class Scheduler:
             if stuck:
                 i += 1
                 continue
-            self._commit_encoder(request, request.num_computed_tokens, num_new, to_encode)
-            scheduled[request.request_id] = self._chunk(request, num_new)
+            self._commit_encoder(request, start, num_new, to_encode)
+            scheduled[request.request_id] = self._chunk(request, num_new) if not ahead else \
+                self._decode_ahead(request, ahead)
             budget -= num_new
             i += 1
         return budget, preempted_any
@@ -351,6 +372,22 @@ class Scheduler:
             sample=end == request.num_tokens,
         )
 
+    def _runs_ahead(self, request: Request) -> bool:
+        """Async scheduling: whether a request in flight decodes one step ahead now. Its one step in
+        flight samples the token this step takes, it has no prompt left, and that token will not
+        end it by length (an end by EOS or a stop string is seen later: the extra token is dropped)."""
+        rid = request.request_id
+        return (self.config.async_scheduling and self.in_flight[rid] == 1 and self._placeholders[rid] == 1
+                and request.pooling_params is None
+                and request.num_computed_tokens + self._ahead[rid] == request.num_tokens
+                and request.num_output_tokens + 1 < request.max_tokens
+                and request.num_tokens + 1 < self.config.max_model_len)
+
+    def _decode_ahead(self, request: Request, ahead: int) -> ScheduledRequest:
+        """One decode after the tokens in flight, its input the token the step in flight samples."""
+        return ScheduledRequest(request.request_id, [PLACEHOLDER_TOKEN], request.num_computed_tokens + ahead,
+                                self.kv.block_ids(request.request_id), sample=True)
+
     def _ask_gates(self, request: Request) -> tuple[Admission, AdmissionGate | None]:
         for gate in self.gates:
             verdict = gate.admit(request)
@@ -372,7 +409,7 @@ class Scheduler:
     def _pick_victim(self) -> Request | None:
         """The running request to preempt (never one in flight: its step still uses its blocks);
         None when every running request is."""
-        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        candidates = [r for r in self.running if not self.in_flight[r.request_id]]
         if not candidates:
             return None
         if self.config.policy == "priority":
@@ -403,10 +440,19 @@ class Scheduler:
         self._release(request)
         update.finished = True
 
+    def _landed(self, item: ScheduledRequest) -> None:
+        """A step's output is back: its share is no longer in flight."""
+        rid = item.request_id
+        for counts, done in ((self.in_flight, 1), (self._ahead, item.num_tokens), (self._placeholders, item.sample)):
+            counts[rid] -= done
+            if counts[rid] <= 0:
+                del counts[rid]
+
     def update_from_output(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by what the step computed and sampled."""
         updates = []
-        self.in_flight.difference_update(item.request_id for item in sched_out.scheduled)
+        for item in sched_out.scheduled:
+            self._landed(item)
         for item in sched_out.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,14 @@ from engine.models.vision import LlavaVision
 from engine.multimodal import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
-from engine.sched.output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.sched.output import (
+    PLACEHOLDER_TOKEN,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from engine.worker.cuda_graphs import CapturedDecode
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.grammar_masks import Budget, GrammarMasks
@@ -130,6 +137,7 @@ class ModelRunner:
         # Decodes first: attention then treats them as one unpadded group.
         batch = sorted((s for s in sched_out.scheduled if s.request_id in self.requests),
                        key=lambda s: s.num_tokens != 1)
+        batch = self._fill_placeholders(batch, out.failed)
         if not batch:
             return out
         hidden = self._forward(batch)
@@ -143,6 +151,23 @@ class ModelRunner:
         self._prompt_logprobs(batch, hidden, out)
         self._pool(batch, hidden, out)
         return out
+
+    def _fill_placeholders(self, batch: list[ScheduledRequest], failed: dict[str, str]) -> list[ScheduledRequest]:
+        """Async scheduling: a decode scheduled while the step before it was in flight carries
+        `PLACEHOLDER_TOKEN`. That step ran here first (steps run in order), so the token is the
+        request's output at that position; a request whose step sampled nothing (it failed) fails."""
+        filled = []
+        for item in batch:
+            if item.token_ids != [PLACEHOLDER_TOKEN]:
+                filled.append(item)
+                continue
+            state = self.requests[item.request_id]
+            index = item.start_position - len(state.prompt_token_ids)
+            if not 0 <= index < len(state.output_token_ids):
+                failed[item.request_id] = "the step before this one sampled no token for it"
+                continue
+            filled.append(replace(item, token_ids=[state.output_token_ids[index]]))
+        return filled
 
     def _pool(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Pooling requests (the decoder as an embedder) are scheduled whole: pool their rows."""
