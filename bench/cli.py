@@ -39,6 +39,30 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_lora(bench)
     _add_bench_lora_delta(bench)
     _add_bench_gpu(bench)
+    _add_bench_async_scheduling(bench)
+
+
+def _add_bench_async_scheduling(bench: Subcommands) -> None:
+    asy = bench.add_parser("async-scheduling", help="served tok/s and ITL with --async-scheduling against without, "
+                                                    "the same server otherwise")
+    asy.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
+    asy.add_argument("--concurrency", default="1,16,64", help="comma-separated stream counts")
+    asy.add_argument("--num-requests", type=int, default=64)
+    asy.add_argument("--input-len", type=int, default=128)
+    asy.add_argument("--output-len", type=int, default=128)
+    asy.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
+    asy.add_argument("--dtype", default="float32")
+    asy.add_argument("--repeats", type=int, default=3)
+    asy.add_argument("--trio-llm-args", default="", help="more serve flags for both sides")
+    asy.set_defaults(run=_bench_async_scheduling)
+
+
+def _bench_async_scheduling(args: argparse.Namespace) -> int:
+    from bench import async_scheduling
+    print(trio.run(partial(async_scheduling.run, model_dir(args.model), [int(c) for c in args.concurrency.split(",")],
+                           args.num_requests, args.input_len, args.output_len, args.vocab, args.dtype,
+                           shlex.split(args.trio_llm_args), args.repeats)))
+    return 0
 
 
 def _add_bench_gpu(bench: Subcommands) -> None:

@@ -103,7 +103,8 @@ SETTINGS_PATTERNS = {
 
 def stated_settings(name: str, log_path: str) -> str:
     text = Path(log_path).read_text(errors="replace")
-    found = [m.group(1).strip() for pattern in SETTINGS_PATTERNS[name] if (m := re.search(pattern, text))]
+    patterns = SETTINGS_PATTERNS[name.split()[0]]  # "trio-llm async": trio-llm's
+    found = [m.group(1).strip() for pattern in patterns if (m := re.search(pattern, text))]
     return "; ".join(found) or f"(none stated; see {log_path})"
 
 
@@ -176,16 +177,17 @@ def rate(level: LevelResult) -> float:
     return level.output_tokens / level.elapsed if level.elapsed else 0.0
 
 
-def table(ours: list[ServerRun], theirs: list[ServerRun]) -> str:
+def table(ours: list[ServerRun], theirs: list[ServerRun], names: tuple[str, str] = ("trio-llm", "vLLM-CPU")) -> str:
     """Medians over the rounds; the ratio column is the median of the rounds' ratios, with their
     lowest and highest."""
     ms = 1000
     med = statistics.median
-    lines = [f"start-up to healthy (median): trio-llm {med(r.startup_seconds for r in ours):.1f} s, vLLM-CPU "
+    a_name, b_name = names
+    lines = [f"start-up to healthy (median): {a_name} {med(r.startup_seconds for r in ours):.1f} s, {b_name} "
              f"{med(r.startup_seconds for r in theirs):.1f} s",
-             f"trio-llm settings: {ours[0].settings}", f"vLLM-CPU settings: {theirs[0].settings}",
-             "concurrency | trio-llm tok/s | vLLM tok/s | ratio (min-max) | trio-llm TTFT p50 ms | vLLM TTFT p50 ms "
-             "| trio-llm ITL p50 ms | vLLM ITL p50 ms"]
+             f"{a_name} settings: {ours[0].settings}", f"{b_name} settings: {theirs[0].settings}",
+             f"concurrency | {a_name} tok/s | {b_name} tok/s | ratio (min-max) | {a_name} TTFT p50 ms | "
+             f"{b_name} TTFT p50 ms | {a_name} ITL p50 ms | {b_name} ITL p50 ms"]
     for level in ours[0].levels:
         a = [r.levels[level] for r in ours]
         b = [r.levels[level] for r in theirs]
@@ -205,17 +207,25 @@ async def run(model: str, vllm_python: str, levels: list[int], num_requests: int
     """`repeats` rounds, trio-llm first in even rounds and vLLM-CPU first in odd ones."""
     dtype = dtype or vllm_default_dtype(model)
     check_same_dtype(dtype, trio_llm_args)
-    common = (levels, num_requests, input_len, output_len, vocab)
-    ours: list[ServerRun] = []
-    theirs: list[ServerRun] = []
-    for round_ in range(repeats):
-        sides = [("trio-llm", trio_llm_command(model, port, dtype, trio_llm_args), port, ours),
-                 ("vLLM-CPU", vllm_command(vllm_python, model, port + 1, dtype), port + 1, theirs)]
-        for name, command, side_port, results in sides if round_ % 2 == 0 else sides[::-1]:
-            log_path = f"/tmp/side-by-side-{name}-{round_}.log"
-            result = await serve_and_load(name, command, side_port, *common, log_path=log_path)
-            result.settings = stated_settings(name, log_path)
-            results.append(result)
+    sides = [("trio-llm", trio_llm_command(model, port, dtype, trio_llm_args), port),
+             ("vLLM-CPU", vllm_command(vllm_python, model, port + 1, dtype), port + 1)]
+    ours, theirs = await alternating_rounds(sides, repeats, levels, num_requests, input_len, output_len, vocab)
     head = (f"model={model} dtype={dtype} (both) input_len={input_len} output_len={output_len} rounds={repeats}, "
             f"alternating which server goes first (server logs: /tmp/side-by-side-*.log)")
     return head + "\n" + table(ours, theirs)
+
+
+async def alternating_rounds(sides: list[tuple[str, list[str], int]], repeats: int, levels: list[int],
+                             num_requests: int, input_len: int, output_len: int,
+                             vocab: int) -> tuple[list[ServerRun], list[ServerRun]]:
+    """Each of two (name, command, port) servers started, loaded at every level and stopped, once a
+    round; the first side goes first in even rounds, the second in odd ones. Each side's runs."""
+    runs: dict[str, list[ServerRun]] = {name: [] for name, _, _ in sides}
+    for round_ in range(repeats):
+        for name, command, port in sides if round_ % 2 == 0 else sides[::-1]:
+            log_path = f"/tmp/side-by-side-{name}-{round_}.log"
+            result = await serve_and_load(name, command, port, levels, num_requests, input_len, output_len, vocab,
+                                          log_path=log_path)
+            result.settings = stated_settings(name, log_path)
+            runs[name].append(result)
+    return runs[sides[0][0]], runs[sides[1][0]]

@@ -305,8 +305,9 @@ class EngineConfig:
     # vLLM's --async-scheduling: the core schedules step N+1 while step N runs (a decode's input is
     # then the token N is sampling, filled in by the worker), so scheduling and publishing a step's
     # outputs overlap the next step's forward pass. One worker only (no tensor or pipeline
-    # parallelism, no EPLB).
-    async_scheduling: bool = False
+    # parallelism, no EPLB). None: as vLLM 0.14+, on where it can be on a CUDA device, off on CPU
+    # (see `schedules_async`).
+    async_scheduling: bool | None = None
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     max_logprobs: int = 20
@@ -418,7 +419,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.loop_lag_interval is not None and not self.loop_lag_interval > 0:
             raise ValueError(f"loop_lag_interval must be positive, got {self.loop_lag_interval}")
-        if self.async_scheduling and (self.world_size > 1 or self.enable_eplb):
+        if self.async_scheduling and not self._one_worker:
             raise ValueError("async_scheduling runs with one worker: not with tensor_parallel_size or "
                              "pipeline_parallel_size > 1, nor with enable_eplb")
         if self.eplb_config.num_redundant_experts and not self.enable_eplb:
@@ -464,6 +465,19 @@ class EngineConfig:
         """Whether each step's thread count is measured (`adaptive_cpu_threads`): on a CPU, with one
         rank (tensor-parallel ranks step together, and one rank's choice would stall the others)."""
         return self.adaptive_cpu_threads and self.device.split(":")[0] == "cpu" and self.tensor_parallel_size == 1
+
+    @property
+    def _one_worker(self) -> bool:
+        return self.world_size == 1 and not self.enable_eplb
+
+    @property
+    def schedules_async(self) -> bool:
+        """Whether steps are scheduled one ahead (`async_scheduling`; by default on a CUDA device
+        with one worker: on CPU the step's own Python and the loop's share the GIL, and measured
+        on the small models it does not pay there, docs/benchmarks.md)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") and self._one_worker
 
     @property
     def measures_kv_cache(self) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from bench.http import request
-from engine import open_engine
+from engine import EngineConfig, open_engine
 from engine.concurrency.device_event import FakeDeviceBackend
 from engine.executor.inproc import InProcExecutor
 from engine.sampling_params import SamplingParams
@@ -75,6 +75,11 @@ async def test_the_next_step_is_scheduled_while_one_is_on_the_device_and_http_is
         assert device.recorded == 4
 
 
-def test_async_scheduling_needs_one_worker(tiny_model_dir):
+def test_async_scheduling_is_on_by_default_where_vllm_has_it_and_needs_one_worker(tiny_model_dir):
+    """vLLM 0.14+: on by default, but for its CPU backend and pipeline parallelism."""
+    assert EngineConfig(model="m", device="cuda").schedules_async
+    assert not EngineConfig(model="m").schedules_async
+    assert not EngineConfig(model="m", device="cuda", pipeline_parallel_size=2, executor="mp").schedules_async
+    assert not EngineConfig(model="m", device="cuda", async_scheduling=False).schedules_async
     with pytest.raises(ValueError, match="async_scheduling runs with one worker"):
         engine_config(tiny_model_dir, async_scheduling=True, tensor_parallel_size=2)

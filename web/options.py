@@ -78,8 +78,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
                    help="let each forward pass use between 1 thread and one per compute CPU, whichever steps "
                         "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "
                         "one per compute CPU")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="schedule each step while the one before it runs (vLLM's async scheduling); one worker only")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each step while the one before it runs (vLLM's async scheduling; default: on "
+                        "with one worker on CUDA, off on CPU)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run every step on the eager model (default: decode steps run one graph compiled at "
                         "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)")

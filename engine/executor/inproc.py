@@ -31,7 +31,7 @@ class InProcExecutor(Executor):
         the device's own; tests pass a `FakeDeviceBackend`)."""
         self.worker = worker or Worker(config)
         self._limiter = anyio.CapacityLimiter(1)
-        self._async_scheduling = config.async_scheduling
+        self._async_scheduling = config.schedules_async
         self._device_backend = device_backend or device_backend_for(config.device)
         self._steps: StepQueue | None = None  # with async scheduling, while the executor is open
         # Expert staging runs next to the forward pass: it only reads live weights and writes its own buffer.
@@ -39,7 +39,8 @@ class InProcExecutor(Executor):
         self._info: ModelInfo | None = None
 
     async def __aenter__(self) -> InProcExecutor:
-        """With async scheduling, start the step queue (steps started without waiting)."""
+        """With async scheduling, start the step queue (steps started without waiting).
+        Cancellation: nothing is started yet that needs stopping."""
         if self._async_scheduling:
             self._steps = await StepQueue(self.worker.execute_model, self._limiter, self._device_backend).__aenter__()
         return self
@@ -58,7 +59,9 @@ class InProcExecutor(Executor):
         return 2 if self._async_scheduling else 1
 
     async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:
-        """With async scheduling, queue the step and return at once; else run it to the end."""
+        """With async scheduling, queue the step and return at once; else run it to the end.
+        Cancellation: a queued step runs anyway (its `PendingStep.result` waits for it); else as
+        `execute_model`."""
         if self._steps is None:
             return await super().start_model(sched_out)
         return self._steps.start(sched_out)

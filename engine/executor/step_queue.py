@@ -52,6 +52,7 @@ class StepQueue:
         self._jobs: MemoryObjectSendStream[_Job] | None = None
 
     async def __aenter__(self) -> StepQueue:
+        """Start the queue's task. Cancellation: nothing is left running."""
         task_group: TaskGroup = await self._stack.enter_async_context(anyio.create_task_group())
         send, receive = anyio.create_memory_object_stream[_Job](math.inf)
         self._jobs = send
@@ -59,7 +60,9 @@ class StepQueue:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
-        """Closing the job stream ends the task once the steps already sent have run."""
+        """Closing the job stream ends the task once the steps already sent have run. Cancellation
+        (or leaving with an error) drops the steps not yet started (their results raise); the
+        step in the worker thread still runs to its end first."""
         if self._jobs is not None:
             self._jobs.close()
             self._jobs = None

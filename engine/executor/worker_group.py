@@ -108,7 +108,7 @@ class WorkerGroupExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         """One step per pipeline stage; two with async scheduling (the next one scheduled while
         this one runs: ranks run their calls in order)."""
-        return 2 if self.config.async_scheduling else self.config.pipeline_parallel_size
+        return 2 if self.config.schedules_async else self.config.pipeline_parallel_size
 
     async def load_model(self) -> ModelInfo:
         """Every rank loads its part; the engine sizes the KV cache by the rank whose blocks take
