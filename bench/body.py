@@ -19,7 +19,8 @@ import anyio
 import torch
 
 from engine.concurrency.loop_lag import run_loop_lag_probe
-from web.protocol import CompletionRequest, parse_body
+from web.http.bodies import parse_body
+from web.openai.protocol import CompletionRequest
 
 
 def _body(rows: int, hidden: int) -> bytearray:

@@ -24,20 +24,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from web.anthropic_protocol import MessagesRequest
-from web.protocol import (
-    ChatCompletionRequest,
+from web.anthropic.protocol import MessagesRequest
+from web.chat.protocol import ChatCompletionRequest
+from web.openai.protocol import CompletionRequest
+from web.openai.responses_protocol import ResponsesRequest
+from web.pooling.protocol import (
     ClassificationRequest,
     CohereEmbedRequest,
-    CompletionRequest,
-    DetokenizeRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
     ScoreRequest,
-    TokenizeRequest,
 )
-from web.responses_protocol import ResponsesRequest
+from web.vllm.protocol import DetokenizeRequest, TokenizeRequest
 
 # A valid body per endpoint, and the request model whose fields get mutated.
 ENDPOINTS: dict[str, tuple[dict[str, Any], Any]] = {

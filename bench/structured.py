@@ -25,7 +25,7 @@ from engine.api import EngineConfig, SamplingParams, ensure_default_model, open_
 from engine.core.stats import NullObserver
 from engine.sampling_params import RequestOutputKind
 from engine.structured_outputs import StructuredOutputs
-from web.tools import is_json
+from web.chat.tools import is_json
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
           "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12}}}}

@@ -11,9 +11,9 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
 from web.app import create_app
+from web.http.settings import ServerSettings
+from web.http.state import ServerState
 from web.serve import hypercorn_config
-from web.settings import ServerSettings
-from web.state import ServerState
 
 
 @dataclass

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from web import protocol
-from web.embeds_body import split_prompt_embeds
-from web.protocol import CompletionRequest, parse_body
+from web.http.bodies import parse_body
+from web.http.embeds_body import split_prompt_embeds
+from web.http.errors import APIError
+from web.openai.protocol import CompletionRequest
 
 
 def as_text(views) -> list[str]:
@@ -52,6 +53,6 @@ def test_parse_body_uses_views_for_large_bodies_and_agrees_with_the_ordinary_par
 
 
 def test_a_bad_skeleton_is_still_a_400_naming_the_field():
-    with pytest.raises(protocol.APIError) as info:
+    with pytest.raises(APIError) as info:
         parse_body(CompletionRequest, b'{"prompt_embeds": "QUJD", "max_tokens": "many"}', split_embeds_bytes=0)
     assert info.value.status == 400 and info.value.param == "max_tokens"

@@ -181,8 +181,8 @@ async def test_an_engine_process_never_adopted_is_stopped_on_leaving_the_block()
 
 
 def test_the_server_runs_the_engine_apart_unless_one_process_is_asked_for(tiny_model_dir):
-    from web.settings import ServerSettings
-    from web.state import ServerState
+    from web.http.settings import ServerSettings
+    from web.http.state import ServerState
     assert engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor=None), ServerSettings()))
     assert engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor="mp"), ServerSettings()))
     assert not engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor="inproc"), ServerSettings()))

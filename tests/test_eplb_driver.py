@@ -125,7 +125,7 @@ def test_expert_options_the_model_cannot_take_fail_before_any_worker_starts(moe_
 
 
 async def test_prometheus_shows_rebalances_moves_balancedness_and_transfer_time(moe_dir, autojump_clock):
-    from web.metrics import ServerMetrics
+    from web.http.metrics import ServerMetrics
 
     metrics = ServerMetrics("moe")
     executor = FakeMoeExecutor()

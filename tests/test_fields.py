@@ -14,7 +14,7 @@ from tests.conftest import engine_config
 from tests.helpers import sse_events
 from tests.server_fixtures import running_server
 from web.fields import REFUSED, api_reference
-from web.settings import ServerSettings
+from web.http.settings import ServerSettings
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
@@ -126,7 +126,7 @@ EFFECTS = {
 
 
 async def test_every_implemented_completions_field_has_an_observable_effect(server):
-    from web.protocol import CompletionRequest
+    from web.openai.protocol import CompletionRequest
 
     fields = set(CompletionRequest.model_fields)
     covered = set(EFFECTS) | set(CHECKED_ELSEWHERE) | {"stop", "include_stop_str_in_output"}
@@ -155,7 +155,7 @@ CHAT_CHECKED_ELSEWHERE = {
 
 
 def test_every_implemented_chat_field_is_checked_somewhere():
-    from web.protocol import ChatCompletionRequest
+    from web.chat.protocol import ChatCompletionRequest
 
     covered = set(EFFECTS) | set(CHECKED_ELSEWHERE) | set(CHAT_CHECKED_ELSEWHERE) | {"stop",
                                                                                      "include_stop_str_in_output"}

@@ -10,7 +10,7 @@ import pytest
 from engine import ModelLoadError, RequestOutputKind, open_engine
 from engine.models.hf_config import read_generation_defaults
 from tests.conftest import engine_config
-from web.protocol import CompletionRequest
+from web.openai.protocol import CompletionRequest
 
 
 @pytest.fixture(scope="module")

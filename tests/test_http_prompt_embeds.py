@@ -161,7 +161,7 @@ async def test_large_bodies_take_the_view_path_with_the_same_results(server, tin
 
 
 def test_the_body_limit_grows_to_fit_the_largest_accepted_payload():
-    from web.settings import DEFAULT_BODY_BYTES, ServerSettings
+    from web.http.settings import DEFAULT_BODY_BYTES, ServerSettings
     assert ServerSettings().body_limit(None) == DEFAULT_BODY_BYTES
     assert ServerSettings().body_limit(30 << 20) == (40 << 20) + (1 << 20)
     assert ServerSettings(max_body_bytes=1000).body_limit(30 << 20) == 1000  # an explicit limit wins

@@ -13,8 +13,8 @@ from bench.http import request
 from tests.conftest import engine_config
 from tests.helpers import sse_events
 from tests.server_fixtures import running_server
-from web.cors import CorsSettings
-from web.settings import ServerSettings
+from web.http.cors import CorsSettings
+from web.http.settings import ServerSettings
 
 
 @pytest.fixture
@@ -232,7 +232,7 @@ async def test_echo_of_token_ids_is_their_text_with_special_tokens(server):
 
 
 async def test_large_bodies_and_responses_take_the_offloaded_paths(server):
-    from web.openai_api import OFFLOAD_BODY_BYTES, OFFLOAD_RESPONSE_TOKENS
+    from web.http.requests import OFFLOAD_BODY_BYTES, OFFLOAD_RESPONSE_TOKENS
     prompts = [f"prompt number {i}: " + "lorem ipsum dolor " * 20 for i in range(200)]
     payload = {"prompt": prompts, "max_tokens": 25, "temperature": 0, "ignore_eos": True}
     assert len(json.dumps(payload)) > OFFLOAD_BODY_BYTES and OFFLOAD_RESPONSE_TOKENS < 200 * 25
@@ -262,7 +262,7 @@ def test_waiting_requests_are_split_by_reason_as_vllm_does():
     """Held back by a gate (an encoder output on its way, the adapter limit): "deferred"; the rest
     wait for room: "capacity"."""
     from engine.core.stats import EngineStats
-    from web.metrics import ServerMetrics
+    from web.http.metrics import ServerMetrics
 
     metrics = ServerMetrics("m")
     metrics.bind(lambda: EngineStats(1, 5, 0.0, 0, 0, 0, None, None, (True,), num_waiting_deferred=2))

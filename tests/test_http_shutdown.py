@@ -15,8 +15,8 @@ import trio
 from bench.http import open_request
 from engine.testing import FakeExecutor
 from tests.conftest import engine_config
+from web.http.settings import ServerSettings
 from web.serve import serve
-from web.settings import ServerSettings
 
 
 async def _bound_url(stderr) -> str:

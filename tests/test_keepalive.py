@@ -23,9 +23,9 @@ from trio.testing import wait_all_tasks_blocked
 from bench.http import RawResponse, Reader, address, read_response
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
-from web.keepalive import DRAIN_BYTES, KeepAliveGuard
+from web.http.keepalive import DRAIN_BYTES, KeepAliveGuard
+from web.http.settings import ServerSettings
 from web.serve import hypercorn_config
-from web.settings import ServerSettings
 
 STATUSES = [401, 403, 400, 404, 405, 413, 415, 422, 429, 503]
 ANSWER_SECONDS = 1.0

@@ -65,7 +65,8 @@ def layer_of(module: str, layers: list[str]) -> int:
 
 def test_the_layer_map_is_read_from_the_docs():
     layers = layer_map()
-    assert layers[:3] == ["bench", "web", "engine.api"] and layers[-1] == "engine.*", layers
+    assert layers[:2] == ["bench", "web"] and layers[-1] == "engine.*", layers
+    assert layers.index("web.http") + 1 == layers.index("engine.api")
     assert layer_of("engine.sched.scheduler", layers) > layer_of("engine.core.engine_core", layers)
     assert layer_of("engine.testing", layers) == layers.index("engine.testing")
     assert layer_of("engine.config", layers) == len(layers) - 1
@@ -90,6 +91,22 @@ def test_web_reaches_the_engine_only_through_its_public_surface():
                    for target in imports_of(path) if target.startswith("engine")
                    if not target.startswith(WEB_MAY_IMPORT) and layer_of(target, layers) != root]
     assert not reaching_in, "\n".join(reaching_in)
+
+
+WEB_FAMILIES = ("web.openai", "web.anthropic", "web.pooling", "web.vllm")
+
+
+def test_no_api_family_imports_another_and_the_http_layer_imports_none():
+    """web/ by API family: each family (its bodies, handlers and routes) stands on web/chat and
+    web/http alone; only web/app.py brings families together."""
+    def family(module: str) -> str | None:
+        return next((f for f in WEB_FAMILIES if module == f or module.startswith(f + ".")), None)
+
+    crossing = [f"{module} imports {target}" for module, path in project_modules().items()
+                if module.startswith(("web.http", "web.chat", *WEB_FAMILIES))
+                for target in imports_of(path)
+                if family(target) is not None and family(target) != family(module)]
+    assert not crossing, "\n".join(crossing)
 
 
 def test_nothing_outside_the_benchmark_package_imports_it():

@@ -12,7 +12,7 @@ from engine import InvalidRequestError, SamplingParams, open_engine
 from engine.render.prompt_embeds import EmbedsLimits, check_prompt_embeds
 from tests.conftest import TEST_SPEC, engine_config
 from tests.server_fixtures import running_server
-from web.settings import ServerSettings
+from web.http.settings import ServerSettings
 
 BODY_LIMIT = 4096
 

@@ -22,7 +22,7 @@ from tests.model_helpers import transformers_greedy
 from tests.server_fixtures import running_server
 from tests.test_lora import adapters, base, hostile, lora_config, peft_greedy  # noqa: F401 -- fixtures
 from tests.test_reference_transformers import VOCAB
-from web.settings import ServerSettings
+from web.http.settings import ServerSettings
 
 
 def runtime_config(base_path, max_loras: int) -> EngineConfig:

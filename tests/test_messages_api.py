@@ -13,10 +13,10 @@ import pytest
 from engine.outputs import CompletionOutput, RequestOutput
 from tests.conftest import engine_config
 from tests.server_fixtures import CONVERSATION_TEMPLATE, WEATHER, record_chat_prompts, running_server
-from web.messages_api import MessagesRequest, MessagesStream
-from web.openai_api import ChatRun
-from web.protocol import ChatCompletionRequest
-from web.settings import ServerSettings
+from web.anthropic.messages import MessagesRequest, MessagesStream
+from web.chat.protocol import ChatCompletionRequest
+from web.chat.run import ChatRun
+from web.http.settings import ServerSettings
 
 TEMPLATE = ("{% if tools %}TOOLS{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
             + CONVERSATION_TEMPLATE)

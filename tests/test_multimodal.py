@@ -194,7 +194,7 @@ def test_make_model_writes_a_llava_transformers_reads_the_same(tmp_path):
 
 def test_prometheus_names_for_images_and_the_connector():
     from engine.core.stats import EngineStats
-    from web.metrics import ServerMetrics
+    from web.http.metrics import ServerMetrics
 
     metrics = ServerMetrics("m")
     metrics.bind(lambda: EngineStats(0, 0, 0.0, 0, 0, 0, None, None, (True,), mm_encoder_runs=3, encoder_cache_hits=2,

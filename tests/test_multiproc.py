@@ -190,8 +190,8 @@ async def test_a_worker_killed_while_idle_fails_health_at_once(tiny_model_dir, l
 
 
 async def test_serve_stops_and_exits_1_when_the_engine_dies(tiny_model_dir, caplog):
+    from web.http.settings import ServerSettings
     from web.serve import serve
-    from web.settings import ServerSettings
     config = engine_config(tiny_model_dir, executor="mp")
     executor = MultiprocExecutor(config)
     status = []

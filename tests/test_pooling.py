@@ -394,7 +394,7 @@ async def test_cohere_v2_embed_answers_in_cohere_shape(server):
 
 
 def test_input_type_prefixes_come_from_the_models_config(tmp_path):
-    from web.cohere_embed import read_prefixes
+    from web.pooling.cohere import read_prefixes
     assert read_prefixes(tmp_path) == {}
     (tmp_path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "q: "}}))
     assert read_prefixes(tmp_path) == {"query": "q: "}

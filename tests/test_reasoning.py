@@ -10,8 +10,8 @@ import pytest
 
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
-from web.reasoning import ReasoningStream, split_reasoning
-from web.settings import ServerSettings
+from web.chat.reasoning import ReasoningStream, split_reasoning
+from web.http.settings import ServerSettings
 
 TEMPLATE = ("{% if enable_thinking %}THINK THINK THINK\n{% endif %}"
             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")

@@ -11,8 +11,8 @@ import pytest
 
 from tests.conftest import engine_config
 from tests.server_fixtures import CONVERSATION_TEMPLATE, WEATHER, record_chat_prompts, running_server
-from web.responses_api import ResponseStore, StoredResponse
-from web.settings import ServerSettings
+from web.http.settings import ServerSettings
+from web.openai.responses import ResponseStore, StoredResponse
 
 TEMPLATE = CONVERSATION_TEMPLATE
 TOOLS = [{"type": "function", "name": "weather", "description": "forecast", "parameters": WEATHER}]

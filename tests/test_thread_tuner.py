@@ -138,7 +138,7 @@ def test_the_start_up_line_says_how_many_threads_a_step_gets(options, line):
     import torch
 
     from engine.config import EngineConfig
-    from web.startup import _cpus_line
+    from web.http.startup import _cpus_line
 
     assert _cpus_line(EngineConfig(model="m", **options)).startswith(line.replace("N", str(torch.get_num_threads())))
 

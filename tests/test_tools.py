@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
-from web.settings import ServerSettings
-from web.tools import ToolPlan, parse_calls, plan_tools
+from web.chat.tools import ToolPlan, parse_calls, plan_tools
+from web.http.settings import ServerSettings
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 10},

@@ -11,7 +11,7 @@ from bench.http import request
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
 from tests.test_tools import TEMPLATE, TOOLS
-from web.settings import ServerSettings
+from web.http.settings import ServerSettings
 
 CONVERSATIONS = [[{"role": "user", "content": "hello there"}],
                  [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count to three"}],
@@ -120,7 +120,7 @@ async def test_orca_load_reports_in_text_and_json_when_asked(server):
 
 def test_the_load_report_reads_the_engines_state():
     from engine.api import EngineStats
-    from web.orca import load_report
+    from web.http.orca import load_report
     stats = EngineStats(num_running=3, num_waiting=7, kv_cache_usage=0.25, prefix_cache_queries=0,
                         prefix_cache_hits=0, num_preemptions=0, loop_lag=None, loop_lag_max=None,
                         workers_alive=(True,))

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import trio
 from anyio.abc import TaskStatus
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -33,26 +33,23 @@ from engine.api import (
     open_engine,
     open_engine_process,
 )
+from engine.concurrency.offload import run_sized
 from engine.ids import random_id
-from web import (
-    admin_api,
-    cohere_embed,
-    cors,
-    load_tracking,
-    lora_api,
-    messages_api,
-    openai_api,
-    orca,
-    pooling_api,
-    render_api,
-    responses_api,
-)
-from web.errors import APIError
-from web.keepalive import KeepAliveGuard
-from web.load_tracking import ServerLoad
-from web.settings import ServerSettings
-from web.startup import describe_engine, engine_death, explain
-from web.state import ServerState
+from web.anthropic import routes as anthropic_routes
+from web.http import cors, load_tracking, orca
+from web.http.errors import APIError, bad_request
+from web.http.keepalive import KeepAliveGuard
+from web.http.load_tracking import ServerLoad
+from web.http.requests import OFFLOAD_BODY_BYTES, read_body, read_request, top_level_keys
+from web.http.settings import ServerSettings
+from web.http.startup import describe_engine, engine_death, explain
+from web.http.state import ServerState
+from web.openai import routes as openai_routes
+from web.openai.completions import create_chat_completion, create_completion
+from web.pooling import routes as pooling_routes
+from web.pooling.handlers import create_embeddings
+from web.pooling.protocol import EmbeddingRequest
+from web.vllm import routes as vllm_routes
 
 logger = logging.getLogger(__name__)
 
@@ -141,16 +138,29 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
 
     cors.register(app, state.settings.cors)
     _register_error_handlers(app)
-    openai_api.register(app, state)
-    messages_api.register(app, state)
-    responses_api.register(app, state)
-    pooling_api.register(app, state)
-    cohere_embed.register(app, state)
-    render_api.register(app, state)
-    admin_api.register(app, state)
-    lora_api.register(app, state)
+    for family in (openai_routes, anthropic_routes, pooling_routes, vllm_routes):
+        family.register(app, state)
+    _register_invocations(app, state)
     load_tracking.register(app, load)
     return app
+
+
+def _register_invocations(app: QuartTrio, state: ServerState) -> None:
+    @app.post("/invocations")
+    async def invocations() -> Response:
+        """SageMaker's entry point, as vLLM serves it: the body's shape picks the endpoint
+        (`messages`: chat, `prompt`: completions, `input`: embeddings)."""
+        body = await read_body()
+        g.trio_llm_body = body
+        keys = await run_sized(top_level_keys, body, size=len(body), inline_below=OFFLOAD_BODY_BYTES,
+                               limiter=state.limiter)
+        if "messages" in keys:
+            return await create_chat_completion(state)
+        if "prompt" in keys or "prompt_embeds" in keys:
+            return await create_completion(state)
+        if "input" in keys:
+            return await create_embeddings(state, await read_request(state, EmbeddingRequest))
+        raise bad_request("/invocations takes a chat (messages), completions (prompt) or embeddings (input) body")
 
 
 async def run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

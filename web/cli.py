@@ -27,8 +27,8 @@ from engine.config import EngineConfig
 from engine.cpu_binding import bind_this_thread
 from engine.log_format import configure_logging
 from web import options
-from web.settings import ServerSettings
-from web.startup import check_port_free, startup_failure
+from web.http.settings import ServerSettings
+from web.http.startup import check_port_free, startup_failure
 
 COMMAND_GROUP = "trio_llm.commands"
 # What add_subparsers() returns (generic only to type checkers, hence the string).

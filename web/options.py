@@ -24,8 +24,8 @@ from engine.config import (
     StructuredOutputsConfig,
 )
 from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
-from web.cors import CorsSettings
-from web.settings import ServerSettings
+from web.http.cors import CorsSettings
+from web.http.settings import ServerSettings
 from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_notes, foreign_flag_refusals
 
 HASH_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]

@@ -21,8 +21,8 @@ from quart_trio import QuartTrio
 
 from engine.api import EngineConfig, Executor, SpawnedEngine, tune_collector_for_serving
 from web.app import create_app, run_engine
-from web.settings import ServerSettings
-from web.state import ServerState
+from web.http.settings import ServerSettings
+from web.http.state import ServerState
 
 logger = logging.getLogger(__name__)
 EVERY_INTERFACE = ("0.0.0.0", "::", "")  # hosts that bind every interface (vLLM's default)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import CompletionOutput, PositionLogprobs, RequestOutput
-from web.reasoning import ReasoningStream, split_reasoning
-from web.tools import ToolCallStream, ToolPlan, extract_calls
+from web.chat.reasoning import ReasoningStream, split_reasoning
+from web.chat.tools import ToolCallStream, ToolPlan, extract_calls
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -23,8 +23,8 @@ import partial_json_parser
 
 from engine.ids import random_id
 from engine.structured_outputs import StructuredOutputs
-from web.errors import bad_request
-from web.reasoning import held_back
+from web.chat.reasoning import held_back
+from web.http.errors import bad_request
 
 PARSERS = ("hermes", "llama3_json")
 

@@ -17,7 +17,6 @@ import base64
 import json
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -27,12 +26,11 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from engine.api import AsyncEngine, PoolingParams, PoolingRequestOutput, Tokenizer
-from engine.concurrency.offload import run_sized
 from engine.ids import random_id
-from web.errors import bad_request
-from web.openai_api import read_request
-from web.protocol import ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
-from web.state import ServerState
+from web.http.errors import bad_request
+from web.http.requests import offload, read_request
+from web.http.state import ServerState
+from web.pooling.protocol import ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 
 
 def register(app: QuartTrio, state: ServerState) -> None:
@@ -59,19 +57,6 @@ def register(app: QuartTrio, state: ServerState) -> None:
     @app.post("/v2/rerank")
     async def rerank() -> Response:
         return await create_rerank(state)
-
-
-# Work smaller than this (characters to tokenize, floats to format) costs less on the loop than the
-# ~100-200 us thread hop (measured: `trio-llm bench embed`); larger work always goes to a thread.
-INLINE_WORK = 4096
-
-
-async def offload(state: ServerState, fn: Callable[..., Any], *args: Any, size: int = INLINE_WORK) -> Any:
-    """Run `fn` in a worker thread under the server's shared limiter, or inline when `size` is small.
-
-    Cancellation drops a thread's result once the thread returns.
-    """
-    return await run_sized(fn, *args, size=size, inline_below=INLINE_WORK, limiter=state.limiter)
 
 
 def _input_size(inputs: list[Any]) -> int:

@@ -16,17 +16,12 @@ from quart_trio import QuartTrio
 
 from engine.api import AsyncEngine, EngineInput, SamplingParams
 from engine.ids import random_id
-from web.openai_api import (
-    chat_prompt_for,
-    chat_sampling_params,
-    chat_tools,
-    completion_sampling_params,
-    generation_engine,
-    json_response,
-    read_request,
-)
-from web.protocol import ChatCompletionRequest, CompletionRequest
-from web.state import ServerState
+from web.chat.protocol import ChatCompletionRequest
+from web.chat.run import chat_prompt_for, chat_sampling_params, chat_tools, generation_engine
+from web.http.requests import json_response, read_request
+from web.http.state import ServerState
+from web.openai.completions import completion_sampling_params
+from web.openai.protocol import CompletionRequest
 
 
 def register(app: QuartTrio, state: ServerState) -> None:

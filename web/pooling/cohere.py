@@ -22,11 +22,11 @@ from quart_trio import QuartTrio
 
 from engine.api import AsyncEngine, PoolingParams, Tokenizer
 from engine.ids import random_id
-from web.errors import bad_request
-from web.openai_api import read_request
-from web.pooling_api import checked_truncation, offload
-from web.protocol import CohereEmbedRequest
-from web.state import ServerState
+from web.http.errors import bad_request
+from web.http.requests import offload, read_request
+from web.http.state import ServerState
+from web.pooling.handlers import checked_truncation
+from web.pooling.protocol import CohereEmbedRequest
 
 
 def register(app: QuartTrio, state: ServerState) -> None:

@@ -14,11 +14,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from web.errors import bad_request
-from web.protocol import _Body, _Nested
+from web.http.bodies import Body, Nested
+from web.http.errors import bad_request
+from web.http.fields import declare_fields
 
 
-class TextFormat(_Nested):
+class TextFormat(Nested):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -26,11 +27,11 @@ class TextFormat(_Nested):
     strict: bool | None = None
 
 
-class TextConfig(_Nested):
+class TextConfig(Nested):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(Body):
     """The body of `POST /v1/responses`; the sampling fields vLLM takes besides OpenAI's."""
 
     model: str | None = None
@@ -164,3 +165,19 @@ def _response_format(fmt: TextFormat) -> dict[str, Any]:
         raise bad_request("text.format.schema is required with type json_schema", "text.format.schema")
     return {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_,
                                                    "strict": fmt.strict}}
+
+
+declare_fields(ResponsesRequest, "responses", {
+    "reasoning": "reasoning follows the chat template and --reasoning-parser; it is not configured per request",
+    "include": "no extra output fields are produced",
+    "background": "responses run while their request is open",
+    "truncation": "prompts are not truncated to fit (an over-long one is a 400)",
+    "top_logprobs": "logprobs are not returned by the Responses API yet",
+    "prompt": "stored prompt templates are not kept",
+    "conversation": "conversations are chained with previous_response_id",
+    "max_tool_calls": "calls are not limited by count (parallel_tool_calls: false allows one)",
+    "service_tier": "there is one service tier",
+    "prompt_cache_key": "prefix caching needs no key",
+    "safety_identifier": "no safety system is run",
+    "stream_options": "obfuscation is not applied",
+})

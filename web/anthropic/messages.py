@@ -20,13 +20,14 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from engine.api import EngineDeadError, InvalidRequestError, RequestFailedError, RequestOutput
-from web import sse
-from web.anthropic_protocol import MessagesRequest
-from web.errors import APIError
-from web.openai_api import ChatRun, final_outputs, json_response, prepend, read_request, start_chat
-from web.protocol import ChatCompletionRequest
-from web.responses import DeltaPiece, chat_message, delta_pieces
-from web.state import ServerState
+from web.anthropic.protocol import MessagesRequest
+from web.chat.outputs import DeltaPiece, chat_message, delta_pieces
+from web.chat.protocol import ChatCompletionRequest
+from web.chat.run import ChatRun, start_chat
+from web.http import sse
+from web.http.errors import APIError
+from web.http.requests import final_outputs, json_response, prepend, read_request
+from web.http.state import ServerState
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

@@ -25,13 +25,14 @@ from quart_trio import QuartTrio
 
 from engine.api import RequestOutput
 from engine.ids import random_id
-from web import sse
-from web.errors import APIError
-from web.openai_api import ChatRun, final_outputs, json_response, read_request, start_chat
-from web.protocol import ChatCompletionRequest
-from web.responses import DeltaPiece, chat_message, delta_pieces
-from web.responses_protocol import ResponsesRequest
-from web.state import ServerState
+from web.chat.outputs import DeltaPiece, chat_message, delta_pieces
+from web.chat.protocol import ChatCompletionRequest
+from web.chat.run import ChatRun, start_chat
+from web.http import sse
+from web.http.errors import APIError
+from web.http.requests import final_outputs, json_response, read_request
+from web.http.state import ServerState
+from web.openai.responses_protocol import ResponsesRequest
 
 STORED_RESPONSES = 1024
 

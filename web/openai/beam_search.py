@@ -14,10 +14,11 @@ import anyio
 
 from engine.api import AsyncEngine, BeamSearchOutput, BeamSearchParams
 from engine.ids import random_id
-from web.errors import bad_request
-from web.protocol import ChatCompletionRequest, CompletionRequest
-from web.responses import usage
-from web.state import ServerState
+from web.chat.outputs import usage
+from web.chat.protocol import ChatCompletionRequest
+from web.http.errors import bad_request
+from web.http.state import ServerState
+from web.openai.protocol import CompletionRequest
 
 # What a beam search does not do, by field (each a 400 when asked for).
 _REFUSED = {

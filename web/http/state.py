@@ -9,11 +9,11 @@ import anyio
 
 from engine.api import AsyncEngine, EngineConfig, Executor, SpawnedEngine
 from engine.lora_request import LoRARequest
-from web.errors import APIError
-from web.metrics import ServerMetrics
-from web.protocol import check_model
-from web.settings import ServerSettings
-from web.sse import StreamStopper
+from web.http.bodies import check_model
+from web.http.errors import APIError
+from web.http.metrics import ServerMetrics
+from web.http.settings import ServerSettings
+from web.http.sse import StreamStopper
 
 
 @dataclass

@@ -15,10 +15,10 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from engine.api import LoRAError, LoRARequest
-from web.errors import APIError, bad_request
-from web.openai_api import read_request
-from web.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from web.state import ServerState
+from web.http.errors import APIError, bad_request
+from web.http.requests import read_request
+from web.http.state import ServerState
+from web.vllm.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 
 def register(app: QuartTrio, state: ServerState) -> None:

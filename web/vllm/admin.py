@@ -13,11 +13,12 @@ from pydantic_core import to_json
 from quart import Response
 from quart_trio import QuartTrio
 
-from web.errors import APIError, bad_request
-from web.openai_api import chat_prompt_for, read_request
-from web.protocol import DetokenizeRequest, TokenizeRequest
-from web.state import ServerState
-from web.tools import template_tools
+from web.chat.run import chat_prompt_for
+from web.chat.tools import template_tools
+from web.http.errors import APIError, bad_request
+from web.http.requests import read_request
+from web.http.state import ServerState
+from web.vllm.protocol import DetokenizeRequest, TokenizeRequest
 
 _STARTED = int(time.time())
 

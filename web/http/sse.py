@@ -11,7 +11,7 @@ import anyio
 from pydantic_core import to_json
 
 from engine.api import EngineDeadError, InvalidRequestError, RequestFailedError
-from web.errors import APIError
+from web.http.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

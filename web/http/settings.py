@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from web.cors import CorsSettings
+from web.http.cors import CorsSettings
 
 DEFAULT_BODY_BYTES = 16 << 20
 

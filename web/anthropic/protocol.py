@@ -14,23 +14,24 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from web.errors import bad_request
-from web.protocol import _Body, _Nested
+from web.http.bodies import Body, Nested
+from web.http.errors import bad_request
+from web.http.fields import declare_fields
 
 
-class OutputFormat(_Nested):
+class OutputFormat(Nested):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Nested):
+class OutputConfig(Nested):
     """Anthropic's structured outputs (`format`); `effort` is refused (there is no effort knob)."""
 
     format: OutputFormat | None = None
     effort: str | None = None
 
 
-class MessagesRequest(_Body):
+class MessagesRequest(Body):
     """Anthropic's request body, with the sampling fields vLLM's Messages endpoint takes
     (`temperature`, `top_p`, `top_k`; Anthropic's own client sends them as extra body fields).
     Content blocks are checked as they are translated."""
@@ -190,3 +191,12 @@ def _output_config(config: OutputConfig) -> dict[str, Any]:
         return {}
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "output",
                                                                        "schema": config.format.schema_}}}
+
+
+declare_fields(MessagesRequest, "messages", {  # Anthropic's
+    "thinking": "reasoning follows the chat template and --reasoning-parser; it is not configured per request",
+    "service_tier": "there is one service tier",
+    "container": "code execution containers are not available",
+    "mcp_servers": "MCP servers are not called",
+    "context_management": "context is not edited by the server",
+})
