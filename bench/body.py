@@ -5,7 +5,7 @@ what matters is how long the GIL is held, because that is how long the loop
 can be stalled. Measured with the loop-lag probe (1 ms sleeps) on this trio
 loop while a worker thread parses the body `repeats` times, for the ordinary
 parse (pydantic-core builds the payload string) and for the view path
-(`web.embeds_body`).
+(`web.http.embeds_body`).
 """
 
 from __future__ import annotations

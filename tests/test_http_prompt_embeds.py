@@ -144,7 +144,7 @@ async def test_a_server_without_the_flag_says_how_to_enable_it(tiny_model_dir):
 
 
 async def test_large_bodies_take_the_view_path_with_the_same_results(server, tiny_model_dir, monkeypatch, tmp_path):
-    """With the split threshold at 0, every body goes through `web.embeds_body`: the outputs
+    """With the split threshold at 0, every body goes through `web.http.embeds_body`: the outputs
     and the errors are those of the ordinary parse."""
     ids = [11, 12, 13, 14]
     payload = {"prompt_embeds": [encode(embedding_table(tiny_model_dir)[ids])], "max_tokens": 5,

@@ -107,7 +107,7 @@ class _Sampling(Body):
     # OpenAI's tags for a request (up to 16 string pairs): accepted and not used, as vLLM accepts them
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     # vLLM's beam search: `n` beams, scored by cumulative logprob / length ** length_penalty;
-    # early_stopping as Hugging Face's (true, false or "never"). web/beam_search_api.py.
+    # early_stopping as Hugging Face's (true, false or "never"). web/openai/beam_search.py.
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False

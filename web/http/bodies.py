@@ -53,7 +53,7 @@ def parse_body(model: type[Body], body: bytes | bytearray, *, split_embeds_bytes
 
     Large `prompt_embeds` payloads (bodies of `split_embeds_bytes` or more) are
     taken out of the body first and kept as views on it (see
-    `web.embeds_body`), so no multi-megabyte string is built.
+    `web.http.embeds_body`), so no multi-megabyte string is built.
     """
     if "prompt_embeds" in model.model_fields and len(body) >= split_embeds_bytes:
         split = split_prompt_embeds(body)

@@ -18,7 +18,7 @@ class ServerSettings:
     http_workers: int = 4  # threads for parsing large bodies and building large responses
     grace_period: float = 30.0  # seconds in-flight requests get to finish on shutdown
     loop_lag_interval: float = 0.05
-    # Bodies this large or larger have their prompt_embeds parsed as views on the body (web.embeds_body).
+    # Bodies this large or larger have their prompt_embeds parsed as views on the body (web.http.embeds_body).
     split_embeds_bytes: int = 1 << 20
     metrics_require_key: bool = False  # --metrics-require-key: /metrics needs the API key too
     ssl_keyfile: str | None = None

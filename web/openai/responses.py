@@ -1,7 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API, as vLLM serves it) and GET /v1/responses/{id}, on
 the chat path.
 
-A request becomes a chat request (web.responses_protocol): `instructions` as the system message,
+A request becomes a chat request (web.openai.responses_protocol): `instructions` as the system message,
 the stored conversation of `previous_response_id`, then this request's input items. It runs as
 chat runs (template, sampling, tools, structured output, reasoning parser); the answer comes back
 as output items: `reasoning`, `message` (`output_text`), and a `function_call` per tool call.

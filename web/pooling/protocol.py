@@ -67,7 +67,7 @@ EmbeddingType = Literal["float", "binary", "ubinary", "base64"]
 
 
 class CohereEmbedRequest(Body):
-    """`POST /v2/embed` (Cohere's Embed API v2, as vLLM takes it; web/cohere_embed.py)."""
+    """`POST /v2/embed` (Cohere's Embed API v2, as vLLM takes it; web/pooling/cohere.py)."""
 
     model: str | None = None
     texts: list[str] | None = None
@@ -131,9 +131,6 @@ class RerankRequest(Body):
     return_documents: bool = True
     score_type: Literal["embedding", "cross-encoder", "late-interaction"] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-
-
-# ---- LoRA adapters at run time (web.lora_api) ----------------------------------------------------
 
 
 declare_fields(EmbeddingRequest, "embeddings",
