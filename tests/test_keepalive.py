@@ -1,4 +1,4 @@
-"""Kept-alive connections stay in step whatever the answer before (issue 36, web.keepalive).
+"""Kept-alive connections stay in step whatever the answer before (issue 36, web.http.keepalive).
 
 A response sent before its request body was in (an early 401, 413, ...) once left hypercorn's h11
 state behind, and the next request on that connection waited forever. In-process servers let
@@ -170,7 +170,7 @@ async def test_expect_100_continue_is_answered_then_the_refusal_or_the_result():
         refused = await RawConnection.open(url)
         await refused.send(head("/echo", {"Content-Length": str(1 << 30), "Expect": "100-continue",
                                          "X-Refuse": "413"}))
-        # hypercorn answers 100 Continue as soon as it parses the headers (see web.keepalive); the
+        # hypercorn answers 100 Continue as soon as it parses the headers (see web.http.keepalive); the
         # refusal follows without waiting for the body, and the connection closes.
         interim = await refused.response()
         assert interim.status == 100

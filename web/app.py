@@ -128,7 +128,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings | None = No
 
     @app.after_request
     async def orca_load_report(response: Response) -> Response:
-        """An ORCA load report on a generation answer whose request asked for one (web.orca)."""
+        """An ORCA load report on a generation answer whose request asked for one (web.http.orca)."""
         asked = request.headers.get(orca.REQUEST_HEADER)
         if asked and request.path in orca.REPORTING_PATHS and state.engine is not None:
             report = orca.load_report(asked, state.engine.stats())

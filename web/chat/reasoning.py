@@ -71,7 +71,7 @@ class ReasoningStream:
 
 def held_back(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag`: streamed text holds that much back,
-    since it may turn out to be the tag (here `</think>`, a tool-call tag in `web.tools`)."""
+    since it may turn out to be the tag (here `</think>`, a tool-call tag in `web.chat.tools`)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
             return size

@@ -28,14 +28,14 @@ class ServerSettings:
     log_requests: bool = False  # --enable-log-requests: a JSON line per finished request
     allow_unknown_fields: bool = False  # log and ignore request fields nobody defines, instead of a 400
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of free text...
-    tool_call_parser: str | None = None  # ...in this format (web.tools.PARSERS)
+    tool_call_parser: str | None = None  # ...in this format (web.chat.tools.PARSERS)
     trust_request_chat_template: bool = False  # let requests bring their own chat_template
     enable_request_id_headers: bool = False  # X-Request-Id on every response
     uds: str | None = None  # serve on this Unix domain socket instead of host:port
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (the tokenizer's configuration)
     enable_server_load_tracking: bool = False  # GET /load counts the requests the model serves now
     enable_force_include_usage: bool = False  # usage in every response, streamed ones too
-    reasoning_parser: str | None = None  # split <think>...</think> into reasoning_content (web.reasoning.PARSERS)
+    reasoning_parser: str | None = None  # split <think>...</think> into reasoning_content (web.chat.reasoning.PARSERS)
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
