@@ -93,6 +93,17 @@ def test_web_reaches_the_engine_only_through_its_public_surface():
     assert not reaching_in, "\n".join(reaching_in)
 
 
+# What an AsyncEngine holds for its own use: web/ asks the engine's public methods instead.
+ENGINE_INTERNALS = {"core", "processor", "renderer", "grammars"}
+
+
+def test_web_reads_no_engine_internals():
+    reaching = [f"{module}: .{node.attr}" for module, path in project_modules().items() if module.startswith("web")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS]
+    assert not reaching, "\n".join(reaching)
+
+
 WEB_FAMILIES = ("web.openai", "web.anthropic", "web.pooling", "web.vllm")
 
 

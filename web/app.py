@@ -182,9 +182,7 @@ async def run_engine(state: ServerState, *, task_status: TaskStatus[None] = anyi
         async with opened as engine:
             state.engine = engine
             state.metrics.bind(engine.stats, engine.engine_stats)
-            cores = getattr(engine.core, "cores", [engine.core])  # data parallel: one per engine
-            engine_pids = [core.pid for core in cores] if apart else []
-            for line in describe_engine(engine, config, anyio.current_time() - started_at, engine_pids):
+            for line in describe_engine(engine, config, anyio.current_time() - started_at, list(engine.engine_pids)):
                 logger.info("%s", line)
             task_status.started()
             started = True

@@ -435,8 +435,23 @@ class AsyncEngine:
     def engine_stats(self) -> list[EngineStats]:
         """Each engine's snapshot, in data-parallel rank order (one engine: `[stats()]`, without
         the loop lag). `stats()` sums them."""
-        per_engine = getattr(self.core, "engine_stats", None)
-        return per_engine() if per_engine is not None else [self.core.stats()]
+        return self.core.engine_stats()
+
+    @property
+    def engine_pids(self) -> tuple[int, ...]:
+        """The engine processes' pids, in data-parallel rank order; none when the engine core runs
+        in this process (`open_engine`)."""
+        return self.core.pids
+
+    def check_can_generate(self) -> None:
+        """`InvalidRequestError` (naming `model`) if the model only pools (an embedding model)."""
+        self.processor.check_can_generate()
+
+    @property
+    def pooling_input_limit(self) -> int:
+        """The most tokens one pooling input may have (the context, or `max_embed_len` with chunked
+        processing)."""
+        return self.processor.pooling_input_limit
 
     @property
     def is_running(self) -> bool:

@@ -120,6 +120,15 @@ class CoreClient:
             stats = replace(stats, workers_alive=tuple(False for _ in stats.workers_alive))
         return stats
 
+    def engine_stats(self) -> list[EngineStats]:
+        """`[stats()]`: one engine."""
+        return [self.stats()]
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The engine process's pid."""
+        return (self.pid,)
+
     # ---- for tests and benchmarks -------------------------------------------------------------
     @property
     def num_steps(self) -> int:

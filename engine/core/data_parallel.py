@@ -155,6 +155,11 @@ class DataParallelCores:
         """Each engine's snapshot, in data-parallel rank order."""
         return [core.stats() for core in self.cores]
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """Every engine process's pid, in data-parallel rank order."""
+        return tuple(pid for core in self.cores for pid in core.pids)
+
     async def add_lora(self, name: str, path: str) -> None:
         """On every live engine at once; the first error is raised. Cancellation stops the wait."""
         await self._on_every_live_core("add_lora", name, path)

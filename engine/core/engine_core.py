@@ -111,9 +111,10 @@ class _StepInFlight:
 
 
 class CoreHandle(Protocol):
-    """What `AsyncEngine` drives: an `EngineCore` in this process, or the client of one in the
-    engine process (`engine.core.core_client.CoreClient`). All of it is synchronous and never
-    blocks."""
+    """What `AsyncEngine` drives: an `EngineCore` in this process, the client of one in the
+    engine process (`engine.core.core_client.CoreClient`), or several behind data parallelism
+    (`engine.core.data_parallel.DataParallelCores`). Its plain methods and properties never block;
+    the LoRA calls wait for the workers."""
 
     @property
     def dead(self) -> bool:
@@ -127,6 +128,13 @@ class CoreHandle(Protocol):
 
     def stats(self) -> EngineStats:
         """A snapshot, without loop lag."""
+
+    def engine_stats(self) -> list[EngineStats]:
+        """Each engine's snapshot, in data-parallel rank order (one engine: `[stats()]`)."""
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The engine processes' pids, in data-parallel rank order; none for a core in this process."""
 
     async def add_lora(self, name: str, path: str) -> None:
         """Serve a LoRA adapter on every worker (`EngineCore.add_lora`). Cancellation stops the
@@ -440,6 +448,15 @@ class EngineCore:
         self._trackers.clear()
 
     # ---- introspection (for metrics and tests) ---------------------------------------------
+    def engine_stats(self) -> list[EngineStats]:
+        """`[stats()]`: one engine."""
+        return [self.stats()]
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """None: this core runs in this process."""
+        return ()
+
     def stats(self) -> EngineStats:
         """A snapshot of the core now, without the event loop's lag (its owner measures that)."""
         scheduler = self.scheduler

@@ -23,7 +23,7 @@ from web.http.state import ServerState
 def generation_engine(state: ServerState) -> AsyncEngine:
     """The engine, if its model can generate; a pooling model (BERT) answers 400 here."""
     engine = state.engine_for_request()
-    engine.processor.check_can_generate()  # the engine's own check and wording (a 400 naming `model`)
+    engine.check_can_generate()  # the engine's own check and wording (a 400 naming `model`)
     return engine
 
 

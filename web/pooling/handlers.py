@@ -103,7 +103,7 @@ def padded(engine: AsyncEngine, prompts: list[list[int]], padding: str | None) -
     pad = engine.tokenizer.token_to_id(engine.tokenizer.pad_token)
     if pad is None:
         raise bad_request("padding max_length needs a pad token; this tokenizer has none", "padding")
-    length = engine.processor.pooling_input_limit
+    length = engine.pooling_input_limit
     return [p + [pad] * (length - len(p)) for p in prompts]
 
 
