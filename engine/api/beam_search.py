@@ -10,18 +10,31 @@ engine serves; cancelling the search aborts the step in flight.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from engine.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.lora_request import LoRARequest
+from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
+from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
-if TYPE_CHECKING:
-    from engine.api.async_engine import AsyncEngine
+
+class BeamEngine(Protocol):
+    """What beam search needs of the engine (`AsyncEngine` is one)."""
+
+    config: EngineConfig
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+    def generate_batch(self, prompts: Sequence[Any], sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[tuple[int, RequestOutput]]:
+        """As `AsyncEngine.generate_batch`: closing the generator aborts its requests."""
 
 
 def beam_score(tokens: list[int], cum_logprob: float, eos_ids: frozenset[int], length_penalty: float) -> float:
@@ -31,7 +44,7 @@ def beam_score(tokens: list[int], cum_logprob: float, eos_ids: frozenset[int], l
     return cum_logprob / float(max(length, 1) ** length_penalty)
 
 
-async def run_beam_search(engine: AsyncEngine, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
+async def run_beam_search(engine: BeamEngine, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
                           cache_salt: str | None = None, lora_request: LoRARequest | None = None,
                           priority: int = 0) -> BeamSearchOutput:
     """The best `params.beam_width` beams continuing `prompt_ids`. Cancellation aborts the step in
@@ -93,7 +106,7 @@ def _prompt(tokens: list[int], cache_salt: str | None) -> dict[str, object]:
     return prompt
 
 
-async def _one_token_each(engine: AsyncEngine, prompts: list[dict[str, object]], params: SamplingParams,
+async def _one_token_each(engine: BeamEngine, prompts: list[dict[str, object]], params: SamplingParams,
                           request_id: str, lora_request: LoRARequest | None, priority: int) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(prompts)
     async with aclosing(engine.generate_batch(prompts, params, request_id, priority=priority,
@@ -105,7 +118,7 @@ async def _one_token_each(engine: AsyncEngine, prompts: list[dict[str, object]],
     return finals  # type: ignore[return-value]
 
 
-def check_beam_search(engine: AsyncEngine, prompt_len: int, params: BeamSearchParams) -> None:
+def check_beam_search(engine: BeamEngine, prompt_len: int, params: BeamSearchParams) -> None:
     """Bounds known before the first step: the beams' logprobs within --max-logprobs, and the
     prompt with max_tokens within the context (vLLM's wording)."""
     limit = engine.config.max_logprobs

@@ -124,7 +124,7 @@ class WorkerGroupExecutor(Executor):
         await self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """Every rank runs the step; only rank 0 samples and replies. Cancellation waits for that
+        """Every rank runs the step; only the driver rank (`driver_rank`) samples and replies. Cancellation waits for that
         reply (the executor's contract), then raises; a worker that dies meanwhile fails the call."""
         return await (await self.start_model(sched_out)).result()
 

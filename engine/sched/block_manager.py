@@ -171,8 +171,3 @@ class KVBlockManager:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
-
-    def reset_prefix_cache(self) -> None:
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
