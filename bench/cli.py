@@ -540,8 +540,8 @@ def _bench_rpc(args: argparse.Namespace) -> int:
 
 
 def _bench_loop_lag(args: argparse.Namespace) -> int:
-    from bench import body as bench_body
     from bench import loop_lag
+    from bench import loop_lag_body as bench_body
     from engine.config import EngineConfig
     workers = EngineConfig(model="-", renderer_workers=args.renderer_workers).renderer_threads
     shape = (args.requests, args.rows, args.hidden, args.rounds, workers)

@@ -1,6 +1,6 @@
 """`trio-llm bench lora-delta`: the LoRA delta of one decoder layer's four linears, compiled by
 inductor, in the form the engine uses (grouped by slot: a gather, two batched matmuls, a scatter;
-engine/lora/layers.py) against the dense form it was weighed against (every slot's factors side
+engine/lora/serving.py) against the dense form it was weighed against (every slot's factors side
 by side, each row's slot one-hot as a mask between two plain matmuls), over the base linears'
 time. Shapes of the default model and of Qwen2.5-0.5B; forms alternate, medians of `repeats`.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch._dynamo
 
-from engine.lora.layers import grouped_delta
+from engine.lora.serving import grouped_delta
 
 # (in, out, slices) of qkv, o, gate_up and down
 SHAPES = {"default": ((256, 512, 3), (256, 256, 1), (256, 1536, 2), (768, 256, 1)),

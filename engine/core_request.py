@@ -14,7 +14,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.multimodal import ImageFeature
+from engine.mm_features import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ from engine.config import ECTransferConfig
 from engine.ec.connector import ECConnectorGate, SharedStorageConnector
 from engine.ec.storage import entry_path, save_rows
 from engine.errors import RequestFailedError
-from engine.multimodal import ImageFeature
+from engine.mm_features import ImageFeature
 from engine.render.image import ImageProcessorConfig, decode_image, mm_hash
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.request import Request, RequestStatus

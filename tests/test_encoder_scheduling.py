@@ -1,7 +1,7 @@
 """The scheduler with images: the encoder budget and cache decide how far a chunk goes, cached
 encoder outputs are shared, evictions reach the worker. Plain sync tests."""
 
-from engine.multimodal import ImageFeature
+from engine.mm_features import ImageFeature
 from engine.sampling_params import SamplingParams
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.encoder_cache import EncoderCacheManager

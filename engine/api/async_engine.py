@@ -24,7 +24,7 @@ import torch
 
 from engine.api.beam_search import check_beam_search, run_beam_search
 from engine.api.chunked_pooling import ChunkPlan
-from engine.api.merge import merge_pending
+from engine.api.pending_outputs import merge_pending
 from engine.beam_search_params import BeamSearchOutput, BeamSearchParams
 from engine.concurrency.use_counts import UseCounts
 from engine.config import EngineConfig
@@ -41,8 +41,8 @@ from engine.pooling_params import PoolingParams
 from engine.render.chat import EMBEDS_SENTINEL, ChatMedia, extract_media, render_chat
 from engine.render.grammar import GrammarCompiler
 from engine.render.input_processor import InputProcessor
-from engine.render.multimodal import ImageLimits, ImageSpec
 from engine.render.prompt_embeds import EmbedsLimits
+from engine.render.prompt_images import ImageLimits, ImageSpec
 from engine.render.renderer import EngineInput, Prompt, Renderer
 from engine.render.tokenizer import Tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams

@@ -27,8 +27,8 @@ from engine.core.data_parallel import (
     shared_cpus_warning,
 )
 from engine.core.engine_core import CoreHandle
+from engine.core.engine_messages import EngineInit
 from engine.core.engine_spawn import ENGINE_COMMAND, SpawnedEngine, spawn_engine, terminate
-from engine.core.messages import EngineInit
 from engine.core.open_core import open_core
 from engine.core.stats import LoopLagReadings, NullObserver, StatsObserver
 from engine.ec.connector import Loader
@@ -40,7 +40,7 @@ from engine.ipc.process import stop_processes
 from engine.model_info import ModelInfo
 from engine.render.chat import resolve_chat_template
 from engine.render.image import ImageProcessorConfig
-from engine.render.multimodal import ImageSpec
+from engine.render.prompt_images import ImageSpec
 from engine.render.tokenizer import Tokenizer
 
 

@@ -31,7 +31,7 @@ import anyio.abc
 from anyio.abc import Process
 
 from engine.core.engine_core import AddRequest, OutputSender, dead_error
-from engine.core.messages import (
+from engine.core.engine_messages import (
     ABORT,
     ADD,
     CALL,

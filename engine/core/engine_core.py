@@ -28,7 +28,7 @@ from anyio.abc import TaskStatus
 from engine.concurrency.use_counts import UseCounts
 from engine.core.eplb_driver import EplbDriver
 from engine.core.output_processor import RequestTracker
-from engine.core.reporting import RequestTimings
+from engine.core.request_timings import RequestTimings
 from engine.core.stats import EngineStats, NullObserver, StatsObserver
 from engine.core_request import EngineCoreRequest
 from engine.errors import EngineDeadError, InvalidRequestError, LoRAError, RequestFailedError

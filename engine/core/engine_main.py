@@ -30,8 +30,7 @@ import anyio.abc
 import trio
 
 from engine.core.engine_core import AddRequest, EngineCore, OutputItem
-from engine.core.gc_tuning import tune_collector_for_serving
-from engine.core.messages import (
+from engine.core.engine_messages import (
     ABORT,
     ADD,
     CALL,
@@ -45,6 +44,7 @@ from engine.core.messages import (
     StepReport,
     encode_output,
 )
+from engine.core.gc_tuning import tune_collector_for_serving
 from engine.core.open_core import open_core
 from engine.core.stats import RecordingObserver
 from engine.core_request import EngineCoreRequest

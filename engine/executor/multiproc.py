@@ -38,7 +38,7 @@ from engine.executor.worker_group import WorkerGroupExecutor
 from engine.ipc.fast_socket import FastSocketStream
 from engine.ipc.process import describe_exit, spawn_with_socket, stop_processes
 from engine.models.hf_config import read_config_json
-from engine.worker.messages import Init
+from engine.worker.worker_messages import Init
 
 log = logging.getLogger("trio_llm.executor")
 

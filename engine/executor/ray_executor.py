@@ -51,8 +51,8 @@ from engine.executor.rpc import WorkerConnection, WorkerGroup
 from engine.executor.worker_group import STARTUP_TIMEOUT, WorkerGroupExecutor
 from engine.ipc.fast_socket import FastSocketStream
 from engine.ipc.process import SHUTDOWN_GRACE
-from engine.worker.messages import Init
 from engine.worker.ray_worker import HELLO, SECRET_BYTES, RayWorker, WorkerPlacement
+from engine.worker.worker_messages import Init
 
 log = logging.getLogger("trio_llm.executor")
 

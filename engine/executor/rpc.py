@@ -34,7 +34,7 @@ import trio
 from engine.errors import EngineDeadError
 from engine.ipc import wire
 from engine.ipc.polling import POLL_WINDOW, PollPolicy, now, pollable
-from engine.worker.messages import Call, Failure, Reply, Shutdown, from_wire, to_wire
+from engine.worker.worker_messages import Call, Failure, Reply, Shutdown, from_wire, to_wire
 
 
 class WorkerError(RuntimeError):

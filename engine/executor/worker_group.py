@@ -2,7 +2,7 @@
 
 `MultiprocExecutor` spawns its workers as children of this process; `RayExecutor`
 places them as Ray actors, on this node or others. Either way each worker ends up
-as a byte stream carrying the same frames (`engine.worker.messages`), and the
+as a byte stream carrying the same frames (`engine.worker.worker_messages`), and the
 rest is here: the start-up handshake (`Init` out, `Ready` or `StartupFailed`
 back, every rank at once), the ordered RPC group over the streams
 (`engine.executor.rpc.WorkerGroup`), the executor calls the engine core makes,
@@ -25,7 +25,7 @@ from engine.ipc import wire
 from engine.ipc.fast_socket import STREAM_ENDED
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.messages import Init, Ready, StartupFailed
+from engine.worker.worker_messages import Init, Ready, StartupFailed
 
 STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
 
@@ -124,8 +124,9 @@ class WorkerGroupExecutor(Executor):
         await self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """Every rank runs the step; only the driver rank (`driver_rank`) samples and replies. Cancellation waits for that
-        reply (the executor's contract), then raises; a worker that dies meanwhile fails the call."""
+        """Every rank runs the step; only the driver rank (`driver_rank`) samples and replies.
+        Cancellation waits for that reply (the executor's contract), then raises; a worker that
+        dies meanwhile fails the call."""
         return await (await self.start_model(sched_out)).result()
 
     async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:

@@ -3,5 +3,5 @@ stream that carries them with a short poll before it sleeps (`fast_socket`, `pol
 and stopping a child process that owns one end of a socket (`process`).
 
 It knows nothing of what the messages mean: the engine process's messages are in
-`engine.core.messages`, the worker processes' in `engine.worker.messages`.
+`engine.core.engine_messages`, the worker processes' in `engine.worker.worker_messages`.
 """

@@ -15,7 +15,7 @@ from engine.models.quantized_linear import QUANTIZED_MATMULS, can_quantize, quan
 
 
 class OutputDelta(Protocol):
-    """What a layer's LoRA adapters add to its output (engine/lora/layers.py's `LinearLoRA`)."""
+    """What a layer's LoRA adapters add to its output (engine/lora/serving.py's `LinearLoRA`)."""
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
@@ -37,7 +37,7 @@ class Linear(nn.Module):
         # compute thread, MKL's product over it beats oneDNN's over the packed weight.
         self.row_weight: torch.Tensor | None = None
         # The LoRA adapters that change this layer's output, when the engine serves any
-        # (engine/lora/layers.py): their delta is added for the rows of each adapter's requests.
+        # (engine/lora/serving.py): their delta is added for the rows of each adapter's requests.
         self.lora: OutputDelta | None = None
         # Once `quantize` ran (engine/models/quantized_linear.py): the quantized rows and their scales.
         self.qweight: torch.Tensor | None

@@ -24,9 +24,9 @@ from engine.concurrency.gather import gather_first_failure
 from engine.concurrency.offload import run_sized
 from engine.core_request import PromptEmbeds
 from engine.errors import InvalidRequestError
-from engine.multimodal import ImageFeature
-from engine.render.multimodal import ImageLimits, ImageSpec, expand_placeholders, process_images
+from engine.mm_features import ImageFeature
 from engine.render.prompt_embeds import EmbedsLimits, check_prompt_embeds, decode_prompt_embeds
+from engine.render.prompt_images import ImageLimits, ImageSpec, expand_placeholders, process_images
 from engine.render.tokenizer import Tokenizer
 
 # Tokenizing text shorter than this on the loop costs less than the ~100-200 us thread hop.

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.multimodal import ImageFeature
+from engine.mm_features import ImageFeature
 from engine.sampling_params import SamplingParams
 
 

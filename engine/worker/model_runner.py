@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from engine.core_request import PromptEmbeds
-from engine.lora.layers import LoRAServing, lora_batch
+from engine.lora.serving import LoRAServing, lora_batch
+from engine.mm_features import ImageFeature
 from engine.model_info import PoolerConfig
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.parallel import PipelineStage
 from engine.models.pooler import finish, pool
 from engine.models.vision import LlavaVision
-from engine.multimodal import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import (

@@ -55,7 +55,7 @@ from torch import nn
 
 import engine.lora
 import engine.models
-from engine.lora.layers import LinearLoRA, graph_inputs, traced_inputs
+from engine.lora.serving import LinearLoRA, graph_inputs, traced_inputs
 from engine.models.attention import GRAPHED, DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.layers import Linear
@@ -279,7 +279,7 @@ def lora_linears(model: DecoderForCausalLM) -> list[LinearLoRA]:
 
 
 def _lora_example(model: DecoderForCausalLM, min_rows: int = 2) -> tuple[list[torch.Tensor], list[Any]]:
-    """The LoRA inputs a graph is exported with (engine/lora/layers.py, `graph_inputs`), and their
+    """The LoRA inputs a graph is exported with (engine/lora/serving.py, `graph_inputs`), and their
     dynamic shapes: the row layout's width is the one dynamic dimension."""
     linears = lora_linears(model)
     if not linears:

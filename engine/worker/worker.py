@@ -22,7 +22,7 @@ from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
 from engine.kernels import causal_attention as causal_attention_kernel
 from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
-from engine.lora.layers import LoRAServing
+from engine.lora.serving import LoRAServing
 from engine.model_info import ModelInfo, PoolerConfig
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.bert import BertEncoder, is_encoder_config

@@ -29,7 +29,7 @@ from engine.ipc import wire
 from engine.ipc.fast_socket import FastSocketStream
 from engine.ipc.polling import POLL_WINDOW, PollPolicy, now, pollable
 from engine.ipc.process import die_with_parent
-from engine.worker.messages import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed, from_wire, to_wire
+from engine.worker.worker_messages import Call, Failure, Init, Ready, Reply, Shutdown, StartupFailed, from_wire, to_wire
 
 
 async def serve_worker(stream: trio.abc.Stream, build: Callable[[Init], Any]) -> None:

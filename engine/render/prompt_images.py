@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from engine.errors import InvalidRequestError
-from engine.multimodal import ImageFeature
+from engine.mm_features import ImageFeature
 from engine.render.image import ImageProcessorConfig, decode_image, mm_hash, preprocess
 
 
