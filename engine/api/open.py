@@ -7,36 +7,22 @@ process of its own (`open_engine_process`, as `trio-llm serve` runs it).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
-from functools import partial
 
 import anyio
-from anyio.abc import Process, TaskGroup
+from anyio.abc import TaskGroup
 
 from engine.api.async_engine import AsyncEngine
 from engine.concurrency.loop_lag import run_loop_lag_probe
 from engine.config import EngineConfig
-from engine.core.core_client import CoreClient, handshake
-from engine.core.data_parallel import (
-    DataParallelCores,
-    data_parallel_configs,
-    run_data_parallel_rank,
-    shared_cpus_warning,
-)
-from engine.core.engine_core import CoreHandle
-from engine.core.engine_messages import EngineInit
-from engine.core.engine_spawn import ENGINE_COMMAND, SpawnedEngine, spawn_engine, terminate
+from engine.core.engine_processes import running_cores, started_engine_processes
+from engine.core.engine_spawn import ENGINE_COMMAND, SpawnedEngine
 from engine.core.open_core import open_core
 from engine.core.stats import LoopLagReadings, NullObserver, StatsObserver
 from engine.ec.connector import Loader
 from engine.errors import ModelLoadError
 from engine.executor import Executor
-from engine.ipc import wire
-from engine.ipc.fast_socket import FastSocketStream
-from engine.ipc.process import stop_processes
 from engine.model_info import ModelInfo
 from engine.render.chat import resolve_chat_template
 from engine.render.image import ImageProcessorConfig
@@ -118,66 +104,16 @@ async def open_engine_process(config: EngineConfig, *, observer: StatsObserver |
     process dies or its core fails, the failure is raised out of the block; under data
     parallelism, only once every engine has (until then the others serve on).
     """
-    configs = data_parallel_configs(config)
-    warning = shared_cpus_warning(config)
-    if warning is not None:
-        logging.getLogger("trio_llm.engine").warning(warning)
-    async with _engine_processes(configs, command, spawned) as started:
+    async with started_engine_processes(config, command, spawned) as started:
         # Loaded here while the engine processes import torch and load the model.
         tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)
-        clients = []
-        for process, stream in started:
-            reader = wire.FrameReader(stream)
-            clients.append(CoreClient(stream, reader, process, await handshake(reader, process), observer))
-        ready = clients[0].ready
-        image_spec = await anyio.to_thread.run_sync(image_spec_for, config, ready.info, tokenizer)
-        if config.chat_template is not None:
-            tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
-        async with anyio.create_task_group() as tg:
-            core: CoreHandle = clients[0]
-            if len(clients) == 1:
-                await tg.start(clients[0].run)
-            else:
-                core = DataParallelCores(clients, config.block_size)
-                for rank, client in enumerate(clients):
-                    await tg.start(run_data_parallel_rank, client, rank, clients)
+        async with running_cores(config, started, observer) as (core, ready), anyio.create_task_group() as tg:
+            image_spec = await anyio.to_thread.run_sync(image_spec_for, config, ready.info, tokenizer)
+            if config.chat_template is not None:
+                tokenizer.chat_template = await anyio.to_thread.run_sync(resolve_chat_template, config.chat_template)
             loop_lag = await start_loop_lag_probe(tg, config, observer)
             try:
                 yield AsyncEngine(config, ready.info, tokenizer, core, loop_lag,
                                   sampling_defaults=ready.sampling_defaults, image_spec=image_spec)
             finally:
-                await stop_processes([client.process for client in clients],
-                                     partial(_shut_down_all, clients))
                 tg.cancel_scope.cancel()
-
-
-def _shut_down_all(clients: Sequence[CoreClient]) -> None:
-    for client in clients:
-        client.shut_down()
-
-
-@asynccontextmanager
-async def _engine_processes(configs: Sequence[EngineConfig], command: Sequence[str],
-                            spawned: SpawnedEngine | None) -> AsyncGenerator[list[tuple[Process, FastSocketStream]]]:
-    """One engine process per config (the first `spawned`, if given), each sent its `EngineInit`;
-    whatever happens in the block, every one is stopped and its socket closed on the way out
-    (shielded, time limited)."""
-    started: list[tuple[Process, FastSocketStream]] = []
-    try:
-        for index, engine_config in enumerate(configs):
-            spawn = spawned if index == 0 and spawned is not None else await spawn_engine(command)
-            stream = FastSocketStream(spawn.socket)
-            started.append((spawn.process, stream))
-            await wire.send(stream, EngineInit(replace(engine_config, loop_lag_interval=None)))
-        yield started
-    finally:  # start-up failed or was cancelled, or the engines stopped: nothing is left running
-        processes = [process for process, _ in started]
-        await stop_processes(processes, partial(_terminate_all, processes))
-        with anyio.CancelScope(shield=True):
-            for _, stream in started:
-                await stream.aclose()
-
-
-def _terminate_all(processes: Sequence[Process]) -> None:
-    for process in processes:
-        terminate(process)
