@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine import ModelLoadError
-from engine.executor.multiproc import check_tensor_parallel
+from engine.executor.worker_group import check_tensor_parallel
 from tests.conftest import TEST_SPEC, engine_config
 from tests.helpers import log_until
 from web.cli import _parser, main

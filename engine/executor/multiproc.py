@@ -20,24 +20,20 @@ Lifecycle (use as an async context manager; `open_engine` does):
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import sys
-from contextlib import AsyncExitStack
 from dataclasses import replace
-from typing import Any
 
 import anyio
-from anyio.abc import Process
+from anyio.abc import Process, TaskGroup
 
 from engine.config import EngineConfig, usable_cpus
 from engine.cpu_binding import split_layout
-from engine.errors import EngineDeadError, ModelLoadError
-from engine.executor.rpc import WorkerConnection, WorkerGroup
+from engine.errors import EngineDeadError
+from engine.executor.rpc import WorkerConnection
 from engine.executor.worker_group import WorkerGroupExecutor
 from engine.ipc.fast_socket import FastSocketStream
 from engine.ipc.process import describe_exit, spawn_with_socket, stop_processes
-from engine.models.hf_config import read_config_json
 from engine.worker.worker_messages import Init
 
 log = logging.getLogger("trio_llm.executor")
@@ -52,34 +48,11 @@ class MultiprocExecutor(WorkerGroupExecutor):
         self.worker_command = worker_command or [sys.executable, "-m", "engine.worker.worker_main"]
         self.processes: list[Process] = []
         self._init_method: str | None = None  # torch.distributed's rendezvous, chosen once
-        self._stack: AsyncExitStack | None = None
 
-    # ---- lifecycle -----------------------------------------------------------------------------
-    async def __aenter__(self) -> MultiprocExecutor:
-        check_tensor_parallel(self.config)  # before any worker starts: a wrong size fails at once
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            stack.push_async_callback(self._stop_workers)  # if start-up fails half way
-            connections = await self._start_workers()
-            task_group = await stack.enter_async_context(anyio.create_task_group())
-            stack.push_async_callback(self._stop_workers)  # on the way out: before the task group ends
-            self.group = WorkerGroup(connections, self._connection_lost)
-            await task_group.start(self.group.run)
-            for rank, process in enumerate(self.processes):
-                task_group.start_soon(self._watch, rank, process)
-        except BaseException:
-            if not await stack.__aexit__(*sys.exc_info()):
-                raise
-        self._stack = stack
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> bool | None:
-        stack, self._stack = self._stack, None
-        return await stack.__aexit__(*exc_info) if stack else None
-
-    async def aclose(self) -> None:
-        await self._stop_workers()
+    # ---- lifecycle (WorkerGroupExecutor.__aenter__) --------------------------------------------
+    def _start_watchers(self, task_group: TaskGroup) -> None:
+        for rank, process in enumerate(self.processes):
+            task_group.start_soon(self._watch, rank, process)
 
     async def _start_workers(self) -> list[WorkerConnection]:
         connections = [await self._spawn(rank) for rank in range(self.world_size)]
@@ -152,25 +125,3 @@ class MultiprocExecutor(WorkerGroupExecutor):
 
     def worker_pids(self) -> tuple[int, ...]:
         return tuple(process.pid for process in self.processes)
-
-
-def check_tensor_parallel(config: EngineConfig) -> None:
-    """`ModelLoadError` if the model's heads do not split evenly over the tensor-parallel ranks
-    (naming sizes that work), or it has fewer layers than pipeline stages."""
-    raw = read_config_json(config.model)
-    layers = raw.get("num_hidden_layers")
-    stages = config.pipeline_parallel_size
-    if isinstance(layers, int) and layers < stages:
-        raise ModelLoadError(f"--pipeline-parallel-size {stages} is larger than the model's {layers} layers")
-    size = config.tensor_parallel_size
-    if size == 1:
-        return
-    heads = raw.get("num_attention_heads")
-    if not isinstance(heads, int):
-        return  # not a decoder config: the worker reports what it cannot split
-    kv_heads = raw.get("num_key_value_heads") or heads
-    if heads % size or kv_heads % size:
-        common = math.gcd(heads, kv_heads)
-        sizes = [n for n in range(1, common + 1) if common % n == 0]
-        raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's {heads} attention heads "
-                             f"and {kv_heads} key/value heads; sizes that do: {', '.join(map(str, sizes))}")

@@ -29,7 +29,6 @@ import logging
 import os
 import secrets
 import socket
-import sys
 from contextlib import AsyncExitStack, suppress
 from dataclasses import replace
 from functools import partial
@@ -38,6 +37,7 @@ from typing import Any
 import anyio
 import ray
 import trio
+from anyio.abc import TaskGroup
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -45,9 +45,8 @@ from engine.concurrency.gather import gather_first_failure
 from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.executor import ray_refs
-from engine.executor.multiproc import check_tensor_parallel
 from engine.executor.ray_cluster import first_line, ray_connected
-from engine.executor.rpc import WorkerConnection, WorkerGroup
+from engine.executor.rpc import WorkerConnection
 from engine.executor.worker_group import STARTUP_TIMEOUT, WorkerGroupExecutor
 from engine.ipc.fast_socket import FastSocketStream
 from engine.ipc.process import SHUTDOWN_GRACE
@@ -79,38 +78,17 @@ class RayExecutor(WorkerGroupExecutor):
         self._node_id = ""  # this process's Ray node
         self._stopped = False
         self._watchers: anyio.CancelScope | None = None
-        self._stack: AsyncExitStack | None = None
 
-    # ---- lifecycle -----------------------------------------------------------------------------
-    async def __aenter__(self) -> RayExecutor:
-        check_tensor_parallel(self.config)
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            await stack.enter_async_context(ray_connected(self.world_size * self.threads_per_worker))
-            stack.push_async_callback(self._stop_workers)  # before leaving Ray
-            self._node_id = ray.get_runtime_context().get_node_id()
-            await self._place_actors()
-            connections = await self._start_workers()
-            task_group = await stack.enter_async_context(anyio.create_task_group())
-            stack.push_async_callback(self._stop_workers)  # before the task group ends
-            self.group = WorkerGroup(connections, self._connection_lost)
-            await task_group.start(self.group.run)
-            self._watchers = task_group.cancel_scope
-            for rank in range(self.world_size):
-                task_group.start_soon(self._watch, rank)
-        except BaseException:
-            if not await stack.__aexit__(*sys.exc_info()):
-                raise
-        self._stack = stack
-        return self
+    # ---- lifecycle (WorkerGroupExecutor.__aenter__) --------------------------------------------
+    async def _prepare(self, stack: AsyncExitStack) -> None:
+        """Join (or start) the Ray cluster, for as long as the executor is open."""
+        await stack.enter_async_context(ray_connected(self.world_size * self.threads_per_worker))
+        self._node_id = ray.get_runtime_context().get_node_id()
 
-    async def __aexit__(self, *exc_info: Any) -> bool | None:
-        stack, self._stack = self._stack, None
-        return await stack.__aexit__(*exc_info) if stack else None
-
-    async def aclose(self) -> None:
-        await self._stop_workers()
+    def _start_watchers(self, task_group: TaskGroup) -> None:
+        self._watchers = task_group.cancel_scope
+        for rank in range(self.world_size):
+            task_group.start_soon(self._watch, rank)
 
     async def _place_actors(self) -> None:
         bundles = [{"CPU": self.threads_per_worker} for _ in range(self.world_size)]
@@ -139,8 +117,9 @@ class RayExecutor(WorkerGroupExecutor):
                      placement.describe())
 
     async def _start_workers(self) -> list[WorkerConnection]:
-        """Every actor connects back and serves; then the usual handshake. An actor that fails
-        before connecting fails the start with its error."""
+        """The actors placed; every one connects back and serves; then the usual handshake. An actor
+        that fails before connecting fails the start with its error."""
+        await self._place_actors()
         init_method = await ray_refs.get(self.actors[0].rendezvous_address.remote()) if self.world_size > 1 else None
         secret = secrets.token_bytes(SECRET_BYTES)
         node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]

@@ -11,10 +11,15 @@ and failing the engine once, with the first cause, when a worker is lost.
 
 from __future__ import annotations
 
+import math
+import sys
+from abc import abstractmethod
+from contextlib import AsyncExitStack
 from functools import partial
-from typing import Any
+from typing import Any, Self
 
 import anyio
+from anyio.abc import TaskGroup
 
 from engine.concurrency.gather import gather_first_failure
 from engine.config import EngineConfig
@@ -24,6 +29,7 @@ from engine.executor.rpc import WorkerConnection, WorkerError, WorkerGroup
 from engine.ipc import wire
 from engine.ipc.fast_socket import STREAM_ENDED
 from engine.model_info import ModelInfo
+from engine.models.hf_config import read_config_json
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker_messages import Init, Ready, StartupFailed
 
@@ -39,10 +45,60 @@ class WorkerGroupExecutor(Executor):
 
     def __init__(self) -> None:
         self.group: WorkerGroup | None = None
+        self._stack: AsyncExitStack | None = None
         self._closing = False
         self._a_worker_exited = anyio.Event()
         self._failed = anyio.Event()
         self._failure: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        """Start the workers (`_start_workers`) and the tasks that serve and watch them. A start
+        that fails half way, or is cancelled, stops what had started, then propagates."""
+        check_tensor_parallel(self.config)  # before any worker starts: a wrong size fails at once
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            await self._prepare(stack)
+            stack.push_async_callback(self._stop_workers)  # if start-up fails half way
+            connections = await self._start_workers()
+            task_group = await stack.enter_async_context(anyio.create_task_group())
+            stack.push_async_callback(self._stop_workers)  # on the way out: before the task group ends
+            self.group = WorkerGroup(connections, self._connection_lost)
+            await task_group.start(self.group.run)
+            self._start_watchers(task_group)
+        except BaseException:
+            if not await stack.__aexit__(*sys.exc_info()):
+                raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        """Stop the workers (shielded, time limited), then the tasks."""
+        stack, self._stack = self._stack, None
+        return await stack.__aexit__(*exc_info) if stack else None
+
+    async def aclose(self) -> None:
+        await self._stop_workers()
+
+    async def _prepare(self, stack: AsyncExitStack) -> None:
+        """What must be open before any worker starts, entered on `stack` (Ray: the cluster)."""
+
+    @abstractmethod
+    async def _start_workers(self) -> list[WorkerConnection]:
+        """Start every worker and hand it its `Init`; their connections, handshaken, rank order."""
+
+    @abstractmethod
+    async def _stop_workers(self) -> None:
+        """Stop every worker that started. Shielded: runs to the end even when cancelled."""
+
+    @abstractmethod
+    def _start_watchers(self, task_group: TaskGroup) -> None:
+        """Start the tasks that notice a worker's death, in `task_group`."""
+
+    @abstractmethod
+    async def _connection_lost(self, rank: int) -> None:
+        """A worker's socket closed: wait a moment for the reason (its exit), to report it."""
 
     # ---- start-up ------------------------------------------------------------------------------
     async def _handshake_all(self, connections: list[WorkerConnection], inits: list[Init]) -> None:
@@ -152,3 +208,25 @@ class WorkerGroupExecutor(Executor):
             with anyio.move_on_after(1.0):
                 await self._a_worker_exited.wait()  # set together with the exit's report
         return self.group.failure if self.group is not None and self.group.failure is not None else error
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """`ModelLoadError` if the model's heads do not split evenly over the tensor-parallel ranks
+    (naming sizes that work), or it has fewer layers than pipeline stages."""
+    raw = read_config_json(config.model)
+    layers = raw.get("num_hidden_layers")
+    stages = config.pipeline_parallel_size
+    if isinstance(layers, int) and layers < stages:
+        raise ModelLoadError(f"--pipeline-parallel-size {stages} is larger than the model's {layers} layers")
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    heads = raw.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return  # not a decoder config: the worker reports what it cannot split
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % size or kv_heads % size:
+        common = math.gcd(heads, kv_heads)
+        sizes = [n for n in range(1, common + 1) if common % n == 0]
+        raise ModelLoadError(f"--tensor-parallel-size {size} does not divide the model's {heads} attention heads "
+                             f"and {kv_heads} key/value heads; sizes that do: {', '.join(map(str, sizes))}")
