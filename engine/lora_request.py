@@ -7,6 +7,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from engine.errors import InvalidRequestError
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -18,6 +20,12 @@ class LoRARequest:
     lora_int_id: int = 0
     lora_path: str = ""
     base_model_name: str | None = None
+
+
+def check_names_given(lora_request: LoRARequest) -> None:
+    """`InvalidRequestError` (vLLM's wording) unless the request names both the adapter and its path."""
+    if not lora_request.lora_name or not lora_request.lora_path:
+        raise InvalidRequestError("Both 'lora_name' and 'lora_path' must be provided.")
 
 
 class _Module(Protocol):  # engine.config.LoRAModule

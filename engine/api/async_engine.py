@@ -33,7 +33,7 @@ from engine.core.stats import EngineStats, LoopLagReadings
 from engine.core_request import EngineCoreRequest
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.ids import random_id
-from engine.lora_request import LoRARequest, configured_adapters
+from engine.lora_request import LoRARequest, check_names_given, configured_adapters
 from engine.model_info import ModelInfo
 from engine.models.pooler import finish
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -222,8 +222,7 @@ class AsyncEngine:
         name, path = lora_request.lora_name, lora_request.lora_path
         if not self.config.enable_lora:
             raise InvalidRequestError("LoRA adapters are not enabled (start the engine with --enable-lora)")
-        if not name or not path:
-            raise InvalidRequestError("Both 'lora_name' and 'lora_path' must be provided.")
+        check_names_given(lora_request)
         async with self._lora_lock:
             if name in self.loras.unloading:
                 raise InvalidRequestError(f"The lora adapter '{name}' is being unloaded; load it again once that "
@@ -286,12 +285,7 @@ class AsyncEngine:
         return self.processor.pooling_request(request_id, engine_input, params, priority, anyio.current_time())
 
     async def _render_all(self, prompts: Sequence[Prompt]) -> list[EngineInput]:
-        if not prompts:
-            raise InvalidRequestError("no prompt given", param="prompt")
-        limit = self.config.max_prompts_per_request
-        if len(prompts) > limit:
-            raise InvalidRequestError(f"{len(prompts)} prompts in one request is more than the limit of {limit}",
-                                      param="prompt")
+        self.processor.check_prompt_count(len(prompts))
         return await self.renderer.render(prompts)
 
     async def _run(self, prompts: Sequence[Prompt], request_ids: list[str],

@@ -58,6 +58,15 @@ class InputProcessor:
                     sequences.add(tuple(ids))
         return tuple(sorted(sequences))
 
+    def check_prompt_count(self, count: int) -> None:
+        """At least one prompt, and at most `max_prompts_per_request` in one request."""
+        if not count:
+            raise InvalidRequestError("no prompt given", param="prompt")
+        limit = self.config.max_prompts_per_request
+        if count > limit:
+            raise InvalidRequestError(f"{count} prompts in one request is more than the limit of {limit}",
+                                      param="prompt")
+
     def check_priority(self, priority: int) -> None:
         """A priority only means something under the priority policy; elsewhere it is refused
         rather than ignored (vLLM's rule and wording)."""

@@ -15,6 +15,7 @@ from quart import Response
 from quart_trio import QuartTrio
 
 from engine.api import LoRAError, LoRARequest
+from engine.lora_request import check_names_given
 from web.http.errors import APIError, bad_request
 from web.http.requests import read_request
 from web.http.state import ServerState
@@ -28,14 +29,14 @@ def register(app: QuartTrio, state: ServerState) -> None:
         req: LoadLoRAAdapterRequest = await read_request(state, LoadLoRAAdapterRequest)
         engine = state.engine_for_request()
         name, path = req.lora_name, req.lora_path
-        if not name or not path:
-            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
+        lora_request = LoRARequest(name, 0, path)
+        check_names_given(lora_request)  # before the checks below, which read them
         if name in state.base_model_names:
             raise bad_request(f"The lora adapter name '{name}' conflicts with a served base model.", "lora_name")
         if not await anyio.Path(path).is_dir():
             raise APIError(404, f"No adapter found for {path}", param="lora_path")
         try:
-            await engine.add_lora(LoRARequest(name, 0, path), replace=req.load_inplace)
+            await engine.add_lora(lora_request, replace=req.load_inplace)
         except LoRAError as exc:
             raise bad_request(str(exc), "lora_path") from None
         return Response(f"Success: LoRA adapter '{name}' added successfully.", content_type="text/plain")
