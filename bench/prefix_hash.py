@@ -12,8 +12,9 @@ import statistics
 import time
 
 from engine.api import EngineConfig, SamplingParams
+from engine.config import HASH_ALGOS
 from engine.sched.block_manager import KVBlockManager
-from engine.sched.prefix_hash import HASH_ALGOS, PrefixHasher
+from engine.sched.prefix_hash import PrefixHasher
 from engine.sched.request import Request
 from engine.worker.worker import Worker
 

@@ -8,15 +8,82 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields, replace
+from argparse import BooleanOptionalAction
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
-from engine.cpu_binding import CpuLayout
+from engine.cpu_binding import CpuLayout, available_cpus, parse_cpu_threads_bind
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings: its other names for them
 _POLICIES = ("fcfs", "priority")
 _EXECUTORS = ("inproc", "mp", "ray")
-_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.prefix_hash.HASH_ALGOS
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.prefix_hash.HASH_ALGOS
+QUANTIZATIONS = ("int8", "w8a8", "int4")
+TRUST_REMOTE_CODE_REFUSED = ("trust_remote_code: trio-llm runs no code from model directories; it loads the "
+                             "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                             "LLaVA, BERT and its cross-encoders, ColBERT) from their weights")
+_POOLING_TYPES = ("mean", "cls", "last")
+_RUNNERS = ("auto", "generate", "pooling")
+
+
+class _SameAsField:
+    """`Flag.cli_default` when the parser's default is the field's."""
+
+    def __repr__(self) -> str:
+        return "SAME_AS_FIELD"
+
+
+SAME_AS_FIELD: Any = _SameAsField()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an `EngineConfig` field is given on the command line. The field declares it once
+    (`flag`); `web.options` builds the parser from it and turns what was parsed into the field's
+    value (`from_cli`). `names`: the flags (default: --the-field-name); `cli_default`: the
+    parser's default where it differs from the field's (None: "not given", the field's default
+    then applies); `argparse`: the rest of `add_argument`'s keywords."""
+
+    help: str
+    names: tuple[str, ...] = ()
+    argparse: dict[str, Any] = field(default_factory=dict)
+    cli_default: Any = SAME_AS_FIELD
+    from_cli: Callable[[Any], Any] | None = None
+
+
+def flag(help: str, *, default: Any = MISSING, default_factory: Any = MISSING, names: tuple[str, ...] = (),
+         cli_default: Any = SAME_AS_FIELD, from_cli: Callable[[Any], Any] | None = None, **argparse: Any) -> Any:
+    """A dataclass field with its command-line flag (`Flag`)."""
+    metadata = {"flag": Flag(help, names, argparse, cli_default, from_cli)}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _dtype_from_cli(value: str) -> str:
+    return DTYPE_ALIASES.get(value, value)
+
+
+def _executor_from_cli(value: str | None) -> str | None:
+    return "inproc" if value == "uni" else value  # vLLM's name for one process
+
+
+def _cpu_layout_from_cli(value: str) -> CpuLayout | None:
+    return parse_cpu_threads_bind(value, available_cpus())
+
+
+def images_per_prompt(value: Any) -> int:
+    """--limit-mm-per-prompt: {"image": N}; other modalities are refused (trio-llm reads images only)."""
+    if value is None:
+        return 999
+    if not isinstance(value, dict) or set(value) - {"image"}:
+        raise ValueError('--limit-mm-per-prompt takes {"image": N}: images are the only modality served')
+    count = value.get("image", 999)
+    if type(count) is not int or count < 0:
+        raise ValueError(f"--limit-mm-per-prompt image must be a non-negative integer, got {count!r}")
+    return count
 
 
 @dataclass(frozen=True)
@@ -108,7 +175,7 @@ class PoolerOptions:
             raise ValueError(f"pooler_config.task must be one of {', '.join(_POOLING_TASKS)}, got {self.task!r}")
         if self.pooling_type is not None:
             kind = str(self.pooling_type).lower()
-            if kind not in ("mean", "cls", "last"):
+            if kind not in _POOLING_TYPES:
                 raise ValueError(f"pooler_config.pooling_type must be MEAN, CLS or LAST, got {self.pooling_type!r}")
             object.__setattr__(self, "pooling_type", kind)
         for name in ("use_activation", "enable_chunked_processing"):
@@ -269,120 +336,333 @@ class LoRAModule:
         return cls(name, path)
 
 
+def _json_flag(config: Any) -> Callable[[str | None], Any]:
+    """A flag whose value is a JSON object for `config` (absent: its defaults)."""
+    return lambda text: config.from_json(text or "{}")
+
+
+def _ec_transfer_from_cli(text: str | None) -> ECTransferConfig | None:
+    return ECTransferConfig.from_json(text) if text else None
+
+
+def _lora_modules_from_cli(texts: list[str]) -> tuple[LoRAModule, ...]:
+    return tuple(LoRAModule.parse(text) for text in texts)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to open an engine. `model` is a local HF-format directory."""
 
     model: str
-    tokenizer: str | None = None  # defaults to `model`
-    dtype: str = "auto"  # auto: the checkpoint's torch_dtype
-    device: str = "cpu"
-    seed: int = 0
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    block_size: int = 16
+    dtype: str = flag(  # auto: the checkpoint's torch_dtype
+        "weights and activations (auto: the checkpoint's torch_dtype; half: float16, float: float32, "
+            "as in vLLM)",
+        default="auto",
+        choices=[*_DTYPES, *DTYPE_ALIASES],
+        from_cli=_dtype_from_cli)
+    tokenizer: str | None = flag(  # defaults to `model`
+        "tokenizer directory (default: the model's)",
+        default=None)
+    max_model_len: int | None = flag(  # defaults to the model's max_position_embeddings
+        "context length (default: the model's max_position_embeddings)",
+        default=None,
+        type=int)
+    max_num_seqs: int = flag(
+        "requests in one batch at most",
+        default=256,
+        type=int)
+    max_num_batched_tokens: int | None = flag(  # defaults to max(2048, max_num_seqs)
+        "tokens in one step at most (default: max(2048, max-num-seqs))",
+        default=None,
+        type=int)
+    max_logprobs: int = flag(
+        "the largest logprobs / prompt_logprobs accepted",
+        default=20,
+        type=int)
+    max_prompts_per_request: int = flag(  # prompts (or embeddings inputs) in one request; OpenAI's input limit
+        "prompts (or embeddings inputs) one request may carry",
+        default=2048,
+        type=int)
     # Memory for the KV cache, per rank. None: on CUDA what gpu_memory_utilization leaves (measured
     # at start-up, engine/worker/gpu_memory.py), elsewhere DEFAULT_KV_CACHE_BYTES.
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9  # vLLM's: the share of each GPU the engine may use
-    num_kv_blocks: int | None = None  # overrides the budget (tests use it to force preemption)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # defaults to max(2048, max_num_seqs)
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"  # vLLM's choices: sha256, sha256_cbor, xxhash, xxhash_cbor
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
+    kv_cache_memory_bytes: int | None = flag(
+        "memory for the KV cache, per rank (default: VLLM_CPU_KVCACHE_SPACE GiB if set, else 1 GiB)",
+        default=None,
+        type=int)
+    block_size: int = flag(
+        "tokens per KV cache block",
+        default=16,
+        type=int)
+    num_kv_blocks: int | None = flag(  # overrides the budget (tests use it to force preemption)
+        "KV cache blocks, whatever --kv-cache-memory-bytes allows (vLLM's name; the cache is on the "
+            "--device)",
+        default=None,
+        names=("--num-gpu-blocks-override",),
+        type=int)
+    gpu_memory_utilization: float = flag(  # vLLM's: the share of each GPU the engine may use
+        "share of each GPU the engine may use (default 0.9): the KV cache takes what the weights, "
+            "activations and CUDA graphs leave, measured at start-up; CUDA only "
+            "(--kv-cache-memory-bytes wins)",
+        default=0.9,
+        cli_default=None,
+        type=float)
+    device: str = flag(
+        "torch device the model runs on",
+        default="cpu")
+    seed: int = flag(
+        "seed of the sampler's generator for unseeded requests",
+        default=0,
+        type=int)
+    enable_prefix_caching: bool = flag(
+        "reuse the KV of shared prompt prefixes",
+        default=True,
+        action=BooleanOptionalAction)
+    prefix_caching_hash_algo: str = flag(  # vLLM's choices: sha256, sha256_cbor, xxhash, xxhash_cbor
+        "block identity (xxhash: faster, not cryptographic: only if every prompt is trusted)",
+        default="sha256",
+        choices=HASH_ALGOS)
+    enable_chunked_prefill: bool = flag(
+        "split long prompts over several steps",
+        default=True,
+        action=BooleanOptionalAction)
+    scheduling_policy: str = flag(
+        "the waiting queue's order: arrival, or each request's `priority` (lower first; ties by "
+            "arrival)",
+        default="fcfs",
+        choices=_POLICIES)
     # --cpu-threads-bind: the forward pass's CPUs and the event loop's (None: no binding, torch's
     # default thread count)
-    cpu_layout: CpuLayout | None = None
+    cpu_layout: CpuLayout | None = flag(
+        "CPUs of the forward pass: auto (the default, as vLLM-CPU's: all but the first, which the "
+            "HTTP server keeps; it survives a busy neighbour, docs/benchmarks.md), none (no binding, "
+            "torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND)",
+        default=None,
+        names=("--cpu-threads-bind",),
+        cli_default="auto",
+        from_cli=_cpu_layout_from_cli)
     # Let each step's intra-op thread count move within 1..the compute CPUs, to whichever steps
     # fastest now (engine/worker/thread_tuner.py): fewer when a neighbour takes a core. False: the
     # count stays where the layout (or torch's default) puts it. CPU only.
-    adaptive_cpu_threads: bool = True
-    # Decode steps run a torch.compile'd graph with a dynamic batch (engine.worker.decode_graphs);
-    # True keeps every step on the eager model (vLLM's --enforce-eager). None: compile, unless
-    # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).
-    enforce_eager: bool | None = None
+    adaptive_cpu_threads: bool = flag(
+        "let each forward pass use between 1 thread and one per compute CPU, whichever steps "
+            "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "
+            "one per compute CPU",
+        default=True,
+        action=BooleanOptionalAction)
     # vLLM's --async-scheduling: the core schedules step N+1 while step N runs (a decode's input is
     # then the token N is sampling, filled in by the worker), so scheduling and publishing a step's
     # outputs overlap the next step's forward pass. One worker only (no tensor or pipeline
     # parallelism, no EPLB). None: as vLLM 0.14+, on where it can be on a CUDA device, off on CPU
     # (see `schedules_async`).
-    async_scheduling: bool | None = None
-    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
-    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
-    max_logprobs: int = 20
-    max_prompts_per_request: int = 2048  # prompts (or embeddings inputs) in one request; OpenAI's input limit
-    # "inproc" (a worker thread), "mp" (worker processes) or "ray" (workers as Ray actors, engine/executor/
-    # ray_executor.py); default: mp when tensor_parallel_size > 1
-    executor: str | None = None
-    tensor_parallel_size: int = 1
-    # Engines behind one API server, each with its own scheduler, KV cache and workers; requests
-    # go to the least loaded, prefix-aware (engine/core/data_parallel.py). Engine processes only.
-    data_parallel_size: int = 1
+    async_scheduling: bool | None = flag(
+        "schedule each step while the one before it runs (vLLM's async scheduling; default: on "
+            "with one worker on CUDA, off on CPU)",
+        default=None,
+        action=BooleanOptionalAction)
+    # Decode steps run a torch.compile'd graph with a dynamic batch (engine.worker.decode_graphs);
+    # True keeps every step on the eager model (vLLM's --enforce-eager). None: compile, unless
+    # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).
+    enforce_eager: bool | None = flag(
+        "run every step on the eager model (default: decode steps run one graph compiled at "
+            "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)",
+        default=None,
+        action="store_true")
+    compilation_config: CompilationConfig = flag(
+        'compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
+                        '64], "cache_dir": "~/.cache/trio-llm/torch_compile"} (the cache follows XDG_CACHE_HOME)',
+        default_factory=CompilationConfig,
+        names=("--compilation-config", "-cc",),
+        cli_default=None,
+        from_cli=_json_flag(CompilationConfig))
+    structured_outputs_config: StructuredOutputsConfig = flag(
+        'structured outputs, a JSON object: {"max_integer_digits": 18} (JSON schema integers '
+                        'without bounds get that many digits at most; null: unbounded)',
+        default_factory=StructuredOutputsConfig,
+        cli_default=None,
+        from_cli=_json_flag(StructuredOutputsConfig))
+    tensor_parallel_size: int = flag(
+        "worker processes, one per rank",
+        default=1,
+        names=("--tensor-parallel-size", "-tp",),
+        type=int)
     # Consecutive layers on each of N stages of worker processes (each stage tensor_parallel_size
     # ranks), N steps in flight at once so every stage has work (engine/models/parallel.py).
-    pipeline_parallel_size: int = 1
-    # Layers per stage (vLLM's VLLM_PP_LAYER_PARTITION, "16,8"); None: an even split. The last
-    # stage also runs the LM head: on a model whose head is as large as several layers, give it fewer.
-    pipeline_layer_partition: tuple[int, ...] | None = None
+    pipeline_parallel_size: int = flag(
+        "pipeline stages of worker processes, each holding consecutive layers (times "
+            "--tensor-parallel-size ranks each); as many steps in flight as stages",
+        default=1,
+        names=("--pipeline-parallel-size", "-pp",),
+        type=int)
+    # Engines behind one API server, each with its own scheduler, KV cache and workers; requests
+    # go to the least loaded, prefix-aware (engine/core/data_parallel.py). Engine processes only.
+    data_parallel_size: int = flag(
+        "engines behind this server, each with its own scheduler, KV cache and workers (the "
+            "compute CPUs split between them); requests go to the least loaded, prefix-aware",
+        default=1,
+        names=("--data-parallel-size", "-dp",),
+        type=int)
     # MoE models: split the experts over the tensor-parallel ranks instead of sharding each one
-    enable_expert_parallel: bool = False
-    enable_eplb: bool = False  # rebalance experts by their measured load (see EplbConfig)
-    eplb_config: EplbConfig = field(default_factory=EplbConfig)
-    renderer_workers: int | None = None  # threads for long tokenizations and embeddings decoding; see below
+    enable_expert_parallel: bool = flag(
+        "MoE models: split the experts over the tensor-parallel ranks instead of sharding each",
+        default=False,
+        action="store_true")
+    enable_eplb: bool = flag(  # rebalance experts by their measured load (see EplbConfig)
+        "MoE models: rebalance experts over the ranks by their measured load",
+        default=False,
+        action="store_true")
+    eplb_config: EplbConfig = flag(
+        'EPLB settings, a JSON object: {"window_size": 1000, "step_interval": 3000, '
+                        '"num_redundant_experts": 0, "use_async": true, "log_balancedness": false}',
+        default_factory=EplbConfig,
+        cli_default=None,
+        from_cli=_json_flag(EplbConfig))
+    # Images (vision-language models): per prompt at most (vLLM's --limit-mm-per-prompt), bytes of one
+    # encoded image, pixels of one decoded image, and the hosts http(s) image URLs may name (none:
+    # only data: URLs, so the server fetches nothing on a client's behalf).
+    limit_images_per_prompt: int = flag(
+        'images per prompt at most, as vLLM spells it: \'{"image": 4}\' (default 999)',
+        default=999,
+        names=("--limit-mm-per-prompt",),
+        cli_default=None,
+        type=json.loads,
+        from_cli=images_per_prompt)
+    allowed_media_domains: tuple[str, ...] = flag(
+        "hosts http(s) image URLs may name (default: none; only data: URLs)",
+        default=(),
+        cli_default=[],
+        nargs="*",
+        from_cli=tuple)
+    ec_transfer_config: ECTransferConfig | None = flag(  # share encoder outputs between instances
+        'share encoder outputs between instances, a JSON object: {"ec_connector": "shared_storage", '
+                        '"ec_role": "ec_producer|ec_consumer|ec_both", "ec_connector_extra_config": '
+                        '{"shared_storage_path": "/path"}}',
+        default=None,
+        from_cli=_ec_transfer_from_cli)
+    ec_defer_timeout: float = flag(  # seconds a request may wait for an encoder output to arrive; then it fails
+        "seconds a request may wait for its encoder outputs from the EC connector; then it fails",
+        default=30.0,
+        type=float)
+    # "inproc" (a worker thread), "mp" (worker processes) or "ray" (workers as Ray actors, engine/executor/
+    # ray_executor.py); default: mp when tensor_parallel_size > 1
+    executor: str | None = flag(
+        "where the model runs: mp (worker processes of this machine), ray (Ray actors, on the "
+            "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
+            "uni, or mp with tensor parallelism",
+        default=None,
+        names=("--distributed-executor-backend", "--executor",),
+        choices=["mp", "ray", "uni", "inproc"],
+        from_cli=_executor_from_cli)
     # Quantized linear layers, quantized at load (vLLM's --quantization): "int8" (weight-only), "w8a8"
     # (activations quantized per row too) or "int4" (weight-only, groups of 32); None: as stored (a
     # GGUF file of quantized tensors runs as int8 unless this says otherwise).
     # engine/models/quantized_linear.py.
-    quantization: str | None = None
-    pooling_type: str | None = None  # "mean", "cls" or "last" (older spelling of pooler_config's pooling_type)
-    pooler_config: PoolerOptions = field(default_factory=PoolerOptions)
+    quantization: str | None = flag(
+        "quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
+            "activations quantized per row at run time too, or int4 weight-only in groups of 32 "
+            "(default: as stored; a GGUF file of quantized tensors runs as int8)",
+        default=None,
+        names=("--quantization", "-q",),
+        metavar="{" + ",".join(QUANTIZATIONS) + "}")
+    pooling_type: str | None = flag(  # "mean", "cls" or "last" (older spelling of pooler_config's pooling_type)
+        "how embeddings pool hidden states (default: the model's config; decoders: last); "
+            "--pooler-config's pooling_type says the same",
+        default=None,
+        choices=_POOLING_TYPES)
+    pooler_config: PoolerOptions = flag(
+        'vLLM\'s pooling options as JSON: {"task": "embed"|"classify", "pooling_type": '
+                        '"MEAN"|"CLS"|"LAST", "use_activation": bool, "enable_chunked_processing": bool, '
+                        '"max_embed_len": int}',
+        default_factory=PoolerOptions,
+        cli_default=None,
+        from_cli=_json_flag(PoolerOptions))
     # vLLM's --runner: "generate" serves generation only, "pooling" pooling only, "auto" what the
     # model can (a decoder both, an encoder pooling).
-    runner: str = "auto"
-    enable_prompt_embeds: bool = False  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
-    max_prompt_embeds_bytes: int | None = None  # decoded payload limit; default: a float32 tensor filling the context
-    served_model_name: str | None = None
-    generation_config: str = "auto"  # sampling defaults: "auto" (the model's generation_config.json), "vllm", a dir
-    chat_template: str | None = None  # a Jinja template, or a file holding one (default: the tokenizer's)
-    # Images (vision-language models): per prompt at most (vLLM's --limit-mm-per-prompt), bytes of one
-    # encoded image, pixels of one decoded image, and the hosts http(s) image URLs may name (none:
-    # only data: URLs, so the server fetches nothing on a client's behalf).
-    limit_images_per_prompt: int = 999
-    max_image_bytes: int = 20 << 20
-    max_image_pixels: int = 4096 * 4096
-    allowed_media_domains: tuple[str, ...] = ()
-    ec_transfer_config: ECTransferConfig | None = None  # share encoder outputs between instances
-    ec_defer_timeout: float = 30.0  # seconds a request may wait for an encoder output to arrive; then it fails
-    # Seconds between wake-ups of the event-loop lag probe (`AsyncEngine.stats()`, the observer's
-    # `on_loop_lag`); None runs no probe. The server sets it from its own settings.
-    loop_lag_interval: float | None = None
+    runner: str = flag(
+        "generate: serve generation only; pooling: serve embeddings, pooling, score and rerank "
+            "only; auto: what the model can",
+        default="auto",
+        choices=_RUNNERS)
+    enable_prompt_embeds: bool = flag(  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
+        "accept prompt_embeds (base64 torch.save tensors) in completions",
+        default=False,
+        action="store_true")
+    renderer_workers: int | None = flag(  # threads for long tokenizations and embeddings decoding; see below
+        "threads that tokenize long prompts and decode prompt embeddings (default: CPUs - 1, <= 4)",
+        default=None,
+        type=int)
+    generation_config: str = flag(  # sampling defaults: "auto" (the model's generation_config.json), "vllm", a dir
+        "sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory",
+        default="auto")
+    chat_template: str | None = flag(  # a Jinja template, or a file holding one (default: the tokenizer's)
+        "a Jinja chat template, or a file holding one (default: the tokenizer's)",
+        default=None)
+    # vLLM's: refused (trio-llm runs no code from model directories); the option exists to say so
+    # vLLM's: refused (the option exists to say why); trio-llm runs no code from model directories
+    trust_remote_code: bool = flag(
+        "refused: trio-llm runs no code from model directories",
+        default=False,
+        action="store_true")
     # LoRA adapters (engine/lora): vLLM's --enable-lora, --lora-modules (name -> PEFT directory),
     # --max-loras (adapters in one batch), --max-cpu-loras (held in memory; default max_loras,
     # least recently used evicted and read again when used), --max-lora-rank.
-    enable_lora: bool = False
-    lora_modules: tuple[LoRAModule, ...] = ()
-    max_loras: int = 1
-    max_cpu_loras: int | None = None
-    max_lora_rank: int = 16
+    enable_lora: bool = flag(
+        "serve LoRA adapters (--lora-modules)",
+        default=False,
+        action="store_true")
+    lora_modules: tuple[LoRAModule, ...] = flag(
+        'LoRA adapters (PEFT directories) as name=path, or JSON {"name": ..., "path": ..., '
+                        '"base_model_name": ...}; a request names one in its model field',
+        cli_default=[],
+        nargs="+",
+        default=(),
+        metavar="NAME=PATH",
+        from_cli=_lora_modules_from_cli)
+    max_loras: int = flag(
+        "LoRA adapters in one batch",
+        default=1,
+        type=int)
+    max_cpu_loras: int | None = flag(
+        "LoRA adapters held in memory (default --max-loras; least recently used are evicted)",
+        default=None,
+        type=int)
+    max_lora_rank: int = flag(
+        "the largest LoRA rank served",
+        default=16,
+        type=int)
     # Adapters loaded while serving (`AsyncEngine.add_lora`; the server's /v1/load_lora_adapter,
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) may change any projection up to max_lora_rank: the
     # slots are laid out for all of them. Off, they fit the configured adapters (fewer operations
     # a step) and a later adapter must fit them too. With no configured adapter they fit any.
-    allow_runtime_lora_updating: bool = False
+    allow_runtime_lora_updating: bool = flag(
+        "serve /v1/load_lora_adapter and /v1/unload_lora_adapter, with slots for any adapter up to "
+            "--max-lora-rank (also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+        default=False,
+        action="store_true")
+    # Layers per stage (vLLM's VLLM_PP_LAYER_PARTITION, "16,8"); None: an even split. The last
+    # stage also runs the LM head: on a model whose head is as large as several layers, give it fewer.
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    max_prompt_embeds_bytes: int | None = None  # decoded payload limit; default: a float32 tensor filling the context
+    served_model_name: str | None = None
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 4096 * 4096
+    # Seconds between wake-ups of the event-loop lag probe (`AsyncEngine.stats()`, the observer's
+    # `on_loop_lag`); None runs no probe. The server sets it from its own settings.
+    loop_lag_interval: float | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must name a model directory")
+        if self.trust_remote_code:
+            raise ValueError(TRUST_REMOTE_CODE_REFUSED)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
-        if self.pooling_type is not None and self.pooling_type not in ("mean", "cls", "last"):
+        if self.pooling_type is not None and self.pooling_type not in _POOLING_TYPES:
             raise ValueError(f"pooling_type must be mean, cls or last, got {self.pooling_type!r}")
         if self.pooling_type is not None and self.pooler_config.pooling_type is None:
             object.__setattr__(self, "pooler_config", replace(self.pooler_config, pooling_type=self.pooling_type))
-        if self.quantization not in (None, "int8", "w8a8", "int4"):
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be int8, w8a8 or int4 (or unset), got {self.quantization!r}")
         if self.quantization is not None and self.enable_eplb:
             raise ValueError("--enable-eplb moves float expert weights between ranks; it cannot run with "
@@ -392,8 +672,8 @@ class EngineConfig:
                              "directory (tokenizer.json)")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
-        if self.prefix_caching_hash_algo not in _HASH_ALGOS:
-            raise ValueError(f"prefix_caching_hash_algo must be one of {_HASH_ALGOS}, got "
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got "
                              f"{self.prefix_caching_hash_algo!r}")
         if self.executor is not None and self.executor not in _EXECUTORS:
             raise ValueError(f"executor must be one of {_EXECUTORS}, got {self.executor!r}")

@@ -27,6 +27,8 @@ def test_llm_chat_and_unknown_options(tiny_model_dir):
     assert len(out) == 1 and "<|im_start|>user\nhi<|im_end|>" in out[0].prompt
     with pytest.raises(TypeError, match="unknown engine options"):
         LLM(tiny_model_dir, gpu_memory_utilisation=0.9)
+    with pytest.raises(ValueError, match="trust_remote_code: trio-llm runs no code from model directories"):
+        LLM(tiny_model_dir, trust_remote_code=True)  # vLLM's option, refused with the reason
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -6,8 +6,9 @@ import pytest
 import trio.testing
 
 from engine import SamplingParams, open_engine
+from engine.config import HASH_ALGOS
 from engine.sched.block_manager import KVBlockManager
-from engine.sched.prefix_hash import HASH_ALGOS, PrefixHasher
+from engine.sched.prefix_hash import PrefixHasher
 from engine.sched.request import Request
 from engine.testing import FakeExecutor
 from tests.conftest import engine_config

@@ -225,3 +225,34 @@ def test_make_model_takes_a_named_shape_and_size_options_over_it(tmp_path):
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert (config["model_type"], config["rope_theta"], config["num_hidden_layers"], config["vocab_size"]) == \
         ("qwen2", 1000000.0, 1, 600)
+
+
+def test_every_engine_option_is_declared_once_on_its_config_field():
+    """The parser is built from `EngineConfig`'s fields (`engine.config.flag`): each flagged field
+    has its flag, with its help, in `serve --help` and `generate --help` (but --seed there), and what
+    the parser gives back builds the config (`engine_options`); no engine option is written anywhere
+    else (the foreign vLLM flags are a table of their own)."""
+    from dataclasses import fields
+
+    from engine.config import EngineConfig
+    from web.options import engine_options
+    from web.vllm_flags import ENGINE_FLAGS
+
+    subcommands = _parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    flagged = {f.name: f.metadata["flag"] for f in fields(EngineConfig) if "flag" in f.metadata}
+    assert len(flagged) >= 45
+    for command in ("serve", "generate"):
+        actions = {a.dest: a for a in subcommands[command]._actions}
+        for name, declared in flagged.items():
+            if command == "generate" and name == "seed":
+                assert actions["seed"].help != declared.help  # generate's own --seed
+                continue
+            assert actions[name].help == declared.help, name
+            assert set(declared.names or ["--" + name.replace("_", "-")]) <= set(actions[name].option_strings)
+        foreign = {foreign_flag.flag for foreign_flag in ENGINE_FLAGS}
+        server_side = {a.dest for a in subcommands["serve"]._actions} - set(flagged)
+        assert not any(a.dest in flagged for a in subcommands[command]._actions
+                       if set(a.option_strings) & foreign), "a vLLM flag with no feature is never a field"
+        assert "model" not in flagged and server_side  # the server's own options stay the server's
+    defaults = engine_options(subcommands["serve"].parse_args(["m"]))
+    assert EngineConfig(model="m", **defaults) == EngineConfig(model="m", cpu_layout=defaults["cpu_layout"])

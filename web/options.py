@@ -12,208 +12,59 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from engine.config import (
-    CompilationConfig,
-    ECTransferConfig,
-    EngineConfig,
-    EplbConfig,
-    LoRAModule,
-    PoolerOptions,
-    StructuredOutputsConfig,
-)
-from engine.cpu_binding import available_cpus, parse_cpu_threads_bind
+from engine.config import QUANTIZATIONS, SAME_AS_FIELD, TRUST_REMOTE_CODE_REFUSED, EngineConfig, Flag
 from web.http.cors import CorsSettings
 from web.http.settings import ServerSettings
 from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_notes, foreign_flag_refusals
 
-HASH_ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
-# vLLM's --dtype spellings: its other names for the same dtypes
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-QUANTIZATIONS = ["int8", "w8a8", "int4"]
-
 
 def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
-    """The engine's options; `seed=False` for a command whose --seed means something else."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES],
-                   help="weights and activations (auto: the checkpoint's torch_dtype; half: float16, float: float32, "
-                        "as in vLLM)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens in one step at most (default: max(2048, max-num-seqs))")
-    p.add_argument("--max-logprobs", type=int, default=20, help="the largest logprobs / prompt_logprobs accepted")
-    p.add_argument("--max-prompts-per-request", type=int, default=2048,
-                   help="prompts (or embeddings inputs) one request may carry")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="memory for the KV cache, per rank (default: VLLM_CPU_KVCACHE_SPACE GiB if set, else 1 GiB)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="KV cache blocks, whatever --kv-cache-memory-bytes allows (vLLM's name; the cache is on the "
-                        "--device)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of each GPU the engine may use (default 0.9): the KV cache takes what the weights, "
-                        "activations and CUDA graphs leave, measured at start-up; CUDA only "
-                        "(--kv-cache-memory-bytes wins)")
-    p.add_argument("--device", default="cpu", help="torch device the model runs on")
-    if seed:
-        p.add_argument("--seed", type=int, default=0, help="seed of the sampler's generator for unseeded requests")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of shared prompt prefixes")
-    p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=HASH_ALGOS,
-                   help="block identity (xxhash: faster, not cryptographic: only if every prompt is trusted)")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts over several steps")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="the waiting queue's order: arrival, or each request's `priority` (lower first; ties by "
-                        "arrival)")
-    p.add_argument("--cpu-threads-bind", default="auto",
-                   help="CPUs of the forward pass: auto (the default, as vLLM-CPU's: all but the first, which the "
-                        "HTTP server keeps; it survives a busy neighbour, docs/benchmarks.md), none (no binding, "
-                        "torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND)")
-    p.add_argument("--adaptive-cpu-threads", action=argparse.BooleanOptionalAction, default=True,
-                   help="let each forward pass use between 1 thread and one per compute CPU, whichever steps "
-                        "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "
-                        "one per compute CPU")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule each step while the one before it runs (vLLM's async scheduling; default: on "
-                        "with one worker on CUDA, off on CPU)")
-    p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="run every step on the eager model (default: decode steps run one graph compiled at "
-                        "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)")
-    p.add_argument("--compilation-config", "-cc", default=None,
-                   help='compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
-                        '64], "cache_dir": "~/.cache/trio-llm/torch_compile"} (the cache follows XDG_CACHE_HOME)')
-    p.add_argument("--structured-outputs-config", default=None,
-                   help='structured outputs, a JSON object: {"max_integer_digits": 18} (JSON schema integers '
-                        'without bounds get that many digits at most; null: unbounded)')
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="worker processes, one per rank")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="pipeline stages of worker processes, each holding consecutive layers (times "
-                        "--tensor-parallel-size ranks each); as many steps in flight as stages")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engines behind this server, each with its own scheduler, KV cache and workers (the "
-                        "compute CPUs split between them); requests go to the least loaded, prefix-aware")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: split the experts over the tensor-parallel ranks instead of sharding each")
-    p.add_argument("--enable-eplb", action="store_true",
-                   help="MoE models: rebalance experts over the ranks by their measured load")
-    p.add_argument("--eplb-config", default=None,
-                   help='EPLB settings, a JSON object: {"window_size": 1000, "step_interval": 3000, '
-                        '"num_redundant_experts": 0, "use_async": true, "log_balancedness": false}')
-    p.add_argument("--limit-mm-per-prompt", type=json.loads, default=None,
-                   help='images per prompt at most, as vLLM spells it: \'{"image": 4}\' (default 999)')
-    p.add_argument("--allowed-media-domains", nargs="*", default=[],
-                   help="hosts http(s) image URLs may name (default: none; only data: URLs)")
-    p.add_argument("--ec-transfer-config", default=None,
-                   help='share encoder outputs between instances, a JSON object: {"ec_connector": "shared_storage", '
-                        '"ec_role": "ec_producer|ec_consumer|ec_both", "ec_connector_extra_config": '
-                        '{"shared_storage_path": "/path"}}')
-    p.add_argument("--ec-defer-timeout", type=float, default=30.0,
-                   help="seconds a request may wait for its encoder outputs from the EC connector; then it fails")
-    p.add_argument("--distributed-executor-backend", "--executor", dest="executor", default=None,
-                   choices=["mp", "ray", "uni", "inproc"],
-                   help="where the model runs: mp (worker processes of this machine), ray (Ray actors, on the "
-                        "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
-                        "uni, or mp with tensor parallelism")
-    p.add_argument("--quantization", "-q", default=None, metavar="{" + ",".join(QUANTIZATIONS) + "}",
-                   help="quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
-                        "activations quantized per row at run time too, or int4 weight-only in groups of 32 "
-                        "(default: as stored; a GGUF file of quantized tensors runs as int8)")
-    p.add_argument("--pooling-type", default=None, choices=["mean", "cls", "last"],
-                   help="how embeddings pool hidden states (default: the model's config; decoders: last); "
-                        "--pooler-config's pooling_type says the same")
-    p.add_argument("--pooler-config", default=None,
-                   help='vLLM\'s pooling options as JSON: {"task": "embed"|"classify", "pooling_type": '
-                        '"MEAN"|"CLS"|"LAST", "use_activation": bool, "enable_chunked_processing": bool, '
-                        '"max_embed_len": int}')
-    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
-                   help="generate: serve generation only; pooling: serve embeddings, pooling, score and rerank "
-                        "only; auto: what the model can")
-    p.add_argument("--enable-prompt-embeds", action="store_true",
-                   help="accept prompt_embeds (base64 torch.save tensors) in completions")
-    p.add_argument("--renderer-workers", type=int, default=None,
-                   help="threads that tokenize long prompts and decode prompt embeddings (default: CPUs - 1, <= 4)")
-    p.add_argument("--generation-config", default="auto",
-                   help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="refused: trio-llm runs no code from model directories")
-    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules)")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help='LoRA adapters (PEFT directories) as name=path, or JSON {"name": ..., "path": ..., '
-                        '"base_model_name": ...}; a request names one in its model field')
-    p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters in one batch")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="LoRA adapters held in memory (default --max-loras; least recently used are evicted)")
-    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
-    p.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, with slots for any adapter up to "
-                        "--max-lora-rank (also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+    """The engine's options, one per `EngineConfig` field that declares a flag (`engine.config.flag`),
+    in field order; `seed=False` for a command whose --seed means something else."""
+    for option, declared in _flagged_fields():
+        if option.name == "seed" and not seed:
+            continue
+        names = declared.names or ("--" + option.name.replace("_", "-"),)
+        keywords = dict(declared.argparse)
+        if "action" not in keywords and "choices" not in keywords and "metavar" not in keywords:
+            keywords["metavar"] = names[0].lstrip("-").replace("-", "_").upper()
+        default = option.default if declared.cli_default is SAME_AS_FIELD else declared.cli_default
+        if default is MISSING:  # a field built by its factory: the flag's absence means its defaults
+            default = None
+        p.add_argument(*names, dest=option.name, default=default, help=declared.help, **keywords)
     add_foreign_flags(p, ENGINE_FLAGS)
 
 
+def _flagged_fields() -> list[tuple[Field[Any], Flag]]:
+    return [(option, option.metadata["flag"]) for option in fields(EngineConfig) if "flag" in option.metadata]
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments from the parsed options."""
-    return {"dtype": DTYPE_ALIASES.get(args.dtype, args.dtype), "tokenizer": args.tokenizer,
-            "max_model_len": args.max_model_len,
-            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_logprobs": args.max_logprobs, "block_size": args.block_size,
-            "num_kv_blocks": args.num_gpu_blocks_override, "max_prompts_per_request": args.max_prompts_per_request,
-            "kv_cache_memory_bytes": kv_cache_bytes(args.kv_cache_memory_bytes, args.device, os.environ),
-            **({} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}),
-            "device": args.device, "seed": getattr(args, "seed", None) or 0,
-            "enable_prefix_caching": args.enable_prefix_caching,
-            "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
-            "enable_chunked_prefill": args.enable_chunked_prefill, "scheduling_policy": args.scheduling_policy,
-            "cpu_layout": parse_cpu_threads_bind(args.cpu_threads_bind, available_cpus()),
-            "adaptive_cpu_threads": args.adaptive_cpu_threads,
-            "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
-            "compilation_config": CompilationConfig.from_json(args.compilation_config or "{}"),
-            "structured_outputs_config": StructuredOutputsConfig.from_json(args.structured_outputs_config or "{}"),
-            "enable_prompt_embeds": args.enable_prompt_embeds,
-            "renderer_workers": args.renderer_workers, "tensor_parallel_size": args.tensor_parallel_size,
-            "data_parallel_size": args.data_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
-            "pipeline_layer_partition": layer_partition_from_env() if args.pipeline_parallel_size > 1 else None,
-            "executor": "inproc" if args.executor == "uni" else args.executor,
-            "pooling_type": args.pooling_type, "chat_template": args.chat_template,
-            "quantization": args.quantization,
-            "pooler_config": PoolerOptions.from_json(args.pooler_config or "{}"), "runner": args.runner,
-            "generation_config": args.generation_config,
-            "enable_expert_parallel": args.enable_expert_parallel, "enable_eplb": args.enable_eplb,
-            "eplb_config": EplbConfig.from_json(args.eplb_config or "{}"),
-            "limit_images_per_prompt": images_per_prompt(args.limit_mm_per_prompt),
-            "allowed_media_domains": tuple(args.allowed_media_domains),
-            "ec_transfer_config": ECTransferConfig.from_json(args.ec_transfer_config) if args.ec_transfer_config
-            else None,
-            "ec_defer_timeout": args.ec_defer_timeout,
-            "enable_lora": args.enable_lora,
-            "lora_modules": tuple(LoRAModule.parse(text) for text in args.lora_modules),
-            "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "max_lora_rank": args.max_lora_rank,
-            # the flag without --enable-lora is refused; vLLM's variable, set for a whole machine, is not
-            "allow_runtime_lora_updating": args.allow_runtime_lora_updating
-            or (args.enable_lora and runtime_lora_updating_from(os.environ))}
+    """EngineConfig keyword arguments from the parsed options: each flagged field's value (through
+    its `from_cli`; None, a flag not given, leaves the field's default), and what vLLM's environment
+    variables add. (`generate`'s own --seed seeds its sampling and the engine both.)"""
+    chosen: dict[str, Any] = {}
+    for option, declared in _flagged_fields():
+        value = getattr(args, option.name, None)
+        if value is None and declared.from_cli is None:  # not given: the field's default
+            continue
+        chosen[option.name] = declared.from_cli(value) if declared.from_cli is not None else value
+    chosen["kv_cache_memory_bytes"] = kv_cache_bytes(args.kv_cache_memory_bytes, args.device, os.environ)
+    if args.pipeline_parallel_size > 1:
+        chosen["pipeline_layer_partition"] = layer_partition_from_env()
+    # the flag without --enable-lora is refused; vLLM's variable, set for a whole machine, is not
+    chosen["allow_runtime_lora_updating"] = args.allow_runtime_lora_updating or (
+        args.enable_lora and runtime_lora_updating_from(os.environ))
+    chosen.pop("trust_remote_code", None)  # refused before anything is built (refused_flags)
+    return chosen
 
 
 def runtime_lora_updating_from(environ: Mapping[str, str]) -> bool:
     """vLLM's switch: `VLLM_ALLOW_RUNTIME_LORA_UPDATING` set to 1 or true (any case)."""
     return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
-
-
-def images_per_prompt(value: Any) -> int:
-    """--limit-mm-per-prompt: {"image": N}; other modalities are refused (trio-llm reads images only)."""
-    if value is None:
-        return 999
-    if not isinstance(value, dict) or set(value) - {"image"}:
-        raise ValueError('--limit-mm-per-prompt takes {"image": N}: images are the only modality served')
-    count = value.get("image", 999)
-    if type(count) is not int or count < 0:
-        raise ValueError(f"--limit-mm-per-prompt image must be a non-negative integer, got {count!r}")
-    return count
 
 
 def kv_cache_bytes(flag: int | None, device: str, environ: Mapping[str, str]) -> int | None:
@@ -319,9 +170,7 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
                        f"at load ({', '.join(QUANTIZATIONS)}), loads llm-compressor int8 checkpoints and GGUF files "
                        "as they are (no --quantization needed)")
     if getattr(args, "trust_remote_code", False):
-        reasons.append("--trust-remote-code: trio-llm runs no code from model directories; it loads the "
-                       "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, LLaVA, "
-                       "BERT and its cross-encoders, ColBERT) from their weights")
+        reasons.append("--trust-remote-code" + TRUST_REMOTE_CODE_REFUSED.removeprefix("trust_remote_code"))
     if getattr(args, "eplb_config", None) is not None and not getattr(args, "enable_eplb", False):
         reasons.append("--eplb-config takes effect only with --enable-eplb; add it, or drop --eplb-config")
     utilization = getattr(args, "gpu_memory_utilization", None)

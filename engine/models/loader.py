@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine.config import QUANTIZATIONS
 from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
 from engine.models.compressed_tensors import dequantized, read_scheme
@@ -25,7 +26,6 @@ from engine.models.hf_config import (
 )
 from engine.models.moe import ExpertLayout
 from engine.models.parallel import PipelineStage, TensorParallel
-from engine.models.quantized_linear import QUANTIZATIONS
 from engine.models.vision import LlavaVision, VisionConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

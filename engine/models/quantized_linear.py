@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("int8", "w8a8", "int4")
 INT4_GROUP = 32  # weights per scale and zero point in int4 (the kernel takes 32, 64, 128 or 256)
 INT4_ROW_BLOCK = 16  # the int4 kernel packs output rows in blocks of 16
 # The kernel's bfloat16 path reads the input features in blocks of 16: any other count gives wrong

@@ -19,7 +19,8 @@ from collections.abc import Callable, Hashable, Sequence
 import cbor2
 import xxhash
 
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+from engine.config import HASH_ALGOS
+
 NAMESPACE_PREFIX = b"trio-llm/prefix-cache/v1\0"
 
 BlockHash = bytes
