@@ -74,7 +74,8 @@ class WorkerGroupExecutor(Executor):
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
-        """Stop the workers (shielded, time limited), then the tasks."""
+        """Stop the workers (shielded, time limited), then the tasks. Cancellation does not cut the
+        stop short: the workers are stopped either way."""
         stack, self._stack = self._stack, None
         return await stack.__aexit__(*exc_info) if stack else None
 
