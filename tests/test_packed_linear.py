@@ -146,3 +146,27 @@ def test_a_tied_table_becomes_rows_the_embedding_and_the_head_share(tiny_model_d
     hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
     threads(1)
     torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-4)
+
+
+class _PlusOne:
+    """A LoRA delta that adds one to every output."""
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y + 1
+
+
+def test_a_linear_computes_by_the_method_chosen_once_and_lora_wraps_whichever_it_is():
+    """Unquantized, then packed, then int8: each choice replaces the last; a LoRA delta set before
+    stays around every later method, and removing it leaves that method."""
+    linear = _filled(Linear(256, PACK_MIN_ELEMENTS // 256 + 64, bias=True), seed=3)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    exact = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    assert linear.method is layers.UNQUANTIZED and linear.qmethod is None
+    linear.lora = _PlusOne()
+    torch.testing.assert_close(linear(x), exact + 1)
+    assert linear.pack(keep_weight=True) and linear.method.name == "packed"
+    torch.testing.assert_close(linear(x), exact + 1, rtol=1e-4, atol=1e-4)
+    assert linear.quantize("int8") and linear.qmethod == "int8" and linear.lora is not None
+    assert 0 < float((linear(x) - exact - 1).norm() / exact.norm()) < 0.05  # int8: close, not exact
+    linear.lora = None
+    assert linear.method == layers.Quantized("int8") and linear.lora is None

@@ -3,6 +3,7 @@ weights packed for oneDNN once loaded), the vocab-parallel embedding, RMSNorm an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +21,75 @@ class OutputDelta(Protocol):
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
+class LinearMethod(Protocol):
+    """How a `Linear` computes x W^T + b from what it holds: chosen once, when the weights become
+    final (`Linear.pack`, `Linear.quantize`), never per call by an if-chain. A method holds no
+    tensors: they stay on the layer (parameters and buffers, so `.to()` moves them and a compiled
+    graph sees them), and the method says which it reads."""
+
+    @property
+    def name(self) -> str:
+        """What it is, for logs and tests: "unquantized", "packed", "int8", "w8a8" or "int4"."""
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's product of `x` (without LoRA deltas: `WithLoRA` adds those)."""
+
+
+class Unquantized:
+    """The float weight as loaded, through torch's own kernel (any device)."""
+
+    name = "unquantized"
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class Packed:
+    """The weight in oneDNN's layout (`layer.packed`, engine/models/packed_linear.py); one row on
+    one compute thread reads `layer.row_weight` instead where the layer keeps it (faster there:
+    `Linear.transpose_for_one_row`)."""
+
+    name = "packed"
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = layer.row_weight
+        if rows is not None and x.dim() == 2 and x.shape[0] == 1 and torch.get_num_threads() == 1:
+            return torch.mm(x, rows) if bias is None else torch.addmm(bias, x, rows)
+        assert layer.packed is not None
+        return packed_linear(x, layer.packed, bias)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Quantized rows and their scales (`layer.qweight`, `layer.qscales`), multiplied by the
+    method's kernel: "int8" weight-only, "w8a8" with activations quantized per row, "int4"
+    (engine/models/quantized_linear.py)."""
+
+    name: str
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert layer.qweight is not None and layer.qscales is not None
+        return QUANTIZED_MATMULS[self.name](x, layer.qweight, layer.qscales, bias)
+
+
+@dataclass(frozen=True)
+class WithLoRA:
+    """Any method, with the output delta of the layer's LoRA adapters added (engine/lora)."""
+
+    inner: LinearMethod
+    delta: OutputDelta
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.delta.add_delta(x, self.inner.apply(layer, x, bias))
+
+
+UNQUANTIZED, PACKED = Unquantized(), Packed()
+
+
 class Linear(nn.Module):
     """y = x W^T + b with uninitialised parameters: every weight comes from the checkpoint.
 
@@ -30,21 +100,42 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        # How the product is computed (`LinearMethod`): chosen by `pack` and `quantize`, wrapped
+        # with the LoRA delta when adapters change this layer (`lora`).
+        self.method: LinearMethod = UNQUANTIZED
         # The weight in oneDNN's layout once `pack` ran (engine/models/packed_linear.py). A plain
         # attribute, not a buffer: the compiled decode graph takes it as an input.
         self.packed: torch.Tensor | None = None
         # Beside `packed`, the weight as [in, out] rows (`transpose_for_one_row`): for one row on one
         # compute thread, MKL's product over it beats oneDNN's over the packed weight.
         self.row_weight: torch.Tensor | None = None
-        # The LoRA adapters that change this layer's output, when the engine serves any
-        # (engine/lora/serving.py): their delta is added for the rows of each adapter's requests.
-        self.lora: OutputDelta | None = None
         # Once `quantize` ran (engine/models/quantized_linear.py): the quantized rows and their scales.
         self.qweight: torch.Tensor | None
         self.qscales: torch.Tensor | None
         self.register_buffer("qweight", None)
         self.register_buffer("qscales", None)
-        self.qmethod: str | None = None  # "int8", "w8a8" or "int4" once quantized
+
+    @property
+    def lora(self) -> OutputDelta | None:
+        """The LoRA adapters' delta added to this layer's output, when the engine serves any
+        (engine/lora/serving.py): their delta for the rows of each adapter's requests."""
+        return self.method.delta if isinstance(self.method, WithLoRA) else None
+
+    @lora.setter
+    def lora(self, delta: OutputDelta | None) -> None:
+        base = self.method.inner if isinstance(self.method, WithLoRA) else self.method
+        self.method = base if delta is None else WithLoRA(base, delta)
+
+    @property
+    def qmethod(self) -> str | None:
+        """"int8", "w8a8" or "int4" once quantized; else None."""
+        base = self.method.inner if isinstance(self.method, WithLoRA) else self.method
+        return base.name if isinstance(base, Quantized) else None
+
+    def _choose(self, method: LinearMethod) -> None:
+        """`method` computes the product from now on (still under the LoRA delta, if any)."""
+        delta = self.lora
+        self.method = method if delta is None else WithLoRA(method, delta)
 
     def quantize(self, method: str = "int8", keep_weight: bool = False) -> bool:
         """Store the weight quantized as `method` ("int8" weight-only, "w8a8" with activations
@@ -53,8 +144,9 @@ class Linear(nn.Module):
         unless `keep_weight` (a tied LM head: the embedding still reads it)."""
         if not can_quantize(self.weight, method):
             return False
-        self.qmethod = method
         self.qweight, self.qscales = quantize_weight(self.weight, method)
+        self.packed = self.row_weight = None  # a method's tensors go with it
+        self._choose(Quantized(method))
         if not keep_weight:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
         return True
@@ -68,6 +160,7 @@ class Linear(nn.Module):
         if packed is None:
             return False
         self.packed = packed
+        self._choose(PACKED)
         if not keep_weight:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
         return True
@@ -88,16 +181,7 @@ class Linear(nn.Module):
         return self.row_weight
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.qweight is not None:
-            assert self.qmethod is not None and self.qscales is not None
-            y = QUANTIZED_MATMULS[self.qmethod](x, self.qweight, self.qscales, bias)
-        elif self.row_weight is not None and x.dim() == 2 and x.shape[0] == 1 and torch.get_num_threads() == 1:
-            y = torch.mm(x, self.row_weight) if bias is None else torch.addmm(bias, x, self.row_weight)
-        elif self.packed is not None:
-            y = packed_linear(x, self.packed, bias)
-        else:
-            y = F.linear(x, self.weight, bias)
-        return y if self.lora is None else self.lora.add_delta(x, y)
+        return self.method.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
