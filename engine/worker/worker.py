@@ -43,6 +43,7 @@ from engine.worker.encoder_runner import EncoderRunner
 from engine.worker.expert_mover import ExpertMover
 from engine.worker.gpu_memory import GIB, CudaMemory, MemoryProbe, kv_cache_budget, measure
 from engine.worker.grammar_masks import GrammarMasks
+from engine.worker.graph_plan import DecodeRunner, GraphPlan
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_graph import StepGraph
 from engine.worker.thread_tuner import ThreadTuner
@@ -207,24 +208,15 @@ class Worker:
             self.runner.requests.clear()  # a new engine run over the same cache: forget old requests
             return
         cfg = self.model.config
-        compiled = self._compiles()
-        # A compiled decode graph pads its batch with rows that write to one scratch block, past
-        # the scheduler's blocks.
-        shape = ((num_blocks + compiled) * self.config.block_size, self.model.num_local_kv_heads, cfg.head_dim)
+        plan = self._graph_plan()
+        if plan.why_eager is not None:
+            logger.info("decode steps run eagerly: %s", plan.why_eager)
+        shape = ((num_blocks + plan.pads_batches) * self.config.block_size, self.model.num_local_kv_heads,
+                 cfg.head_dim)
         caches = [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
                    torch.zeros(shape, dtype=self.model.dtype, device=self.device))
                   for _ in self.model.layers]
-        graphs: DecodeGraphs | CapturedDecode | None = None
-        step_graph = None
-        if compiled and self._captures_graphs():
-            graphs = self._captured_decode(caches, num_blocks)
-        elif compiled:
-            cache_dir = use_compile_cache(self.config.compilation_config.cache_dir)
-            graphs = DecodeGraphs(self.model, caches, self.config.block_size, num_blocks,
-                                  self.config.decode_batch_sizes, cache_dir)
-            # Experts run eagerly: an MoE model exports no one graph.
-            if self.config.compilation_config.compile_prompts and not self.model.moe_layers:
-                step_graph = StepGraph(self.model, caches, self.config.block_size, num_blocks, cache_dir)
+        graphs, step_graph = self._graphs(plan, caches, num_blocks)
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
                                   is_driver=self.is_driver, pooler=self.pooler,
                                   report_expert_load=self.config.enable_eplb, vision=self.vision,
@@ -244,7 +236,7 @@ class Worker:
         """The KV cache's bytes on this rank's GPU when the engine may use `utilization` of it
         (--gpu-memory-utilization), from a profile run (engine/worker/gpu_memory.py)."""
         assert isinstance(self.model, DecoderForCausalLM), "load_model() first (a decoder)"
-        decode = self._profile_decode if not self.config.eager and self._captures_graphs() else None
+        decode = self._profile_decode if self._graph_plan().decode is DecodeRunner.CAPTURED else None
         with bound_to(self.compute_cpus), torch.inference_mode():
             profile = measure(self._memory_probe(), self._profile_step, decode)
         budget = kv_cache_budget(profile, utilization)
@@ -284,30 +276,37 @@ class Worker:
                                 max_table_blocks(model.rope.max_positions, self.config.block_size), CallThrough())
         graphs.run_largest()
 
+    def _graph_plan(self) -> GraphPlan:
+        assert isinstance(self.model, DecoderForCausalLM)
+        return GraphPlan.choose(self.config, parallel_ranks=self.tp.size * self.stage.size,
+                                moe=bool(self.model.moe_layers), lora=self.lora is not None,
+                                on_cuda=self._captures_graphs())
+
     def _captures_graphs(self) -> bool:
-        """Whether the decode step is captured as CUDA graphs (on CUDA) rather than compiled."""
+        """Whether this rank's graphs would be captured CUDA graphs (on CUDA) rather than compiled."""
         return self.device.type == "cuda"
 
-    def _captured_decode(self, caches: list[KVCache], num_blocks: int) -> CapturedDecode | None:
-        """On CUDA, decode steps replay captured CUDA graphs (engine/worker/cuda_graphs.py) rather
-        than an AOTInductor package, which is built and checked for CPU only. LoRA adapters and MoE
-        experts pick their rows at run time, which a captured graph cannot: those models decode
-        eagerly, and say so."""
+    def _graphs(self, plan: GraphPlan, caches: list[KVCache],
+                num_blocks: int) -> tuple[DecodeGraphs | CapturedDecode | None, StepGraph | None]:
+        """The decode graphs and the step graph `plan` asks for, over `caches` (not yet compiled)."""
         assert isinstance(self.model, DecoderForCausalLM)
-        if self.lora is not None or self.model.moe_layers:
-            logger.warning("CUDA graphs are not captured for %s: decode steps run eagerly",
-                           "LoRA adapters" if self.lora is not None else "an MoE model's experts")
-            return None
+        block_size = self.config.block_size
+        if plan.decode is DecodeRunner.CAPTURED:
+            return self._captured_decode(caches, num_blocks), None
+        if plan.decode is DecodeRunner.EAGER:
+            return None, None
+        cache_dir = use_compile_cache(self.config.compilation_config.cache_dir)
+        graphs = DecodeGraphs(self.model, caches, block_size, num_blocks, self.config.decode_batch_sizes, cache_dir)
+        step_graph = StepGraph(self.model, caches, block_size, num_blocks, cache_dir) if plan.step_graph else None
+        return graphs, step_graph
+
+    def _captured_decode(self, caches: list[KVCache], num_blocks: int) -> CapturedDecode:
+        """On CUDA, decode steps replay captured CUDA graphs (engine/worker/cuda_graphs.py) rather
+        than an AOTInductor package, which is built and checked for CPU only."""
+        assert isinstance(self.model, DecoderForCausalLM)
         max_len = self.model.rope.max_positions if self.model.rope is not None else self.config.block_size
         return CapturedDecode(self.model, caches, self.config.block_size, num_blocks, self.config.decode_batch_sizes,
                               max_table_blocks(max_len, self.config.block_size), CudaGraphCapture())
-
-    def _compiles(self) -> bool:
-        """Whether decode steps run compiled graphs: unless --enforce-eager, for a decoder on one
-        rank whose experts (if any) stay where they are loaded. Tensor parallelism's collectives
-        and EPLB's weight moves run on the eager model."""
-        return not self.config.eager and self.tp.size == 1 and self.stage.size == 1 and not self.config.enable_eplb \
-            and isinstance(self.model, DecoderForCausalLM)
 
     @property
     def is_driver(self) -> bool:
