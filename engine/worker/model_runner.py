@@ -77,48 +77,68 @@ class RequestState:
         return [] if self.prompt_embeds is not None else self.prompt_token_ids
 
 
+@dataclass(frozen=True)
+class RankRole:
+    """Where a rank stands. Under tensor parallelism every rank computes the logits (a
+    collective); only the driver (the first rank of the last stage) samples and reports, the
+    others return an empty output. A pipeline stage after the first takes its input rows from
+    the one before; a stage before the last hands its output on and samples nothing."""
+
+    is_driver: bool = True
+    stage: PipelineStage = PipelineStage()
+    tp_rank: int = 0  # its place in its stage
+
+
+@dataclass(frozen=True)
+class RunnerGraphs:
+    """The graphs steps run on (None: eager): the decodes on the compiled graph (CPU) or the
+    captured ones (CUDA), the other steps on the compiled step graph (engine/worker/graph_plan.py)."""
+
+    decode: DecodeGraphs | CapturedDecode | None = None
+    step: StepGraph | None = None
+
+
+@dataclass(frozen=True)
+class RunnerFeatures:
+    """What requests may ask of this rank beyond plain text."""
+
+    pooler: PoolerConfig = PoolerConfig()
+    report_expert_load: bool = False  # MoE: tokens routed to each expert, for EPLB
+    vision: LlavaVision | None = None  # a vision-language model's tower and projector
+    save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None  # an EC producer's store (driver only)
+    grammar: GrammarMasks | None = None  # structured outputs (matchers live on the driver, which samples)
+    lora: LoRAServing | None = None  # the LoRA adapters served
+
+
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 device: torch.device, seed: int, is_driver: bool = True,
-                 pooler: PoolerConfig = PoolerConfig(), report_expert_load: bool = False,
-                 vision: LlavaVision | None = None,
-                 save_encoder_output: Callable[[str, torch.Tensor], Any] | None = None,
-                 grammar: GrammarMasks | None = None, decode_graphs: DecodeGraphs | CapturedDecode | None = None,
-                 step_graph: StepGraph | None = None, num_blocks: int | None = None,
-                 lora: LoRAServing | None = None, stage: PipelineStage = PipelineStage(), tp_rank: int = 0) -> None:
-        """`decode_graphs`: the compiled graph (CPU) or captured graphs (CUDA) the step's decodes run
-        on (None: all eager);
-        `step_graph`: the compiled graph the other steps run on (None: eager). `lora`: the LoRA
-        adapters served.
-        `num_blocks`: the scheduler's blocks (default: all the cache holds). `stage`: this rank's
-        pipeline stage (`tp_rank` its place in the stage): a stage after the first takes its input
-        rows from the one before, a stage before the last hands its output on and samples nothing."""
+                 device: torch.device, seed: int, *, num_blocks: int | None = None, role: RankRole = RankRole(),
+                 graphs: RunnerGraphs = RunnerGraphs(), features: RunnerFeatures = RunnerFeatures()) -> None:
+        """`num_blocks`: the scheduler's blocks (default: all the cache holds)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.num_blocks = num_blocks if num_blocks is not None else \
             (kv_caches[0][0].shape[0] // block_size if kv_caches else 0)
-        self.decode_graphs = decode_graphs
-        self.step_graph = step_graph
-        self.lora = lora
+        self.decode_graphs = graphs.decode
+        self.step_graph = graphs.step
+        self.lora = features.lora
         self.device = device
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # Under tensor parallelism every rank computes the logits (a collective), only the
-        # driver (rank 0) samples and reports; the others return an empty output.
-        self.is_driver = is_driver
-        self.pooler = pooler
-        self.report_expert_load = report_expert_load and bool(model.moe_layers)
-        self.vision = vision
+        self.is_driver = role.is_driver
+        self.pooler = features.pooler
+        self.report_expert_load = features.report_expert_load and bool(model.moe_layers)
+        self.vision = features.vision
         # mm_hash -> encoder output rows [rows, hidden]; the scheduler decides what stays (its
         # EncoderCacheManager mirrors this) and sends evictions in `freed_encoder_hashes`.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.num_encoded = 0  # images run through the vision encoder (metrics, tests)
-        self.save_encoder_output = save_encoder_output  # an EC producer's store (driver rank only)
-        self.grammar = grammar  # structured outputs (matchers live on the driver, which samples)
-        self.stage = stage
-        self.tp_rank = tp_rank
+        self.save_encoder_output = features.save_encoder_output
+        self.grammar = features.grammar
+        self.stage = role.stage
+        self.tp_rank = role.tp_rank
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:

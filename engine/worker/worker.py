@@ -44,7 +44,7 @@ from engine.worker.expert_mover import ExpertMover
 from engine.worker.gpu_memory import GIB, CudaMemory, MemoryProbe, kv_cache_budget, measure
 from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.graph_plan import DecodeRunner, GraphPlan
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, RankRole, RunnerFeatures, RunnerGraphs
 from engine.worker.step_graph import StepGraph
 from engine.worker.thread_tuner import ThreadTuner
 
@@ -217,13 +217,11 @@ class Worker:
                    torch.zeros(shape, dtype=self.model.dtype, device=self.device))
                   for _ in self.model.layers]
         graphs, step_graph = self._graphs(plan, caches, num_blocks)
+        features = RunnerFeatures(self.pooler, self.config.enable_eplb, self.vision, self._ec_saver(),
+                                  GrammarMasks(self.config.tokenizer_path, cfg.vocab_size), self.lora)
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
-                                  is_driver=self.is_driver, pooler=self.pooler,
-                                  report_expert_load=self.config.enable_eplb, vision=self.vision,
-                                  save_encoder_output=self._ec_saver(),
-                                  grammar=GrammarMasks(self.config.tokenizer_path, cfg.vocab_size),
-                                  decode_graphs=graphs, step_graph=step_graph, num_blocks=num_blocks,
-                                  lora=self.lora, stage=self.stage, tp_rank=self.tp.rank)
+                                  num_blocks=num_blocks, role=RankRole(self.is_driver, self.stage, self.tp.rank),
+                                  graphs=RunnerGraphs(graphs, step_graph), features=features)
         with bound_to(self.compute_cpus), torch.inference_mode():
             if isinstance(graphs, CapturedDecode):
                 graphs.capture_all()
