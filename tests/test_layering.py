@@ -141,3 +141,18 @@ def test_scheduler_imports_without_torch_or_an_event_loop():
 
 def test_the_fake_executor_imports_without_torch():
     assert "torch" not in _heavy_modules_after_import("import engine.testing")
+
+
+def test_the_public_name_table_and_its_typing_imports_agree():
+    """engine/api/__init__.py names each public name three times, each for a reader that needs it
+    written out: `_WHERE` (where the lazy import finds it), the imports under TYPE_CHECKING (mypy)
+    and `__all__` (ruff and mypy read a literal list). The three agree."""
+    import engine.api
+
+    tree = ast.parse((ROOT / "engine" / "api" / "__init__.py").read_text())
+    guarded = next(node for node in tree.body if isinstance(node, ast.If)
+                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+    typed = {alias.name: node.module for node in guarded.body if isinstance(node, ast.ImportFrom)
+             for alias in node.names}
+    assert typed == engine.api._WHERE
+    assert sorted(engine.api.__all__) == sorted(typed)
