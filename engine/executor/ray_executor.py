@@ -41,10 +41,10 @@ from anyio.abc import TaskGroup
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+import engine.executor.ray_refs as ray_refs
 from engine.concurrency.gather import gather_first_failure
 from engine.config import EngineConfig, usable_cpus
 from engine.errors import EngineDeadError, ModelLoadError
-from engine.executor import ray_refs
 from engine.executor.ray_cluster import first_line, ray_connected
 from engine.executor.rpc import WorkerConnection
 from engine.executor.worker_group import STARTUP_TIMEOUT, WorkerGroupExecutor

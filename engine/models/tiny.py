@@ -12,13 +12,15 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.models.tiny_spec import ARCHITECTURES as ARCHITECTURES
+from engine.models.tiny_spec import TinyModelSpec as TinyModelSpec
 from engine.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -30,38 +32,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "llava": "LlavaForConditionalGeneration"}
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    arch: str = "llama"
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 768
-    vocab: int = 4096
-    max_positions: int = 2048
-    dtype: str = "float32"
-    seed: int = 0
-    experts: int = 8  # MoE architectures: experts per layer, each token routed to top_k of them
-    top_k: int = 2
-    rope_theta: float = 10000.0
-
-    def __post_init__(self) -> None:
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {self.arch!r}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError("hidden must divide by heads, and heads by kv_heads")
-        if not 1 <= self.top_k <= self.experts:
-            raise ValueError("top_k must be between 1 and experts")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
-
-
 # Named shapes (`make-model --shape NAME`): a real model's sizes with random weights, for
 # benchmarks at the sizes people serve. The tokenizer is still the small local one; the embedding
 # and LM head have the model's full vocabulary.
@@ -141,7 +111,10 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]
     return config
 
 
-def make_model(model_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), overwrite: bool = True) -> Path:
+DEFAULT_SPEC = TinyModelSpec()  # the embedded default model's
+
+
+def make_model(model_dir: str | Path, spec: TinyModelSpec = DEFAULT_SPEC, overwrite: bool = True) -> Path:
     """Write the checkpoint into `model_dir` atomically (built in a sibling temp dir, then renamed).
 
     With `overwrite=False`, a complete checkpoint that appeared meanwhile (another

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from engine.models.tiny import TinyModelSpec
+from engine.models.tiny_spec import TinyModelSpec
 
 
 def _mlp_weights(spec: TinyModelSpec, prefix: str, normal: Any) -> dict[str, torch.Tensor]:
