@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import anyio
 
@@ -56,3 +57,25 @@ class FakeExecutor(Executor):
         return ModelRunnerOutput(sampled_token_ids={
             s.request_id: self.token_fn(s.request_id, s.start_position + s.num_tokens)
             for s in sched_out.scheduled if s.sample})
+
+
+# ---- white-box probes of a worker, for `Executor.collective_rpc(probe)` ------------------------
+# Functions of the worker, not methods of it: what only tests ask stays out of the Worker class,
+# and a worker process finds them by name (they pickle as `engine.testing.<name>`).
+
+def encoder_runs(worker: Any) -> int:
+    """Images this rank ran through the vision encoder since the KV cache was set up."""
+    return int(getattr(worker.runner, "num_encoded", 0))
+
+
+def expert_placement(worker: Any) -> list[list[int]]:
+    """Each MoE layer's physical slot -> logical expert map, as routing uses it now."""
+    return [experts.phy2log.tolist() for experts in worker.model.moe_layers]
+
+
+def model_summary(worker: Any) -> dict[str, Any]:
+    """What this rank holds: its rank and its share of the model."""
+    model = worker.model
+    return {"rank": worker.rank, "world_size": worker.tp.size, "local_kv_heads": model.num_local_kv_heads,
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "stage": worker.stage.rank, "layers": [model.layer_range.start, model.layer_range.stop]}

@@ -11,6 +11,7 @@ import torch
 import trio
 
 from engine import EngineConfig, SamplingParams, open_engine
+from engine import testing as probes
 from engine.config import ECTransferConfig
 from engine.ec.connector import ECConnectorGate, SharedStorageConnector
 from engine.ec.storage import entry_path, save_rows
@@ -122,7 +123,7 @@ async def test_producer_to_consumer_through_the_shared_directory(llava, tmp_path
     assert not list(tmp_path.glob(".*"))  # no temporary file left
     async with open_engine(replace(base, ec_transfer_config=ec("ec_consumer", tmp_path))) as consumer:
         got = await chat_once(consumer, messages)
-        assert await consumer.core.executor.collective_rpc("encoder_runs") == [0]  # never ran the encoder
+        assert await consumer.core.executor.collective_rpc(probes.encoder_runs) == [0]  # never ran the encoder
         stats = consumer.stats()
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
     assert stats.ec_connector_loads == 1 and stats.mm_encoder_runs == 0
@@ -134,7 +135,7 @@ async def test_a_damaged_store_entry_falls_back_to_local_encoding(llava, tmp_pat
     config = EngineConfig(model=str(llava), num_kv_blocks=64, ec_transfer_config=ec("ec_consumer", tmp_path))
     async with open_engine(config) as engine:
         output = await chat_once(engine, image_message(data_url(png_bytes(image))))
-        assert await engine.core.executor.collective_rpc("encoder_runs") == [1]
+        assert await engine.core.executor.collective_rpc(probes.encoder_runs) == [1]
     assert len(output.outputs[0].token_ids) == 8
 
 

@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from engine import EngineConfig, open_engine
+from engine import testing as probes
 from engine.config import EplbConfig
 from engine.eplb.maps import initial_phy2log
 from engine.models.attention import SequenceChunk, build_metadata
@@ -78,7 +79,7 @@ async def our_greedy(config: EngineConfig, max_tokens: int = 24):
         async with trio.open_nursery() as nursery:
             for i in range(len(PROMPTS)):
                 nursery.start_soon(run, i)
-        placements = await engine.core.executor.collective_rpc("expert_placement")
+        placements = await engine.core.executor.collective_rpc(probes.expert_placement)
         stats = engine.stats().eplb
         engine_view = engine.core.eplb.placement() if engine.core.eplb else None
     return [got[i] for i in range(len(PROMPTS))], stats, placements, engine_view

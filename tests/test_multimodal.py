@@ -12,6 +12,7 @@ import trio
 from transformers import LlavaProcessor, PreTrainedTokenizerFast
 
 from engine import EngineConfig, SamplingParams, open_engine
+from engine import testing as probes
 from engine.errors import InvalidRequestError
 from tests.model_helpers import decoder_logits
 from tests.multimodal_helpers import ROWS, data_url, image_message, make_tiny_llava, png_bytes, random_image
@@ -52,7 +53,7 @@ async def test_greedy_text_with_images_equals_transformers(llava):
             nursery.start_soon(run, "two", image_message(data_url(png_bytes(one)), data_url(png_bytes(two)),
                                                          text="compare"))
             nursery.start_soon(run, "text", [{"role": "user", "content": "no image here"}])
-        encoded = await engine.core.executor.collective_rpc("encoder_runs")
+        encoded = await engine.core.executor.collective_rpc(probes.encoder_runs)
     for name, images in (("one", [one]), ("two", [one, two])):
         output = results[name]
         assert output.outputs[0].token_ids == reference(llava, output.prompt_token_ids, images), name

@@ -11,6 +11,7 @@ import trio
 
 from bench.http import Reader, open_request, request
 from engine import EngineDeadError, ModelLoadError, SamplingParams, open_engine
+from engine import testing as probes
 from engine.executor import create_executor
 from engine.executor.multiproc import MultiprocExecutor
 from engine.executor.rpc import WorkerError
@@ -54,8 +55,8 @@ async def check_collective_rpc(tiny_model_dir: str, backend: str) -> None:
     config = engine_config(tiny_model_dir, tensor_parallel_size=2, executor=backend)
     async with create_executor(config) as executor:
         await executor.load_model()
-        assert [s["rank"] for s in await executor.collective_rpc("model_summary")] == [0, 1]
-        full = (await executor.collective_rpc("model_summary", unique_reply_rank=1))
+        assert [s["rank"] for s in await executor.collective_rpc(probes.model_summary)] == [0, 1]
+        full = (await executor.collective_rpc(probes.model_summary, unique_reply_rank=1))
         assert full["rank"] == 1 and full["local_kv_heads"] == 1  # 2 KV heads split over 2 ranks
         failing = await executor.collective_rpc("no_such_method", non_block=True)
         after = await executor.collective_rpc("ping", non_block=True)

@@ -7,6 +7,7 @@ import trio
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import SamplingParams, open_engine
+from engine import testing as probes
 from engine.executor.base import PendingStep
 from engine.models.parallel import PipelineStage
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -49,7 +50,7 @@ async def test_stages_of_tensor_parallel_ranks_hold_their_own_layers_and_generat
     config = engine_config(path, pipeline_parallel_size=2, tensor_parallel_size=2, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     async with open_engine(config) as engine:
-        summaries = await engine.core.executor.collective_rpc("model_summary")
+        summaries = await engine.core.executor.collective_rpc(probes.model_summary)
         finals = {}
         async for index, output in engine.generate_batch(PROMPTS, params):
             finals[index] = output.outputs[0].token_ids

@@ -16,6 +16,7 @@ from engine.concurrency.to_the_end import run_to_the_end
 from engine.eplb.plan import LayerPlan
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.worker_messages import RPCMethod
 
 # Expert moves staged per call to worker processes: one expert's weights delays the next step by
 # a copy (and a send between ranks), a whole layer's by all of them (measured: `trio-llm bench eplb`).
@@ -57,11 +58,13 @@ class Executor(ABC):
             await self.aclose()
         return None
 
-    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+    async def collective_rpc(self, method: RPCMethod, args: tuple[Any, ...] = (),
+                             kwargs: dict[str, Any] | None = None, *,
                              timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
                              non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
-        """Call a Worker method on every worker; see `engine.executor.rpc.WorkerGroup`.
+        """Call a Worker method (by name) or a function of the worker on every worker; see
+        `engine.executor.rpc.WorkerGroup`.
 
         Cancellation abandons the call: its replies are read and dropped, never handed to a later
         call.

@@ -22,6 +22,7 @@ from engine.executor.step_queue import StepQueue, device_backend_for
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
+from engine.worker.worker_messages import RPCMethod
 
 
 class InProcExecutor(Executor):
@@ -74,7 +75,8 @@ class InProcExecutor(Executor):
     async def initialize_kv_cache(self, num_blocks: int) -> None:
         await anyio.to_thread.run_sync(self.worker.initialize_kv_cache, num_blocks, limiter=self._limiter)
 
-    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+    async def collective_rpc(self, method: RPCMethod, args: tuple[Any, ...] = (),
+                             kwargs: dict[str, Any] | None = None, *,
                              timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
                              non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:
@@ -87,7 +89,8 @@ class InProcExecutor(Executor):
             raise NotImplementedError("non_block calls need the multi-process executor")
         if unique_reply_rank not in (None, 0):
             raise ValueError(f"unique_reply_rank {unique_reply_rank} is not a rank of this executor")
-        call = partial(getattr(self.worker, method), *args, **(kwargs or {}))
+        target = partial(method, self.worker) if callable(method) else getattr(self.worker, method)
+        call = partial(target, *args, **(kwargs or {}))
         with anyio.fail_after(timeout):
             value = await anyio.to_thread.run_sync(call, limiter=self._limiter)
         return value if unique_reply_rank == 0 else [value]

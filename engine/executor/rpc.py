@@ -34,7 +34,7 @@ import trio
 from engine.errors import EngineDeadError
 from engine.ipc import wire
 from engine.ipc.polling import POLL_WINDOW, PollPolicy, now, pollable
-from engine.worker.worker_messages import Call, Failure, Reply, Shutdown, from_wire, to_wire
+from engine.worker.worker_messages import Call, Failure, Reply, RPCMethod, Shutdown, from_wire, to_wire
 
 
 class WorkerError(RuntimeError):
@@ -311,7 +311,7 @@ class WorkerGroup:
         if self._scope is not None:
             self._scope.cancel()
 
-    def call(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+    def call(self, method: RPCMethod, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
              timeout: float | None = None, unique_reply_rank: int | None = None) -> RPCFuture:
         """Broadcast one call now and return its future (this is `collective_rpc(non_block=True)`)."""
         if self.failure is not None:
@@ -329,7 +329,8 @@ class WorkerGroup:
         deadline = math.inf if timeout is None else trio.current_time() + timeout
         return RPCFuture(slots, deadline, unique_reply_rank is not None)
 
-    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+    async def collective_rpc(self, method: RPCMethod, args: tuple[Any, ...] = (),
+                             kwargs: dict[str, Any] | None = None, *,
                              timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
                              non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:

@@ -31,7 +31,7 @@ from engine.ipc.fast_socket import STREAM_ENDED
 from engine.model_info import ModelInfo
 from engine.models.hf_config import read_config_json
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.worker_messages import Init, Ready, StartupFailed
+from engine.worker.worker_messages import Init, Ready, RPCMethod, StartupFailed
 
 STARTUP_TIMEOUT = 300.0  # importing torch and joining the process group
 
@@ -148,7 +148,8 @@ class WorkerGroupExecutor(Executor):
             raise RuntimeError("the executor is not started: use it as an async context manager")
         return self.group
 
-    async def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *,
+    async def collective_rpc(self, method: RPCMethod, args: tuple[Any, ...] = (),
+                             kwargs: dict[str, Any] | None = None, *,
                              timeout: float | None = None,  # noqa: ASYNC109 -- vLLM's collective_rpc signature
                              non_block: bool = False,
                              unique_reply_rank: int | None = None) -> Any:

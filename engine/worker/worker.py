@@ -353,24 +353,8 @@ class Worker:
             return None
         return partial(save_rows, ec.storage_path)
 
-    def encoder_runs(self) -> int:
-        """Images this rank ran through the vision encoder since the KV cache was set up."""
-        return self.runner.num_encoded if isinstance(self.runner, ModelRunner) else 0
-
-    def expert_placement(self) -> list[list[int]]:
-        """Each MoE layer's physical slot -> logical expert map, as routing uses it now."""
-        assert isinstance(self.model, DecoderForCausalLM), "a loaded decoder"
-        return [experts.phy2log.tolist() for experts in self.model.moe_layers]
-
     def ping(self) -> str:
         return "pong"
-
-    def model_summary(self) -> dict[str, Any]:
-        """What this rank holds (for operators and tests): its rank and share of the model."""
-        assert isinstance(self.model, DecoderForCausalLM), "a loaded decoder"
-        return {"rank": self.rank, "world_size": self.tp.size, "local_kv_heads": self.model.num_local_kv_heads,
-                "num_parameters": sum(p.numel() for p in self.model.parameters()),
-                "stage": self.stage.rank, "layers": [self.model.layer_range.start, self.model.layer_range.stop]}
 
 
 def check_pipeline_parallel(config: EngineConfig, raw: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ import signal
 import socket
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -80,7 +81,8 @@ async def _serve_calls(stream: trio.abc.Stream, reader: wire.FrameReader, worker
 
 async def _run_call(worker: Any, call: Call) -> Reply | Failure:
     try:
-        method = getattr(worker, call.method)
+        # A name of the worker's methods, or a function of the worker (vLLM's collective_rpc takes both).
+        method = partial(call.method, worker) if callable(call.method) else getattr(worker, call.method)
         if inspect.iscoroutinefunction(method):
             value = await method(*call.args, **call.kwargs)
         else:

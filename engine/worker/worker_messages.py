@@ -6,14 +6,19 @@ tuples (see `to_wire`); the others as their dataclasses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# What `collective_rpc` calls on each worker: a `Worker` method's name, or a function taking the
+# worker first (module-level, so that it pickles by name to a worker process), as vLLM's does.
+RPCMethod = str | Callable[..., Any]
 
 
 @dataclass
 class Call:
     seq: int
-    method: str
+    method: RPCMethod
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     reply_rank: int | None = None  # None: every worker replies
