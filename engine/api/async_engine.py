@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import torch
 
-from engine.api.beam_search import check_beam_search, run_beam_search
+from engine.api.beam_search import run_beam_search
 from engine.api.chunked_pooling import ChunkPlan
 from engine.api.pending_outputs import merge_pending
 from engine.beam_search_params import BeamSearchOutput, BeamSearchParams
@@ -137,10 +137,7 @@ class AsyncEngine:
         `InvalidRequestError` before anything runs. Cancellation aborts the step in flight."""
         self.processor.check_can_generate()
         (rendered,) = await self._render_all([prompt])
-        if rendered.embeds is not None or rendered.mm_features:
-            raise InvalidRequestError("beam search takes text or token-id prompts (not embeddings or images)",
-                                      param="prompt")
-        check_beam_search(self, len(rendered.token_ids), params)
+        self.processor.check_beam_search(rendered, params)
         return await run_beam_search(self, rendered.token_ids, params, request_id or random_id(),
                                      rendered.cache_salt, lora_request, priority)
 

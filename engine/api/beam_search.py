@@ -15,8 +15,7 @@ from contextlib import aclosing
 from typing import Any, Protocol
 
 from engine.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError
 from engine.lora_request import LoRARequest
 from engine.model_info import ModelInfo
 from engine.outputs import RequestOutput
@@ -27,7 +26,6 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 class BeamEngine(Protocol):
     """What beam search needs of the engine (`AsyncEngine` is one)."""
 
-    config: EngineConfig
     info: ModelInfo
     tokenizer: Tokenizer
 
@@ -116,19 +114,3 @@ async def _one_token_each(engine: BeamEngine, prompts: list[dict[str, object]], 
     if any(f is None for f in finals):
         raise EngineDeadError("the engine stopped during a beam search")
     return finals  # type: ignore[return-value]
-
-
-def check_beam_search(engine: BeamEngine, prompt_len: int, params: BeamSearchParams) -> None:
-    """Bounds known before the first step: the beams' logprobs within --max-logprobs, and the
-    prompt with max_tokens within the context (vLLM's wording)."""
-    limit = engine.config.max_logprobs
-    if 2 * params.beam_width > limit:
-        raise InvalidRequestError(f"beam search with n={params.beam_width} reads the {2 * params.beam_width} most "
-                                  f"likely tokens of each beam; the server's --max-logprobs is {limit} (n at most "
-                                  f"{limit // 2})", param="n")
-    max_len = engine.info.max_model_len
-    if prompt_len + params.max_tokens > max_len:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {max_len} tokens. However, you requested "
-            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion.", param="max_tokens")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+from engine.beam_search_params import BeamSearchParams
 from engine.config import EngineConfig
 from engine.core_request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
 from engine.errors import InvalidRequestError
@@ -66,6 +67,25 @@ class InputProcessor:
         if count > limit:
             raise InvalidRequestError(f"{count} prompts in one request is more than the limit of {limit}",
                                       param="prompt")
+
+    def check_beam_search(self, prompt: EngineInput, params: BeamSearchParams) -> None:
+        """Beam search's bounds, known before its first step: a text or token-id prompt, the
+        beams' logprobs within --max-logprobs, and the prompt with max_tokens within the context
+        (vLLM's wording)."""
+        if prompt.embeds is not None or prompt.mm_features:
+            raise InvalidRequestError("beam search takes text or token-id prompts (not embeddings or images)",
+                                      param="prompt")
+        limit = self.config.max_logprobs
+        if 2 * params.beam_width > limit:
+            raise InvalidRequestError(f"beam search with n={params.beam_width} reads the {2 * params.beam_width} "
+                                      f"most likely tokens of each beam; the server's --max-logprobs is {limit} "
+                                      f"(n at most {limit // 2})", param="n")
+        prompt_len, max_len = len(prompt.token_ids), self.info.max_model_len
+        if prompt_len + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.", param="max_tokens")
 
     def check_priority(self, priority: int) -> None:
         """A priority only means something under the priority policy; elsewhere it is refused
