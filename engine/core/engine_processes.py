@@ -90,28 +90,6 @@ def _shut_down_all(clients: Sequence[CoreClient]) -> None:
         client.shut_down()
 
 
-@asynccontextmanager
-async def _engine_processes(configs: Sequence[EngineConfig], command: Sequence[str],
-                            spawned: SpawnedEngine | None) -> AsyncGenerator[list[tuple[Process, FastSocketStream]]]:
-    """One engine process per config (the first `spawned`, if given), each sent its `EngineInit`;
-    whatever happens in the block, every one is stopped and its socket closed on the way out
-    (shielded, time limited)."""
-    started: list[tuple[Process, FastSocketStream]] = []
-    try:
-        for index, engine_config in enumerate(configs):
-            spawn = spawned if index == 0 and spawned is not None else await spawn_engine(command)
-            stream = FastSocketStream(spawn.socket)
-            started.append((spawn.process, stream))
-            await wire.send(stream, EngineInit(replace(engine_config, loop_lag_interval=None)))
-        yield started
-    finally:  # start-up failed or was cancelled, or the engines stopped: nothing is left running
-        processes = [process for process, _ in started]
-        await stop_processes(processes, partial(_terminate_all, processes))
-        with anyio.CancelScope(shield=True):
-            for _, stream in started:
-                await stream.aclose()
-
-
 def _terminate_all(processes: Sequence[Process]) -> None:
     for process in processes:
         terminate(process)

@@ -62,13 +62,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
         inits = [Init(conn.rank, self.world_size, replace(self.config, cpu_layout=layouts[conn.rank]),
                       self._distributed_init_method(), threads, conn.poll)
                  for conn in connections]
-        try:
-            await self._handshake_all(connections, inits)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                for conn in connections:
-                    await conn.stream.aclose()
-            raise
+        await self._handshake_all(connections, inits)
         for init, process in zip(inits, self.processes, strict=True):
             layout = init.config.cpu_layout
             cpus = layout.describe() if layout is not None else f"not bound, {threads} torch threads"

@@ -136,13 +136,7 @@ class RayExecutor(WorkerGroupExecutor):
         connections = [WorkerConnection(rank, streams[rank], poll=poll) for rank in range(self.world_size)]
         inits = [Init(rank, self.world_size, self.config, init_method, self.threads_per_worker, poll)
                  for rank in range(self.world_size)]
-        try:
-            await self._handshake_all(connections, inits)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                for conn in connections:
-                    await conn.stream.aclose()
-            raise
+        await self._handshake_all(connections, inits)
         return connections
 
     async def _accept_all(self, listener: socket.socket, secret: bytes) -> dict[int, FastSocketStream]:

@@ -104,11 +104,18 @@ class WorkerGroupExecutor(Executor):
     # ---- start-up ------------------------------------------------------------------------------
     async def _handshake_all(self, connections: list[WorkerConnection], inits: list[Init]) -> None:
         """Send each worker its `Init` and wait for every `Ready` at once: ranks wait for each other
-        while joining the process group, so the first failure must stop the wait on the others."""
-        for conn, init in zip(connections, inits, strict=True):
-            await wire.send(conn.stream, init)
-        with anyio.fail_after(STARTUP_TIMEOUT):
-            await gather_first_failure([partial(self._handshake, conn) for conn in connections])
+        while joining the process group, so the first failure must stop the wait on the others. A
+        failed (or cancelled) handshake closes every connection (shielded) before it propagates."""
+        try:
+            for conn, init in zip(connections, inits, strict=True):
+                await wire.send(conn.stream, init)
+            with anyio.fail_after(STARTUP_TIMEOUT):
+                await gather_first_failure([partial(self._handshake, conn) for conn in connections])
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for conn in connections:
+                    await conn.stream.aclose()
+            raise
 
     async def _handshake(self, conn: WorkerConnection) -> None:
         try:

@@ -35,6 +35,7 @@ import torch
 
 from engine.models.attention import GatheredDecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
+from engine.worker.decode_graphs import batch_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +106,11 @@ class CapturedDecode:
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int, scratch_block: int,
                  capture_sizes: Sequence[int], max_blocks: int, capture: GraphCapture) -> None:
-        if not capture_sizes or min(capture_sizes) < 1:
-            raise ValueError(f"capture sizes must be positive, got {list(capture_sizes)}")
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
-        self.sizes = tuple(sorted(set(capture_sizes)))
+        self.sizes = batch_sizes(capture_sizes)
         self.widths = table_widths(max_blocks, block_size)
         self._capture = capture
         device, largest, widest = model.device, self.sizes[-1], self.widths[-1]

@@ -132,6 +132,13 @@ MIN_ROWS = 2  # dynamo specialises a dimension of size 1: on its graph one row i
 TRACE_ROWS = 64  # the rows the graph is traced with (see compile_all)
 
 
+def batch_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The decode batch sizes graphs run at, ascending and distinct; `ValueError` unless positive."""
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"decode batch sizes must be positive, got {list(sizes)}")
+    return tuple(sorted(set(sizes)))
+
+
 class DecodeGraphs:
     """The compiled decode graph of one model over one KV cache.
 
@@ -142,13 +149,11 @@ class DecodeGraphs:
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
                  scratch_block: int, capture_sizes: Sequence[int], cache_dir: Path | None = None) -> None:
-        if not capture_sizes or min(capture_sizes) < 1:
-            raise ValueError(f"decode batch sizes must be positive, got {list(capture_sizes)}")
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
-        self.capture_sizes = tuple(sorted(set(capture_sizes)))
+        self.capture_sizes = batch_sizes(capture_sizes)
         self.cache_dir = cache_dir
         device = model.device
         self.device = device
