@@ -354,16 +354,16 @@ class EngineConfig:
     """Everything needed to open an engine. `model` is a local HF-format directory."""
 
     model: str
-    dtype: str = flag(  # auto: the checkpoint's torch_dtype
+    dtype: str = flag(
         "weights and activations (auto: the checkpoint's torch_dtype; half: float16, float: float32, "
-            "as in vLLM)",
+        "as in vLLM)",
         default="auto",
         choices=[*_DTYPES, *DTYPE_ALIASES],
         from_cli=_dtype_from_cli)
-    tokenizer: str | None = flag(  # defaults to `model`
+    tokenizer: str | None = flag(
         "tokenizer directory (default: the model's)",
         default=None)
-    max_model_len: int | None = flag(  # defaults to the model's max_position_embeddings
+    max_model_len: int | None = flag(
         "context length (default: the model's max_position_embeddings)",
         default=None,
         type=int)
@@ -371,7 +371,7 @@ class EngineConfig:
         "requests in one batch at most",
         default=256,
         type=int)
-    max_num_batched_tokens: int | None = flag(  # defaults to max(2048, max_num_seqs)
+    max_num_batched_tokens: int | None = flag(
         "tokens in one step at most (default: max(2048, max-num-seqs))",
         default=None,
         type=int)
@@ -379,7 +379,7 @@ class EngineConfig:
         "the largest logprobs / prompt_logprobs accepted",
         default=20,
         type=int)
-    max_prompts_per_request: int = flag(  # prompts (or embeddings inputs) in one request; OpenAI's input limit
+    max_prompts_per_request: int = flag(
         "prompts (or embeddings inputs) one request may carry",
         default=2048,
         type=int)
@@ -395,14 +395,14 @@ class EngineConfig:
         type=int)
     num_kv_blocks: int | None = flag(  # overrides the budget (tests use it to force preemption)
         "KV cache blocks, whatever --kv-cache-memory-bytes allows (vLLM's name; the cache is on the "
-            "--device)",
+        "--device)",
         default=None,
         names=("--num-gpu-blocks-override",),
         type=int)
-    gpu_memory_utilization: float = flag(  # vLLM's: the share of each GPU the engine may use
+    gpu_memory_utilization: float = flag(
         "share of each GPU the engine may use (default 0.9): the KV cache takes what the weights, "
-            "activations and CUDA graphs leave, measured at start-up; CUDA only "
-            "(--kv-cache-memory-bytes wins)",
+        "activations and CUDA graphs leave, measured at start-up; CUDA only "
+        "(--kv-cache-memory-bytes wins)",
         default=0.9,
         cli_default=None,
         type=float)
@@ -417,7 +417,7 @@ class EngineConfig:
         "reuse the KV of shared prompt prefixes",
         default=True,
         action=BooleanOptionalAction)
-    prefix_caching_hash_algo: str = flag(  # vLLM's choices: sha256, sha256_cbor, xxhash, xxhash_cbor
+    prefix_caching_hash_algo: str = flag(
         "block identity (xxhash: faster, not cryptographic: only if every prompt is trusted)",
         default="sha256",
         choices=HASH_ALGOS)
@@ -427,15 +427,15 @@ class EngineConfig:
         action=BooleanOptionalAction)
     scheduling_policy: str = flag(
         "the waiting queue's order: arrival, or each request's `priority` (lower first; ties by "
-            "arrival)",
+        "arrival)",
         default="fcfs",
         choices=_POLICIES)
     # --cpu-threads-bind: the forward pass's CPUs and the event loop's (None: no binding, torch's
     # default thread count)
     cpu_layout: CpuLayout | None = flag(
         "CPUs of the forward pass: auto (the default, as vLLM-CPU's: all but the first, which the "
-            "HTTP server keeps; it survives a busy neighbour, docs/benchmarks.md), none (no binding, "
-            "torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND)",
+        "HTTP server keeps; it survives a busy neighbour, docs/benchmarks.md), none (no binding, "
+        "torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND)",
         default=None,
         names=("--cpu-threads-bind",),
         cli_default="auto",
@@ -445,8 +445,8 @@ class EngineConfig:
     # count stays where the layout (or torch's default) puts it. CPU only.
     adaptive_cpu_threads: bool = flag(
         "let each forward pass use between 1 thread and one per compute CPU, whichever steps "
-            "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "
-            "one per compute CPU",
+        "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "
+        "one per compute CPU",
         default=True,
         action=BooleanOptionalAction)
     # vLLM's --async-scheduling: the core schedules step N+1 while step N runs (a decode's input is
@@ -456,7 +456,7 @@ class EngineConfig:
     # (see `schedules_async`).
     async_scheduling: bool | None = flag(
         "schedule each step while the one before it runs (vLLM's async scheduling; default: on "
-            "with one worker on CUDA, off on CPU)",
+        "with one worker on CUDA, off on CPU)",
         default=None,
         action=BooleanOptionalAction)
     # Decode steps run a torch.compile'd graph with a dynamic batch (engine.worker.decode_graphs);
@@ -464,19 +464,19 @@ class EngineConfig:
     # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).
     enforce_eager: bool | None = flag(
         "run every step on the eager model (default: decode steps run one graph compiled at "
-            "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)",
+        "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)",
         default=None,
         action="store_true")
     compilation_config: CompilationConfig = flag(
         'compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
-                        '64], "cache_dir": "~/.cache/trio-llm/torch_compile"} (the cache follows XDG_CACHE_HOME)',
+        '64], "cache_dir": "~/.cache/trio-llm/torch_compile"} (the cache follows XDG_CACHE_HOME)',
         default_factory=CompilationConfig,
         names=("--compilation-config", "-cc",),
         cli_default=None,
         from_cli=_json_flag(CompilationConfig))
     structured_outputs_config: StructuredOutputsConfig = flag(
         'structured outputs, a JSON object: {"max_integer_digits": 18} (JSON schema integers '
-                        'without bounds get that many digits at most; null: unbounded)',
+        'without bounds get that many digits at most; null: unbounded)',
         default_factory=StructuredOutputsConfig,
         cli_default=None,
         from_cli=_json_flag(StructuredOutputsConfig))
@@ -489,7 +489,7 @@ class EngineConfig:
     # ranks), N steps in flight at once so every stage has work (engine/models/parallel.py).
     pipeline_parallel_size: int = flag(
         "pipeline stages of worker processes, each holding consecutive layers (times "
-            "--tensor-parallel-size ranks each); as many steps in flight as stages",
+        "--tensor-parallel-size ranks each); as many steps in flight as stages",
         default=1,
         names=("--pipeline-parallel-size", "-pp",),
         type=int)
@@ -497,7 +497,7 @@ class EngineConfig:
     # go to the least loaded, prefix-aware (engine/core/data_parallel.py). Engine processes only.
     data_parallel_size: int = flag(
         "engines behind this server, each with its own scheduler, KV cache and workers (the "
-            "compute CPUs split between them); requests go to the least loaded, prefix-aware",
+        "compute CPUs split between them); requests go to the least loaded, prefix-aware",
         default=1,
         names=("--data-parallel-size", "-dp",),
         type=int)
@@ -506,13 +506,13 @@ class EngineConfig:
         "MoE models: split the experts over the tensor-parallel ranks instead of sharding each",
         default=False,
         action="store_true")
-    enable_eplb: bool = flag(  # rebalance experts by their measured load (see EplbConfig)
+    enable_eplb: bool = flag(
         "MoE models: rebalance experts over the ranks by their measured load",
         default=False,
         action="store_true")
     eplb_config: EplbConfig = flag(
         'EPLB settings, a JSON object: {"window_size": 1000, "step_interval": 3000, '
-                        '"num_redundant_experts": 0, "use_async": true, "log_balancedness": false}',
+        '"num_redundant_experts": 0, "use_async": true, "log_balancedness": false}',
         default_factory=EplbConfig,
         cli_default=None,
         from_cli=_json_flag(EplbConfig))
@@ -532,13 +532,13 @@ class EngineConfig:
         cli_default=[],
         nargs="*",
         from_cli=tuple)
-    ec_transfer_config: ECTransferConfig | None = flag(  # share encoder outputs between instances
+    ec_transfer_config: ECTransferConfig | None = flag(
         'share encoder outputs between instances, a JSON object: {"ec_connector": "shared_storage", '
-                        '"ec_role": "ec_producer|ec_consumer|ec_both", "ec_connector_extra_config": '
-                        '{"shared_storage_path": "/path"}}',
+        '"ec_role": "ec_producer|ec_consumer|ec_both", "ec_connector_extra_config": '
+        '{"shared_storage_path": "/path"}}',
         default=None,
         from_cli=_ec_transfer_from_cli)
-    ec_defer_timeout: float = flag(  # seconds a request may wait for an encoder output to arrive; then it fails
+    ec_defer_timeout: float = flag(
         "seconds a request may wait for its encoder outputs from the EC connector; then it fails",
         default=30.0,
         type=float)
@@ -546,8 +546,8 @@ class EngineConfig:
     # ray_executor.py); default: mp when tensor_parallel_size > 1
     executor: str | None = flag(
         "where the model runs: mp (worker processes of this machine), ray (Ray actors, on the "
-            "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
-            "uni, or mp with tensor parallelism",
+        "cluster at RAY_ADDRESS or a local one), uni or inproc (a thread of the engine); default: "
+        "uni, or mp with tensor parallelism",
         default=None,
         names=("--distributed-executor-backend", "--executor",),
         choices=["mp", "ray", "uni", "inproc"],
@@ -558,20 +558,20 @@ class EngineConfig:
     # engine/models/quantized_linear.py.
     quantization: str | None = flag(
         "quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
-            "activations quantized per row at run time too, or int4 weight-only in groups of 32 "
-            "(default: as stored; a GGUF file of quantized tensors runs as int8)",
+        "activations quantized per row at run time too, or int4 weight-only in groups of 32 "
+        "(default: as stored; a GGUF file of quantized tensors runs as int8)",
         default=None,
         names=("--quantization", "-q",),
         metavar="{" + ",".join(QUANTIZATIONS) + "}")
-    pooling_type: str | None = flag(  # "mean", "cls" or "last" (older spelling of pooler_config's pooling_type)
+    pooling_type: str | None = flag(
         "how embeddings pool hidden states (default: the model's config; decoders: last); "
-            "--pooler-config's pooling_type says the same",
+        "--pooler-config's pooling_type says the same",
         default=None,
         choices=_POOLING_TYPES)
     pooler_config: PoolerOptions = flag(
         'vLLM\'s pooling options as JSON: {"task": "embed"|"classify", "pooling_type": '
-                        '"MEAN"|"CLS"|"LAST", "use_activation": bool, "enable_chunked_processing": bool, '
-                        '"max_embed_len": int}',
+        '"MEAN"|"CLS"|"LAST", "use_activation": bool, "enable_chunked_processing": bool, '
+        '"max_embed_len": int}',
         default_factory=PoolerOptions,
         cli_default=None,
         from_cli=_json_flag(PoolerOptions))
@@ -579,21 +579,21 @@ class EngineConfig:
     # model can (a decoder both, an encoder pooling).
     runner: str = flag(
         "generate: serve generation only; pooling: serve embeddings, pooling, score and rerank "
-            "only; auto: what the model can",
+        "only; auto: what the model can",
         default="auto",
         choices=_RUNNERS)
-    enable_prompt_embeds: bool = flag(  # accept prompts given as embeddings (tensors or base64 torch.save payloads)
+    enable_prompt_embeds: bool = flag(
         "accept prompt_embeds (base64 torch.save tensors) in completions",
         default=False,
         action="store_true")
-    renderer_workers: int | None = flag(  # threads for long tokenizations and embeddings decoding; see below
+    renderer_workers: int | None = flag(  # see renderer_threads
         "threads that tokenize long prompts and decode prompt embeddings (default: CPUs - 1, <= 4)",
         default=None,
         type=int)
-    generation_config: str = flag(  # sampling defaults: "auto" (the model's generation_config.json), "vllm", a dir
+    generation_config: str = flag(
         "sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory",
         default="auto")
-    chat_template: str | None = flag(  # a Jinja template, or a file holding one (default: the tokenizer's)
+    chat_template: str | None = flag(
         "a Jinja chat template, or a file holding one (default: the tokenizer's)",
         default=None)
     # vLLM's: refused (trio-llm runs no code from model directories); the option exists to say so
@@ -611,7 +611,7 @@ class EngineConfig:
         action="store_true")
     lora_modules: tuple[LoRAModule, ...] = flag(
         'LoRA adapters (PEFT directories) as name=path, or JSON {"name": ..., "path": ..., '
-                        '"base_model_name": ...}; a request names one in its model field',
+        '"base_model_name": ...}; a request names one in its model field',
         cli_default=[],
         nargs="+",
         default=(),
@@ -635,7 +635,7 @@ class EngineConfig:
     # a step) and a later adapter must fit them too. With no configured adapter they fit any.
     allow_runtime_lora_updating: bool = flag(
         "serve /v1/load_lora_adapter and /v1/unload_lora_adapter, with slots for any adapter up to "
-            "--max-lora-rank (also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+        "--max-lora-rank (also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
         default=False,
         action="store_true")
     # Layers per stage (vLLM's VLLM_PP_LAYER_PARTITION, "16,8"); None: an even split. The last
