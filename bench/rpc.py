@@ -116,7 +116,7 @@ async def run_ray(model: str, rounds: int, repeats: int) -> tuple[list[Timing], 
             results.append(await actor_call_round_trips(rounds))
     finally:
         ray.shutdown()
-        cluster.shutdown()  # type: ignore[no-untyped-call]
+        cluster.shutdown()
     return results, ray_report(results, cpus)
 
 

@@ -105,7 +105,7 @@ def load_transformers_model(model_dir: str) -> Any:
     except ImportError:
         return None
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    model.eval()
     return model
 
 

@@ -4,6 +4,8 @@ in), and each step's output is awaited behind its device event (engine/executor/
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import trio
 
@@ -12,6 +14,7 @@ from engine import EngineConfig, open_engine
 from engine.concurrency.device_event import FakeDeviceBackend
 from engine.executor.inproc import InProcExecutor
 from engine.sampling_params import SamplingParams
+from engine.worker.model_runner import ModelRunner, StepSample
 from tests.conftest import engine_config
 from tests.helpers import final_output, greedy
 from tests.server_fixtures import running_server
@@ -73,6 +76,46 @@ async def test_the_next_step_is_scheduled_while_one_is_on_the_device_and_http_is
             device.complete()  # the last two: the completion ends and the nursery with it
         assert answer["body"]["choices"][0]["text"] == want and answer["body"]["usage"]["completion_tokens"] == 4
         assert device.recorded == 4
+
+
+async def test_the_host_waits_for_a_steps_tokens_only_once_the_next_step_is_queued(tiny_model_dir, monkeypatch):
+    """The decode scheduled behind a step takes that step's token on the device (a placeholder
+    filled there), so the worker queues its forward pass before it reads the token back: with a
+    fake device holding every step, the worker has run two forward passes and read one sample,
+    the first, after the second pass; the engine core has read none. Then the completion equals
+    the synchronous engine's."""
+    log: list[str] = []
+    forward, read = ModelRunner._forward, StepSample.read
+
+    def logged_forward(runner, batch, from_device):
+        log.append(f"forward {len(from_device)} from the device")
+        return forward(runner, batch, from_device)
+
+    def logged_read(sample):
+        in_the_core = threading.current_thread() is threading.main_thread()
+        log.append(f"read in {'the core' if in_the_core else 'the worker'}")
+        return read(sample)
+
+    monkeypatch.setattr(ModelRunner, "_forward", logged_forward)
+    monkeypatch.setattr(StepSample, "read", logged_read)
+    want = (await _tokens(engine_config(tiny_model_dir), [greedy(3, ignore_eos=True)] * len(PROMPTS)))[0]
+    log.clear()
+    device = FakeDeviceBackend()
+    config = engine_config(tiny_model_dir, async_scheduling=True)
+    async with open_engine(config, executor=InProcExecutor(config, device_backend=device)) as engine:
+        got = {}
+
+        async def complete() -> None:
+            got["ids"] = list((await final_output(engine, PROMPTS[0], greedy(3, ignore_eos=True))).outputs[0].token_ids)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(complete)
+            await device.wait_until_recorded(2)
+            assert log == ["forward 0 from the device", "forward 1 from the device", "read in the worker"]
+            device.complete(1)  # the first done lets the core schedule the third, the last
+            await device.wait_until_recorded(3)
+            device.complete()
+    assert got["ids"] == want
 
 
 def test_async_scheduling_is_on_by_default_where_vllm_has_it_and_needs_one_worker(tiny_model_dir):

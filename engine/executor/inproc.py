@@ -43,7 +43,7 @@ class InProcExecutor(Executor):
         """With async scheduling, start the step queue (steps started without waiting).
         Cancellation: nothing is started yet that needs stopping."""
         if self._async_scheduling:
-            self._steps = await StepQueue(self.worker.execute_model, self._limiter, self._device_backend).__aenter__()
+            self._steps = await StepQueue(self.worker.start_model, self._limiter, self._device_backend).__aenter__()
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:

@@ -122,7 +122,7 @@ class RayExecutor(WorkerGroupExecutor):
         await self._place_actors()
         init_method = await ray_refs.get(self.actors[0].rendezvous_address.remote()) if self.world_size > 1 else None
         secret = secrets.token_bytes(SECRET_BYTES)
-        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        node_ip = ray.util.get_node_ip_address()
         with socket.create_server((node_ip, 0)) as listener:
             listener.setblocking(False)
             address = listener.getsockname()[:2]

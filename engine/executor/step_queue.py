@@ -7,11 +7,13 @@ in order and runs each in the worker thread (`to_thread.run_sync` under the work
 one: two tasks racing for the limiter could run step N+1 first). The step's future is a one-item
 memory object stream of its own, read once by `PendingStep.result`.
 
-On a device the worker's thread returns once the step's work is queued; the output is ready only
-when the device has run it. So a `DeviceEvent` is recorded after the step and sent with its output,
+On a device the worker's thread returns once the step's work is queued (`Worker.start_model`): its
+sampled tokens are still being copied to pinned host memory on a side stream (`output.pending`,
+engine/worker/transfers.py). So a `DeviceEvent` is recorded on that stream and sent with the output,
 and the engine core waits for it on the event loop (`DeviceEvent.wait`: a CUDA event polled, never
-a blocking synchronize) while the queue's task already starts the next step. On CPU the event is
-complete when recorded; tests drive a `FakeDeviceBackend`, whose events complete when they say.
+a blocking synchronize) before reading the tokens (`output.resolve()`), while the queue's task
+already starts the next step. On CPU the event is complete when recorded; tests drive a
+`FakeDeviceBackend`, whose events complete when they say.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class StepQueue:
                         reply.send_nowait(exc)
                         continue
                     done = DeviceEvent(self._backend)
-                    done.record()
+                    done.record(output.pending.stream if output.pending is not None else None)
                     reply.send_nowait((done, output))
 
 
@@ -100,4 +102,5 @@ async def _output(receive: MemoryObjectReceiveStream[Reply]) -> ModelRunnerOutpu
         raise reply
     done, output = reply
     await done.wait()
+    output.resolve()  # the copy is done: reads the pinned host memory, no waiting
     return output

@@ -7,7 +7,7 @@ later, over a socket to a worker process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.sampling_params import SamplingParams
 
@@ -72,6 +72,16 @@ class SchedulerOutput:
 TokenLogprobs = tuple[list[int], list[float], list[int]]
 
 
+class PendingSample(Protocol):
+    """A step's sampled tokens on their way from the device to the host."""
+
+    stream: Any  # the device stream the copy runs on (None on CPU): its event marks the step done
+
+    def read(self) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Request id -> (token, logprobs), in batch order; waits for the copy if it is not done."""
+        ...
+
+
 @dataclass
 class ModelRunnerOutput:
     """The result of one step: one sampled token per request that sampled."""
@@ -86,3 +96,20 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # with EPLB: tokens routed to each physical expert this step, [MoE layers][physical] (nested lists)
     expert_load: Any = None
+    # the step's sample while it is still being copied to the host (see `resolve`); never pickled
+    pending: PendingSample | None = field(default=None, repr=False, compare=False)
+
+    def resolve(self) -> None:
+        """Fill `sampled_token_ids` and `logprobs` from the pending sample. Waits for its copy to
+        the host: call it in a worker thread, or once the copy's `DeviceEvent` is done."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        for rid, (token, logprobs) in pending.read().items():
+            self.sampled_token_ids[rid] = token
+            if logprobs is not None:
+                self.logprobs[rid] = logprobs
+
+    def __getstate__(self) -> dict[str, Any]:
+        assert self.pending is None, "resolve() a step's output before sending it"
+        return self.__dict__

@@ -37,8 +37,9 @@ from engine.sched.output import (
 from engine.worker.cuda_graphs import CapturedDecode
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.grammar_masks import Budget, GrammarMasks
-from engine.worker.sampler import SamplingRow, sample, top_logprobs
+from engine.worker.sampler import DeviceSample, HostSample, SamplingRow, sample_on_device, top_logprobs
 from engine.worker.step_graph import StepGraph
+from engine.worker.transfers import to_device
 
 
 @dataclass
@@ -75,6 +76,32 @@ class RequestState:
     def penalty_prompt_ids(self) -> list[int]:
         """Prompt tokens the penalties count: none for an embeddings prompt (its ids are placeholders)."""
         return [] if self.prompt_embeds is not None else self.prompt_token_ids
+
+
+class StepSample:
+    """One step's sample as it travels (a `PendingSample`): the tokens stay on the device, where
+    the next step's placeholders read them (async scheduling), while they are copied to the host
+    for the engine core and for the runner's own request states."""
+
+    def __init__(self, groups: list[tuple[list[RequestState], list[str], DeviceSample]], copy_stream: Any) -> None:
+        self.states = [state for group_states, _, _ in groups for state in group_states]
+        self.request_ids = [rid for _, ids, _ in groups for rid in ids]
+        samples = [sample for _, _, sample in groups]
+        self.on_device = samples[0].token_ids if len(samples) == 1 else torch.cat([s.token_ids for s in samples])
+        self.row = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._host: list[tuple[list[str], HostSample]] = [(ids, s.read_back(copy_stream)) for _, ids, s in groups]
+        self.stream = self._host[0][1].copy.stream
+        self._read: dict[str, tuple[int, TokenLogprobs | None]] | None = None
+
+    def read(self) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Request id -> (token, logprobs); waits for the copy to the host if it is not done."""
+        if self._read is None:
+            read: dict[str, tuple[int, TokenLogprobs | None]] = {}
+            for ids, host in self._host:
+                result = host.result()
+                read.update(zip(ids, zip(result.token_ids, result.logprobs, strict=True), strict=True))
+            self._read = read
+        return self._read
 
 
 @dataclass(frozen=True)
@@ -127,6 +154,12 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # The last step's sample until its tokens are in the request states (`_apply_in_flight`);
+        # on CUDA it is copied to the host on a side stream, so the next step's kernels do not
+        # queue behind the copy.
+        self._in_flight: StepSample | None = None
+        self._copy_stream = (torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+                             if torch.device(device).type == "cuda" else None)
         self.is_driver = role.is_driver
         self.pooler = features.pooler
         self.report_expert_load = features.report_expert_load and bool(model.moe_layers)
@@ -157,10 +190,13 @@ class ModelRunner:
         # Decodes first: attention then treats them as one unpadded group.
         batch = sorted((s for s in sched_out.scheduled if s.request_id in self.requests),
                        key=lambda s: s.num_tokens != 1)
-        batch = self._fill_placeholders(batch, out.failed)
+        batch, from_device = self._fill_placeholders(batch, out.failed)
         if not batch:
             return out
-        hidden = self._forward(batch)
+        hidden = self._forward(batch, from_device)
+        # This step's work is queued: now the host may wait for the last step's tokens (at once on
+        # CPU; on CUDA while the device runs on), which the penalties and grammars below read.
+        self._apply_in_flight()
         if not self.stage.is_last:
             self.stage.send_to_next_stage(hidden, self.tp_rank)  # the next stage's input rows
             return out
@@ -172,22 +208,45 @@ class ModelRunner:
         self._pool(batch, hidden, out)
         return out
 
-    def _fill_placeholders(self, batch: list[ScheduledRequest], failed: dict[str, str]) -> list[ScheduledRequest]:
+    def _fill_placeholders(self, batch: list[ScheduledRequest],
+                           failed: dict[str, str]) -> tuple[list[ScheduledRequest], dict[int, int]]:
         """Async scheduling: a decode scheduled while the step before it was in flight carries
         `PLACEHOLDER_TOKEN`. That step ran here first (steps run in order), so the token is the
-        request's output at that position; a request whose step sampled nothing (it failed) fails."""
-        filled = []
+        request's output at that position: from its state if it is there already, else from the
+        last step's sample on the device, read there by `_forward` (the second result: batch index
+        -> row of the sample). A request whose step sampled nothing (it failed) fails."""
+        filled: list[ScheduledRequest] = []
+        from_device: dict[int, int] = {}
+        in_flight = self._in_flight
         for item in batch:
             if item.token_ids != [PLACEHOLDER_TOKEN]:
                 filled.append(item)
                 continue
             state = self.requests[item.request_id]
             index = item.start_position - len(state.prompt_token_ids)
-            if not 0 <= index < len(state.output_token_ids):
+            if 0 <= index < len(state.output_token_ids):
+                filled.append(replace(item, token_ids=[state.output_token_ids[index]]))
+            elif in_flight is not None and index == len(state.output_token_ids) and item.request_id in in_flight.row:
+                from_device[len(filled)] = in_flight.row[item.request_id]
+                filled.append(item)
+            else:
                 failed[item.request_id] = "the step before this one sampled no token for it"
+        return filled, from_device
+
+    def _apply_in_flight(self) -> None:
+        """The last step's tokens into the states of its requests (those still here, and not
+        replaced since), with their grammars advanced. Waits for the sample's copy to the host."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return
+        read = step.read()
+        for rid, state in zip(step.request_ids, step.states, strict=True):
+            if self.requests.get(rid) is not state:
                 continue
-            filled.append(replace(item, token_ids=[state.output_token_ids[index]]))
-        return filled
+            token = read[rid][0]
+            state.output_token_ids.append(token)
+            if state.matcher is not None:
+                state.advance_grammar(token)
 
     def _pool(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Pooling requests (the decoder as an embedder) are scheduled whole: pool their rows."""
@@ -256,14 +315,22 @@ class ModelRunner:
                 self.save_encoder_output(feature.mm_hash, feature_rows)
         self.num_encoded += len(features)
 
-    def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+    def _forward(self, batch: list[ScheduledRequest], from_device: dict[int, int]) -> torch.Tensor:
+        """`from_device`: batch index -> the row of the last step's sample that is its one input
+        token (`_fill_placeholders`)."""
         token_ids: list[int] = []
         positions: list[int] = []
-        for item in batch:
-            token_ids.extend(item.token_ids)
+        flat_index = {}
+        for index, item in enumerate(batch):
+            flat_index[index] = len(token_ids)
+            token_ids.extend(item.token_ids if index not in from_device else [0])
             positions.extend(range(item.start_position, item.start_position + item.num_tokens))
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        input_ids = to_device(token_ids, torch.long, self.device)
+        if from_device:
+            assert self._in_flight is not None
+            flat = to_device([flat_index[i] for i in from_device], torch.long, self.device)
+            input_ids[flat] = self._in_flight.on_device[to_device(list(from_device.values()), torch.long, self.device)]
+        pos = to_device(positions, torch.long, self.device)
         if not self.stage.is_first:  # the previous stage's output rows (pipeline stages run eagerly)
             rows = self.stage.receive_from_previous_stage(len(token_ids), self.model.config.hidden_size,
                                                           self.model.dtype, self.device, self.tp_rank)
@@ -335,6 +402,8 @@ class ModelRunner:
         return hidden
 
     def _sample(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Sample on the device and start the copy to the host: `out.pending` until resolved; the
+        states take the tokens at the next step (`_apply_in_flight`)."""
         last_rows, states, ids = [], [], []
         offset = 0
         for item in batch:
@@ -345,7 +414,8 @@ class ModelRunner:
                 ids.append(item.request_id)
         if not ids:
             return
-        logits = (self.decode_graphs or self.model).compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        last = hidden[to_device(last_rows, torch.long, self.device)]
+        logits = (self.decode_graphs or self.model).compute_logits(last)
         if not self.is_driver:
             return
         rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
@@ -353,24 +423,16 @@ class ModelRunner:
             self.grammar.apply(logits, [s.matcher if s.grammar_active else None for s in states],
                                [s.grammar_budget() for s in states])
         try:
-            results = [sample(logits, rows, self.generator)]
-            sampled = [ids]
+            groups = [(states, ids, sample_on_device(logits, rows, self.generator))]
         except Exception:  # some row broke the batch: sample row by row and fail only the culprits
-            results, sampled = [], []
+            groups = []
             for i, (rid, row) in enumerate(zip(ids, rows, strict=True)):
                 try:
-                    results.append(sample(logits[i:i + 1], [row], self.generator))
-                    sampled.append([rid])
+                    groups.append(([states[i]], [rid], sample_on_device(logits[i:i + 1], [row], self.generator)))
                 except Exception as exc:
                     out.failed[rid] = f"{type(exc).__name__}: {exc}"
-        for result, result_ids in zip(results, sampled, strict=True):
-            for rid, token, logprobs in zip(result_ids, result.token_ids, result.logprobs, strict=True):
-                self.requests[rid].output_token_ids.append(token)
-                if self.requests[rid].matcher is not None:
-                    self.requests[rid].advance_grammar(token)
-                out.sampled_token_ids[rid] = token
-                if logprobs is not None:
-                    out.logprobs[rid] = logprobs
+        if groups:
+            self._in_flight = out.pending = StepSample(groups, self._copy_stream)
 
     def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """For each prompt position p in the chunk, the logprob of prompt token p + 1."""

@@ -52,13 +52,13 @@ class RayWorker:
     def placement(self) -> WorkerPlacement:
         import ray
         cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
-        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        node_ip = ray.util.get_node_ip_address()
         return WorkerPlacement(node_ip, ray.get_runtime_context().get_node_id(), os.getpid(), cpus)
 
     def rendezvous_address(self) -> str:
         """A free port on this actor's node, for rank 0 to host torch.distributed's rendezvous."""
         import ray
-        ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        ip = ray.util.get_node_ip_address()
         with socket.socket() as probe:
             probe.bind((ip, 0))
             return f"tcp://{ip}:{probe.getsockname()[1]}"

@@ -11,11 +11,13 @@ does not depend on what else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.sampling_params import SamplingParams
 from engine.sched.output import TokenLogprobs
+from engine.worker.transfers import HostCopy, to_device
 
 
 @dataclass
@@ -34,8 +36,60 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass
+class DeviceSample:
+    """A batch's sampled tokens and logprobs, still on the device: nothing has been read back, so
+    nothing has waited for the device yet. `read_back` starts the one copy to the host.
+
+    Logprobs are flat: for each row that asked (`logprob_counts[row]` entries, else 0), the chosen
+    token's id, logprob and rank, then its top (or named) tokens'."""
+
+    token_ids: torch.Tensor  # [B] long
+    logprob_counts: list[int]
+    logprob_ids: torch.Tensor  # [sum(counts)] long
+    logprob_values: torch.Tensor  # [sum(counts)] float32
+    logprob_ranks: torch.Tensor  # [sum(counts)] long
+
+    def read_back(self, side_stream: Any = None) -> HostSample:
+        """Start copying the sample to the host (see `HostCopy`); read it from the result once its
+        copy is done."""
+        longs = torch.cat([self.token_ids, self.logprob_ids, self.logprob_ranks])
+        return HostSample(self.logprob_counts, HostCopy([longs, self.logprob_values], side_stream))
+
+
+@dataclass
+class HostSample:
+    """A `DeviceSample` on its way to the host: `result` once `copy` is done."""
+
+    logprob_counts: list[int]
+    copy: HostCopy
+
+    def result(self) -> SamplerOutput:
+        """The lists; waits for the copy (at once on CPU, and once its event is done)."""
+        self.copy.wait()
+        longs, values = self.copy.tensors()
+        count = len(self.logprob_counts)
+        flat = sum(self.logprob_counts)
+        token_ids = longs[:count].tolist()
+        ids, ranks = longs[count:count + flat].tolist(), longs[count + flat:].tolist()
+        lps = values.tolist()
+        logprobs: list[TokenLogprobs | None] = []
+        start = 0
+        for n in self.logprob_counts:
+            logprobs.append((ids[start:start + n], lps[start:start + n], ranks[start:start + n]) if n else None)
+            start += n
+        return SamplerOutput(token_ids, logprobs)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator) -> SamplerOutput:
-    """logits: [B, V] float32, one row per entry of `rows`."""
+    """logits: [B, V] float32, one row per entry of `rows`. Reads the result back at once."""
+    return sample_on_device(logits, rows, default_generator).read_back().result()
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
+                     default_generator: torch.Generator) -> DeviceSample:
+    """`sample` without reading anything back: every operation stays on the logits' device, so on
+    CUDA the host does not wait for the device here."""
     raw_logprobs = None
     if any(r.params.wants_logprobs for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -43,35 +97,50 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     logits = apply_logit_bias(logits, rows)
     logits = mask_stop_tokens_below_min(logits, rows)
     chosen = _choose(logits, rows, default_generator)
-    token_ids = chosen.tolist()
-    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    counts = [0] * len(rows)
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     if raw_logprobs is not None:
         for i, r in enumerate(rows):
             if r.params.wants_logprobs:
-                logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs or 0,
-                                           r.params.logprob_token_ids)
-    return SamplerOutput(token_ids, logprobs)
+                parts.append(logprobs_on_device(raw_logprobs[i], chosen[i:i + 1], r.params.logprobs or 0,
+                                                r.params.logprob_token_ids))
+                counts[i] = parts[-1][0].numel()
+    empty_long = chosen.new_empty(0)
+    return DeviceSample(
+        chosen, counts,
+        torch.cat([p[0] for p in parts]) if parts else empty_long,
+        torch.cat([p[1] for p in parts]) if parts else logits.new_empty(0),
+        torch.cat([p[2] for p in parts]) if parts else empty_long,
+    )
+
+
+def logprobs_on_device(row_logprobs: torch.Tensor, chosen: torch.Tensor, num: int,
+                       named: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ids, logprobs and ranks, as device tensors: the `chosen` token's ([1]), then the `num` most
+    likely tokens', or, given `named` (logprob_token_ids), those tokens' in the order named."""
+    chosen_lp = row_logprobs[chosen]
+    ids, values = [chosen], [chosen_lp]
+    ranks = [(row_logprobs[None, :] > chosen_lp[:, None]).sum(dim=1) + 1]
+    if named:
+        index = to_device(named, torch.long, row_logprobs.device)
+        named_values = row_logprobs[index]
+        ids.append(index)
+        values.append(named_values)
+        ranks.append((row_logprobs[None, :] > named_values[:, None]).sum(dim=1) + 1)
+    elif num > 0:
+        top = torch.topk(row_logprobs, num)
+        ids.append(top.indices)
+        values.append(top.values)
+        ranks.append(torch.arange(1, num + 1, device=row_logprobs.device))
+    return torch.cat(ids), torch.cat(values).float(), torch.cat(ranks)
 
 
 def top_logprobs(row_logprobs: torch.Tensor, token_id: int, num: int,
                  named: tuple[int, ...] | None = None) -> TokenLogprobs:
-    """The chosen token's logprob and rank, then the `num` most likely tokens, or, given `named`
-    (logprob_token_ids), those tokens' logprobs and ranks in the order named."""
-    chosen_lp = row_logprobs[token_id]
-    rank = int((row_logprobs > chosen_lp).sum()) + 1
-    ids, lps, ranks = [token_id], [float(chosen_lp)], [rank]
-    if named:
-        index = torch.tensor(named, dtype=torch.long, device=row_logprobs.device)
-        values = row_logprobs[index]
-        ids += list(named)
-        lps += values.tolist()
-        ranks += ((row_logprobs[None, :] > values[:, None]).sum(dim=1) + 1).tolist()
-    elif num > 0:
-        top = torch.topk(row_logprobs, num)
-        ids += top.indices.tolist()
-        lps += top.values.tolist()
-        ranks += list(range(1, num + 1))
-    return ids, lps, ranks
+    """`logprobs_on_device` for one known token, read back as lists."""
+    chosen = to_device([token_id], torch.long, row_logprobs.device)
+    ids, values, ranks = logprobs_on_device(row_logprobs, chosen, num, named)
+    return ids.tolist(), values.tolist(), ranks.tolist()
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -91,12 +160,12 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                 logits[i, words[-1]] = float("-inf")
         if p.allowed_token_ids is not None:
             keep = torch.full_like(logits[i], float("-inf"))
-            ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+            ids = to_device(p.allowed_token_ids, torch.long, logits.device)
             keep[ids] = logits[i, ids]
             logits[i] = keep
         if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)
-            logits[i, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device)
+            ids = to_device([t for t, _ in p.logit_bias], torch.long, logits.device)
+            logits[i, ids] += to_device([b for _, b in p.logit_bias], logits.dtype, logits.device)
     return logits
 
 
@@ -108,12 +177,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     vocab = logits.shape[1]
     for i in penalised:
         p = rows[i].params
-        out_ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
+        out_ids = to_device(rows[i].output_token_ids, torch.long, logits.device)
         counts = torch.bincount(out_ids[out_ids < vocab], minlength=vocab).to(logits.dtype)
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            prompt = torch.tensor(rows[i].prompt_token_ids, dtype=torch.long, device=logits.device)
+            prompt = to_device(rows[i].prompt_token_ids, torch.long, logits.device)
             seen[prompt[prompt < vocab]] = True
             scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row = torch.where(seen, scaled, row)
@@ -134,7 +203,7 @@ def mask_stop_tokens_below_min(logits: torch.Tensor, rows: list[SamplingRow]) ->
         if banned:
             if not masked:
                 logits, masked = logits.clone(), True
-            logits[i, banned] = float("-inf")
+            logits[i, to_device(banned, torch.long, logits.device)] = float("-inf")
     return logits
 
 
@@ -143,7 +212,7 @@ def _choose(logits: torch.Tensor, rows: list[SamplingRow], default_generator: to
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
         return greedy
-    index = torch.tensor(random_rows, device=logits.device)
+    index = to_device(random_rows, torch.long, logits.device)
     probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
     noise = torch.empty_like(probs)
     for j, i in enumerate(random_rows):
@@ -181,11 +250,11 @@ def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    temperature = to_device([p.temperature for p in params], logits.dtype, device)
     logits = logits / temperature[:, None]
     if any(p.min_p > 0 for p in params):
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+        min_p = to_device([p.min_p for p in params], logits.dtype, device)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -197,10 +266,10 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     device = logits.device
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    top_p = to_device([p.top_p for p in params], logits.dtype, device)
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
     drop |= before >= top_p[:, None]

@@ -312,6 +312,14 @@ class Worker:
         return self.stage.is_last and self.tp.rank == 0
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """The step, its sample read back to the host (this thread waits for the device)."""
+        output = self.start_model(sched_out)
+        output.resolve()
+        return output
+
+    def start_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """The step, its sample possibly still on its way to the host: `output.pending`, whose
+        `stream` a `DeviceEvent` is recorded on before `output.resolve()` (the step queue's way)."""
         assert self.runner is not None, "initialize_kv_cache() first"
         with bound_to(self.compute_cpus):  # a syscall or two per step
             if sched_out.eplb_commit is not None:
