@@ -361,7 +361,16 @@ class EngineConfig:
         choices=[*_DTYPES, *DTYPE_ALIASES],
         from_cli=_dtype_from_cli)
     tokenizer: str | None = flag(
-        "tokenizer directory (default: the model's)",
+        "tokenizer directory or Hugging Face hub id (default: the model's)",
+        default=None)
+    revision: str | None = flag(
+        "the model's branch, tag or commit on the Hugging Face hub (default: main)",
+        default=None)
+    tokenizer_revision: str | None = flag(
+        "the tokenizer's branch, tag or commit on the hub (default: the model's)",
+        default=None)
+    download_dir: str | None = flag(
+        "where hub snapshots are kept (default: HF_HUB_CACHE, or $HF_HOME/hub)",
         default=None)
     max_model_len: int | None = flag(
         "context length (default: the model's max_position_embeddings)",

@@ -105,7 +105,6 @@ def test_a_vllm_serve_command_line_carries_over(capsys, caplog):
                (["--eplb-config", '{"window_size": 10}'], "only with --enable-eplb"),
                (["--speculative-config", "{}"], "speculative decoding is not implemented"),
                (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: the KV cache is held in the model's dtype"),
-               (["--revision", "main"], "local directories only"),
                (["--model", "other"], "two models given")]
     for extra, said in refused:
         assert main(["serve", "m", *extra]) == 2

@@ -90,7 +90,8 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version "
                           "and /metrics")
     srv.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
-    srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model's name in the API (default: its path or hub id)")
     srv.add_argument("--max-queued-requests", type=int, default=None,
                      help="waiting requests beyond this get 503 + Retry-After (default: no bound)")
     srv.add_argument("--max-body-bytes", type=int, default=None,

@@ -38,7 +38,6 @@ class ForeignFlag:
 
 
 _REFUSED: tuple[str, ...] = ()  # `harmless=_REFUSED`: refused whatever its value
-LOCAL_ONLY = "models and tokenizers load from local directories only (not hub ids) for now"
 
 ENGINE_FLAGS = (
     ForeignFlag("--disable-log-stats", "trio-llm logs no periodic stats lines; /metrics serves them",
@@ -69,10 +68,6 @@ ENGINE_FLAGS = (
                 "generation_config.json), or per request", harmless=_REFUSED),
     ForeignFlag("--worker-cls", "workers are trio-llm's own", harmless=("auto",)),
     ForeignFlag("--worker-extension-cls", "workers take no extensions", harmless=("",)),
-    *(ForeignFlag(flag, f"{LOCAL_ONLY}: {what}", harmless=_REFUSED) for flag, what in (
-        ("--revision", "give the directory of the revision you want"),
-        ("--tokenizer-revision", "give the tokenizer's directory (--tokenizer DIR)"),
-        ("--download-dir", "nothing is downloaded"))),
     ForeignFlag("--code-revision", "trio-llm runs no code from model repositories", harmless=_REFUSED),
 )
 

@@ -21,6 +21,7 @@ from engine.api.open import open_engine
 from engine.beam_search_params import BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.executor.inproc import InProcExecutor
+from engine.hub import resolve_model_files
 from engine.lora_request import LoRARequest
 from engine.models.tiny import ensure_default_model
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -34,12 +35,13 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        """`model`: an HF-format directory (default: the embedded tiny model).
-        `engine_options`: any `EngineConfig` field, e.g. `dtype`, `max_model_len`."""
+        """`model`: an HF-format directory or a Hugging Face hub id, downloaded here if the hub cache
+        lacks it (default: the embedded tiny model). `engine_options`: any `EngineConfig` field,
+        e.g. `dtype`, `max_model_len`, `revision`."""
         unknown = set(engine_options) - EngineConfig.option_names()
         if unknown:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")
-        self.config = EngineConfig(model=model or str(ensure_default_model()), **engine_options)
+        self.config = resolve_model_files(EngineConfig(model=model or str(ensure_default_model()), **engine_options))
         # An in-process worker keeps its loaded model across calls; worker processes belong to
         # one `trio.run`, so with them (tensor_parallel_size > 1) each call starts them anew.
         self._executor = InProcExecutor(self.config) if self.config.executor_kind == "inproc" else None

@@ -23,6 +23,7 @@ from engine.core.stats import LoopLagReadings, NullObserver, StatsObserver
 from engine.ec.connector import Loader
 from engine.errors import ModelLoadError
 from engine.executor import Executor
+from engine.hub import resolve_model_files
 from engine.model_info import ModelInfo
 from engine.render.chat import resolve_chat_template
 from engine.render.image import ImageProcessorConfig
@@ -53,6 +54,7 @@ async def open_engine(config: EngineConfig, *, executor: Executor | None = None,
                          "(as `trio-llm serve` does)")
     async with open_core(config, executor=executor, tokenizer=tokenizer, observer=observer, ec_loader=ec_loader,
                          ec_blocking=ec_blocking) as loaded:
+        config = loaded.config
         image_spec = await anyio.to_thread.run_sync(image_spec_for, config, loaded.info, loaded.tokenizer)
         loop_lag = await start_loop_lag_probe(loaded.task_group, config, observer)
         yield AsyncEngine(config, loaded.info, loaded.tokenizer, loaded.core, loop_lag,
@@ -104,6 +106,7 @@ async def open_engine_process(config: EngineConfig, *, observer: StatsObserver |
     process dies or its core fails, the failure is raised out of the block; under data
     parallelism, only once every engine has (until then the others serve on).
     """
+    config = await anyio.to_thread.run_sync(resolve_model_files, config)  # once, before the processes start
     async with started_engine_processes(config, command, spawned) as started:
         # Loaded here while the engine processes import torch and load the model.
         tokenizer = await anyio.to_thread.run_sync(Tokenizer, config.tokenizer_path)

@@ -20,6 +20,7 @@ from engine.core.stats import StatsObserver
 from engine.ec.connector import ECConnectorGate, Loader, SharedStorageConnector
 from engine.errors import ModelLoadError
 from engine.executor import Executor, create_executor
+from engine.hub import resolve_model_files
 from engine.model_info import ModelInfo
 from engine.models.hf_config import read_generation_defaults
 from engine.models.moe import check_expert_options
@@ -97,6 +98,7 @@ class LoadedCore:
     tokenizer: Tokenizer
     sampling_defaults: dict[str, Any]  # from generation_config.json
     task_group: TaskGroup  # the core's: tasks started here stop with it (one group, so one level of errors)
+    config: EngineConfig  # the config served: hub ids resolved to local directories (engine/hub.py)
 
 
 @asynccontextmanager
@@ -107,7 +109,10 @@ async def open_core(config: EngineConfig, *, executor: Executor | None = None, t
     task (and the EPLB and EC connector tasks). `open_engine` builds on it, and so does the engine
     process (`engine.core.engine_main`). Leaving the block, or cancelling the task inside it,
     cancels the core task; requests still open end with `EngineDeadError`; worker processes are
-    stopped (shielded, time limited). A failing core task raises out of the block."""
+    stopped (shielded, time limited). A failing core task raises out of the block. A hub id is
+    resolved first (a download, if the hub cache lacks it: cancellation waits for the file being
+    fetched)."""
+    config = await anyio.to_thread.run_sync(resolve_model_files, config)
     await anyio.to_thread.run_sync(check_expert_options, config)  # before any worker starts
     executor = executor or create_executor(config)
     async with executor:  # worker processes start here (multi-process executor) and stop on the way out
@@ -133,7 +138,7 @@ async def open_core(config: EngineConfig, *, executor: Executor | None = None, t
             await tg.start(core.run)
             tg.start_soon(_stop_core_on_executor_failure, executor, core)
             try:
-                yield LoadedCore(core, info, tokenizer, defaults, tg)
+                yield LoadedCore(core, info, tokenizer, defaults, tg, config)
             finally:
                 tg.cancel_scope.cancel()
 
