@@ -7,7 +7,16 @@ import random
 import pytest
 import torch
 import trio
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from engine import EngineConfig, open_engine
 from engine.models.attention import SequenceChunk, build_metadata
@@ -24,6 +33,8 @@ FAMILIES = {
         "original_max_position_embeddings": 32}, rope_theta=5000.0)),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32)),
+    # a window shorter than most prompts here, so chunks, decodes and the compiled graphs all cut it
+    "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=12, rope_theta=5000.0)),
 }
 
 
@@ -45,7 +56,8 @@ def _our_logits(model_dir, token_ids: list[int], chunks: list[tuple[int, int]]) 
     out = []
     with torch.no_grad():
         for start, end in chunks:
-            meta = build_metadata([SequenceChunk(start, end - start, blocks)], block_size, torch.device("cpu"))
+            meta = build_metadata([SequenceChunk(start, end - start, blocks)], block_size, torch.device("cpu"),
+                                  sliding_window=cfg.sliding_window)
             hidden = model(model.embed(ids[start:end]), torch.arange(start, end), kv, meta)
             out.append(model.compute_logits(hidden))
     return torch.cat(out)

@@ -48,8 +48,8 @@ ENGINE_FLAGS = (
     ForeignFlag("--max-seq-len-to-capture", "the compiled decode graph takes every sequence length"),
     ForeignFlag("--max-parallel-loading-workers", "each rank loads its own weights in one pass"),
     ForeignFlag("--tokenizer-pool-size", "long prompts are tokenized in --renderer-workers threads"),
-    ForeignFlag("--disable-sliding-window", "no architecture served here has sliding-window attention",
-                takes_value=False),
+    ForeignFlag("--disable-sliding-window", "not implemented: a model's sliding window (Mistral's) is always "
+                "applied", takes_value=False, harmless=_REFUSED),
     ForeignFlag("--kv-cache-dtype", "the KV cache is held in the model's dtype (auto); fp8 caches are not "
                 "implemented", harmless=("auto",)),
     ForeignFlag("--load-format", "weights load from safetensors (or a GGUF file given as the model); other "

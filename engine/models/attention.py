@@ -60,6 +60,9 @@ class AttentionGroup:
     chunks: Sequence[SequenceChunk] = ()
     kernel_rows: list[torch.Tensor | None] | None = None
     seq_lens: torch.Tensor | None = None  # [B] of a group of decodes, for the decode kernel (filled likewise)
+    # The sliding window cuts into some sequence's keys: the mask says which, and our kernels
+    # (which attend to every position before a query) decline the group.
+    windowed: bool = False
 
 
 @dataclass
@@ -79,9 +82,11 @@ class DecodeMetadata:
     seq_lens: torch.Tensor  # [B] tokens each sequence attends to (its cached ones plus the new one)
     block_size: int
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """The batch's attention: reductions written for inductor (`paged_decode_attention`)."""
-        return paged_decode_attention(q, k_cache, v_cache, self, scale)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """The batch's attention: reductions written for inductor (`paged_decode_attention`).
+        `sliding_window`: the layer's (a constant of the graph), or None."""
+        return paged_decode_attention(q, k_cache, v_cache, self, scale, sliding_window)
 
 
 @dataclass
@@ -90,8 +95,9 @@ class GatheredDecodeMetadata(DecodeMetadata):
     SDPA call over the keys and values the block table gathers (`gathered_decode_attention`),
     which runs eagerly on any device and launches the same kernels at every replay."""
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        return gathered_decode_attention(q, k_cache, v_cache, self, scale)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               sliding_window: int | None = None) -> torch.Tensor:
+        return gathered_decode_attention(q, k_cache, v_cache, self, scale, sliding_window)
 
 
 @dataclass(frozen=True)
@@ -152,11 +158,12 @@ class SequenceChunk:
 
 
 def build_metadata(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
+                   dtype: torch.dtype = torch.float32, sliding_window: int | None = None) -> AttentionMetadata:
     """Metadata for a flat batch whose sequences are laid out in `chunks` order, decodes first.
 
     `dtype` is the model's: the mask is additive in that dtype, which CPU SDPA
-    runs about twice as fast as a boolean mask."""
+    runs about twice as fast as a boolean mask. `sliding_window`: the model's (its config's), each
+    query then attending to itself and the `sliding_window - 1` positions before it."""
     slots: list[int] = []
     for c in chunks:
         for pos in range(c.start_position, c.start_position + c.num_tokens):
@@ -166,17 +173,18 @@ def build_metadata(chunks: Sequence[SequenceChunk], block_size: int, device: tor
         num_decodes += 1
     groups = []
     if num_decodes:
-        groups.append(_group(chunks[:num_decodes], 0, block_size, device, dtype, single_query=True))
+        groups.append(_group(chunks[:num_decodes], 0, block_size, device, dtype, True, sliding_window))
     if num_decodes < len(chunks):
-        groups.append(_group(chunks[num_decodes:], num_decodes, block_size, device, dtype, single_query=False))
+        groups.append(_group(chunks[num_decodes:], num_decodes, block_size, device, dtype, False, sliding_window))
     return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, block_size)
 
 
-def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int,
-           device: torch.device, dtype: torch.dtype, single_query: bool) -> AttentionGroup:
+def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int, device: torch.device,
+           dtype: torch.dtype, single_query: bool, sliding_window: int | None) -> AttentionGroup:
     max_len = max(c.start_position + c.num_tokens for c in chunks)
     fresh = not single_query and all(c.start_position == 0 for c in chunks)
-    if fresh and len(chunks) == 1:
+    windowed = sliding_window is not None and max_len > sliding_window
+    if fresh and len(chunks) == 1 and not windowed:
         return AttentionGroup(token_start, token_start + chunks[0].num_tokens, None, None, None, 1, None, chunks)
     block_table = None
     if fresh:
@@ -192,7 +200,10 @@ def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int,
     starts = torch.tensor([c.start_position for c in chunks])
     q_valid = q_offsets[None, :] < counts[:, None]
     q_pos = torch.where(q_valid, starts[:, None] + q_offsets[None, :], 0)  # padded rows see position 0 only
-    allowed = (pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+    allowed = pos[None, None, :] <= q_pos[:, :, None]
+    if windowed and sliding_window is not None:
+        allowed &= pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    allowed = allowed.unsqueeze(1)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     token_end = token_start + int(counts.sum())
     q_index = None
@@ -201,7 +212,7 @@ def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int,
         q_index = torch.where(q_valid, first[:, None] + q_offsets[None, :], 0).to(device)
         q_valid = q_valid.to(device)
     return AttentionGroup(token_start, token_end, q_index, None if single_query else q_valid,
-                          block_table, len(chunks), mask.to(device), chunks)
+                          block_table, len(chunks), mask.to(device), chunks, windowed=windowed)
 
 
 def _padded(block_ids: Sequence[int], length: int) -> list[int]:
@@ -236,7 +247,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if g.mask is None:  # one fresh sequence: causal over its own tokens
             outputs.append(causal_prompt_attention(q_group, k_group, v_group, scale))
             continue
-        if torch.get_num_threads() == 1:  # our kernels, on one thread
+        if torch.get_num_threads() == 1 and not g.windowed:  # our kernels, on one thread
             if g.q_index is None:
                 by_kernel = decodes_by_kernel(q_group, k_cache, v_cache, g, meta.block_size, scale)
             else:
@@ -373,7 +384,7 @@ def query_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: DecodeMetadata, scale: float) -> torch.Tensor:
+                           meta: DecodeMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one query per sequence) -> [B, Hq, D], over each sequence's cached keys
     and values (this step's already written). For compiled graphs only: see the module doc.
 
@@ -392,8 +403,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q_grouped = q.view(B, 1, 1, num_kv_heads, group, dim)
     scores = (q_grouped * keys.unsqueeze(4)).sum(-1, dtype=torch.float32) * scale  # [B, nb, bs, Hkv, G]
     scores = scores.permute(0, 3, 4, 1, 2).reshape(B, num_kv_heads, group, length)
-    past_end = torch.arange(length, device=q.device)[None, :] >= meta.seq_lens[:, None]
-    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(~_decode_allowed(length, meta.seq_lens, sliding_window)[:, None, None, :],
+                                float("-inf"))
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # unnormalised softmax
     per_block = weights.view(B, num_kv_heads, group, num_blocks, block_size).permute(0, 3, 4, 1, 2)
     out = (per_block.unsqueeze(-1) * values.unsqueeze(4)).sum(2).sum(1)  # [B, Hkv, G, D]
@@ -402,7 +413,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: DecodeMetadata, scale: float) -> torch.Tensor:
+                              meta: DecodeMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one query per sequence) -> [B, Hq, D]: the keys and values of each sequence's
     block table gathered ([B, Hkv, L, D]), then one SDPA call masked to each one's length.
 
@@ -417,7 +428,17 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     length = meta.block_table.shape[1] * meta.block_size
     keys = k_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
     values = v_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
-    allowed = torch.arange(length, device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, L]
+    allowed = _decode_allowed(length, meta.seq_lens, sliding_window)
     out = F.scaled_dot_product_attention(q.view(B, num_kv_heads, group, dim), keys.transpose(1, 2),
                                          values.transpose(1, 2), attn_mask=allowed[:, None, None, :], scale=scale)
     return out.reshape(B, num_heads, dim)
+
+
+def _decode_allowed(length: int, seq_lens: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[B, L]: which of a decode's table positions it attends to: those before its length, and
+    within `sliding_window` of its query (the last one) when there is a window."""
+    positions = torch.arange(length, device=seq_lens.device)[None, :]
+    allowed = positions < seq_lens[:, None]
+    if sliding_window is not None:
+        allowed &= positions >= seq_lens[:, None] - sliding_window
+    return allowed

@@ -65,6 +65,7 @@ class DecoderLayer(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
         self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata | GraphedAttention) -> torch.Tensor:
@@ -88,7 +89,7 @@ class DecoderLayer(nn.Module):
             return self.o_proj(step_attention(q, k, v, self.index, self.scale).reshape(T, -1))
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
         if isinstance(meta, DecodeMetadata):  # a compiled decode graph or a captured CUDA graph
-            out = meta.attend(q, kv_cache[0], kv_cache[1], self.scale)
+            out = meta.attend(q, kv_cache[0], kv_cache[1], self.scale, self.sliding_window)
         else:
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(T, -1))

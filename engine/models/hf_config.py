@@ -15,6 +15,7 @@ from engine.errors import ModelLoadError
 
 DECODER_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
@@ -75,6 +76,8 @@ class DecoderConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None
+    # Each token attends to itself and the `sliding_window - 1` before it (Mistral); None: to all
+    sliding_window: int | None = None
 
 
 def require_model_dir(model_dir: str | Path) -> Path:
@@ -132,6 +135,25 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
+    """Mistral's window, on every layer as transformers applies it. Qwen2 configs carry a
+    `sliding_window` that transformers ignores unless `use_sliding_window` is set: refused then
+    (its `max_window_layers` split is not implemented), never silently dropped."""
+    if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        if raw.get("use_sliding_window"):
+            raise ModelLoadError(f"use_sliding_window: sliding-window attention on {family} models is not "
+                                 "implemented")
+        return None
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    if family != "mistral":
+        raise ModelLoadError(f"sliding_window: sliding-window attention on {family} models is not implemented")
+    if type(window) is not int or window < 1:
+        raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
+    return window
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -174,6 +196,7 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             moe=_moe(raw, family, num_layers),
+            sliding_window=_sliding_window(raw, family),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json for {arch} lacks the field {exc.args[0]!r}") from exc

@@ -107,7 +107,8 @@ class StepGraph:
         hidden = torch.randn(tokens, self.model.config.hidden_size, generator=generator)
         hidden = hidden.to(device, self.model.dtype)
         positions = torch.arange(tokens, device=device)
-        meta = build_metadata([SequenceChunk(0, tokens, blocks)], self.block_size, device, self.model.dtype)
+        meta = build_metadata([SequenceChunk(0, tokens, blocks)], self.block_size, device, self.model.dtype,
+                              self.model.config.sliding_window)
         want = self.model(hidden, positions, self.kv_caches, meta).float()
         try:
             with attention_step(meta, self.kv_caches):

@@ -1,0 +1,95 @@
+"""Sliding-window attention (Mistral): every attention form the engine runs takes the window, each
+checked against attention written out one query at a time; configs that ask for a window trio-llm
+does not implement are refused by name. Greedy tokens against transformers' are checked with the
+other architectures (test_reference_transformers, test_compiled_decode)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ModelLoadError
+from engine.models.attention import (
+    DecodeMetadata,
+    SequenceChunk,
+    build_metadata,
+    gathered_decode_attention,
+    paged_attention,
+    paged_decode_attention,
+    write_kv,
+)
+from engine.models.hf_config import parse_decoder_config
+
+WINDOW, BLOCK, HEADS, KV_HEADS, DIM = 5, 4, 4, 2, 16  # a head size our kernels take
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int) -> torch.Tensor:
+    """One query at `position` over the keys of positions (position - WINDOW, position]."""
+    lo = max(0, position - WINDOW + 1)
+    k = keys[lo:position + 1].repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+    v = values[lo:position + 1].repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+    return F.scaled_dot_product_attention(q[:, None], k, v, scale=DIM ** -0.5)[:, 0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # one thread: where our kernels would run, and must not
+def test_every_attention_form_attends_within_the_window(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        attention_forms_within_the_window()
+    finally:
+        torch.set_num_threads(before)
+
+
+def attention_forms_within_the_window() -> None:
+    rng = random.Random(0)
+    lengths = [3, 5, 9, 14]  # shorter than, equal to and longer than the window
+    scattered = rng.sample(range(40), 4 * len(lengths))  # no block shared
+    tables = [scattered[4 * i:4 * i + 4] for i in range(len(lengths))]
+    keys = [torch.randn(n, KV_HEADS, DIM) for n in lengths]
+    values = [torch.randn(n, KV_HEADS, DIM) for n in lengths]
+    queries = [torch.randn(n, HEADS, DIM) for n in lengths]
+    cache = (torch.zeros(40 * BLOCK, KV_HEADS, DIM), torch.zeros(40 * BLOCK, KV_HEADS, DIM))
+
+    # Prompts: each sequence's first length - 1 tokens in one step (fresh), chunked as a batch.
+    chunks = [SequenceChunk(0, n - 1, t) for n, t in zip(lengths, tables, strict=True)]
+    meta = build_metadata(chunks, BLOCK, torch.device("cpu"), sliding_window=WINDOW)
+    q, k, v = (torch.cat([x[:n - 1] for x, n in zip(xs, lengths, strict=True)]) for xs in (queries, keys, values))
+    write_kv(*cache, meta.slot_mapping, k, v)
+    prompts = paged_attention(q, k, v, *cache, meta, DIM ** -0.5)
+    want = torch.cat([torch.stack([reference(x[p], ks, vs, p) for p in range(n - 1)])
+                      for x, ks, vs, n in zip(queries, keys, values, lengths, strict=True)])
+    torch.testing.assert_close(prompts, want)
+    alone = build_metadata([chunks[-1]], BLOCK, torch.device("cpu"), sliding_window=WINDOW)  # one fresh prompt
+    last = slice(sum(lengths[:-1]) - 3, None)
+    torch.testing.assert_close(paged_attention(q[last], k[last], v[last], *cache, alone, DIM ** -0.5), want[last])
+
+    # Then each one's last token as a decode: the eager group, the compiled graph's and the CUDA graph's forms.
+    decodes = [SequenceChunk(n - 1, 1, t) for n, t in zip(lengths, tables, strict=True)]
+    meta = build_metadata(decodes, BLOCK, torch.device("cpu"), sliding_window=WINDOW)
+    q, k, v = (torch.stack([x[n - 1] for x, n in zip(xs, lengths, strict=True)]) for xs in (queries, keys, values))
+    write_kv(*cache, meta.slot_mapping, k, v)
+    want = torch.stack([reference(x[n - 1], ks, vs, n - 1)
+                        for x, ks, vs, n in zip(queries, keys, values, lengths, strict=True)])
+    torch.testing.assert_close(paged_attention(q, k, v, *cache, meta, DIM ** -0.5), want)
+    graph_meta = DecodeMetadata(meta.slot_mapping, torch.tensor(tables), torch.tensor(lengths), BLOCK)
+    for form in (paged_decode_attention, gathered_decode_attention):
+        torch.testing.assert_close(form(q, *cache, graph_meta, DIM ** -0.5, WINDOW), want)
+
+
+def test_windows_trio_llm_does_not_implement_are_refused_by_name():
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    mistral = parse_decoder_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 7})
+    assert mistral.sliding_window == 7
+    assert parse_decoder_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None}) \
+        .sliding_window is None  # Mistral 7B v0.2 and later: full attention
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
+    assert parse_decoder_config(qwen2).sliding_window is None  # transformers ignores it too
+    for raw, said in ((dict(qwen2, use_sliding_window=True), "use_sliding_window"),
+                      ({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 8}, "sliding_window"),
+                      ({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 0}, "positive integer")):
+        with pytest.raises(ModelLoadError, match=said):
+            parse_decoder_config(raw)
