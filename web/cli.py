@@ -101,7 +101,7 @@ def _add_serve(sub: Subcommands) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (hypercorn, trio worker)",
                          formatter_class=HelpFormatter)
     srv.add_argument("model", nargs="?", default=None,
-                     help="model directory or hub id (default: the embedded tiny model)")
+                     help="directory or hub id (default: the embedded tiny model)")
     srv.add_argument("--model", dest="model_option", default=None, help="vLLM's other spelling of the model argument")
     options.add_server_options(srv)
     options.add_engine_options(srv)
@@ -131,7 +131,7 @@ def _add_generate(sub: Subcommands) -> None:
                          formatter_class=HelpFormatter)
     gen.add_argument("prompts", nargs="*", default=["The engine says"])
     gen.add_argument("--model", default=None,
-                     help="model directory or hub id (default: the embedded tiny model)")
+                     help="directory or hub id (default: the embedded tiny model)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
