@@ -79,7 +79,7 @@ class DecodeBench:
         def prefill(run: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
             def step() -> torch.Tensor:
                 meta = build_metadata([SequenceChunk(0, tokens, blocks)], self.block_size, self.runner.device,
-                                      model.dtype, model.config.sliding_window)
+                                      model.dtype)
                 return model.compute_logits(run(model.embed(ids), positions, meta)[-1:]).argmax(-1)
             return step
 
@@ -94,8 +94,7 @@ class DecodeBench:
         model, size = self.model, self.block_size
 
         def eager() -> torch.Tensor:
-            meta = build_metadata([SequenceChunk(pos, 1, t) for t in tables], size, self.runner.device, model.dtype,
-                                  model.config.sliding_window)
+            meta = build_metadata([SequenceChunk(pos, 1, t) for t in tables], size, self.runner.device, model.dtype)
             return model.compute_logits(model(model.embed(ids), positions, self.runner.kv_caches, meta)).argmax(-1)
 
         def compiled() -> torch.Tensor:

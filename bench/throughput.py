@@ -84,7 +84,7 @@ def bare_forward_tokens_per_s(worker: Worker, prompts: list[list[int]], spec: Be
             chunks = [SequenceChunk(0, len(p), t) for p, t in zip(part, part_tables, strict=True)]
             ids = torch.tensor([t for p in part for t in p])
             positions = torch.arange(spec.input_len).repeat(len(part))
-            meta = build_metadata(chunks, block_size, runner.device, model.dtype, model.config.sliding_window)
+            meta = build_metadata(chunks, block_size, runner.device, model.dtype)
             hidden = model(model.embed(ids), positions, runner.kv_caches, meta)
             last = torch.arange(1, len(part) + 1) * spec.input_len - 1
             firsts.append(model.compute_logits(hidden[last]).argmax(-1))
@@ -92,7 +92,7 @@ def bare_forward_tokens_per_s(worker: Worker, prompts: list[list[int]], spec: Be
         for step in range(1, spec.output_len):
             pos = spec.input_len + step - 1
             chunks = [SequenceChunk(pos, 1, t) for t in tables]
-            meta = build_metadata(chunks, block_size, runner.device, model.dtype, model.config.sliding_window)
+            meta = build_metadata(chunks, block_size, runner.device, model.dtype)
             hidden = model(model.embed(tokens), torch.full((len(batch),), pos), runner.kv_caches, meta)
             tokens = model.compute_logits(hidden).argmax(-1)
     return len(prompts) * spec.output_len / (time.perf_counter() - start)

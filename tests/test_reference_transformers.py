@@ -56,8 +56,7 @@ def _our_logits(model_dir, token_ids: list[int], chunks: list[tuple[int, int]]) 
     out = []
     with torch.no_grad():
         for start, end in chunks:
-            meta = build_metadata([SequenceChunk(start, end - start, blocks)], block_size, torch.device("cpu"),
-                                  sliding_window=cfg.sliding_window)
+            meta = build_metadata([SequenceChunk(start, end - start, blocks)], block_size, torch.device("cpu"))
             hidden = model(model.embed(ids[start:end]), torch.arange(start, end), kv, meta)
             out.append(model.compute_logits(hidden))
     return torch.cat(out)

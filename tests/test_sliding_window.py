@@ -56,25 +56,28 @@ def attention_forms_within_the_window() -> None:
 
     # Prompts: each sequence's first length - 1 tokens in one step (fresh), chunked as a batch.
     chunks = [SequenceChunk(0, n - 1, t) for n, t in zip(lengths, tables, strict=True)]
-    meta = build_metadata(chunks, BLOCK, torch.device("cpu"), sliding_window=WINDOW)
+    meta = build_metadata(chunks, BLOCK, torch.device("cpu"))
     q, k, v = (torch.cat([x[:n - 1] for x, n in zip(xs, lengths, strict=True)]) for xs in (queries, keys, values))
     write_kv(*cache, meta.slot_mapping, k, v)
-    prompts = paged_attention(q, k, v, *cache, meta, DIM ** -0.5)
+    prompts = paged_attention(q, k, v, *cache, meta, DIM ** -0.5, WINDOW)
     want = torch.cat([torch.stack([reference(x[p], ks, vs, p) for p in range(n - 1)])
                       for x, ks, vs, n in zip(queries, keys, values, lengths, strict=True)])
     torch.testing.assert_close(prompts, want)
-    alone = build_metadata([chunks[-1]], BLOCK, torch.device("cpu"), sliding_window=WINDOW)  # one fresh prompt
+    alone = build_metadata([chunks[-1]], BLOCK, torch.device("cpu"))  # one fresh prompt
     last = slice(sum(lengths[:-1]) - 3, None)
-    torch.testing.assert_close(paged_attention(q[last], k[last], v[last], *cache, alone, DIM ** -0.5), want[last])
+    torch.testing.assert_close(paged_attention(q[last], k[last], v[last], *cache, alone, DIM ** -0.5, WINDOW),
+                               want[last])
 
     # Then each one's last token as a decode: the eager group, the compiled graph's and the CUDA graph's forms.
     decodes = [SequenceChunk(n - 1, 1, t) for n, t in zip(lengths, tables, strict=True)]
-    meta = build_metadata(decodes, BLOCK, torch.device("cpu"), sliding_window=WINDOW)
+    meta = build_metadata(decodes, BLOCK, torch.device("cpu"))
     q, k, v = (torch.stack([x[n - 1] for x, n in zip(xs, lengths, strict=True)]) for xs in (queries, keys, values))
     write_kv(*cache, meta.slot_mapping, k, v)
     want = torch.stack([reference(x[n - 1], ks, vs, n - 1)
                         for x, ks, vs, n in zip(queries, keys, values, lengths, strict=True)])
-    torch.testing.assert_close(paged_attention(q, k, v, *cache, meta, DIM ** -0.5), want)
+    torch.testing.assert_close(paged_attention(q, k, v, *cache, meta, DIM ** -0.5, WINDOW), want)
+    full = paged_attention(q, k, v, *cache, meta, DIM ** -0.5)  # the same step's full attention, for a global layer
+    assert not torch.allclose(full, want) and torch.allclose(full[:2], want[:2])  # differs where the window cuts
     graph_meta = DecodeMetadata(meta.slot_mapping, torch.tensor(tables), torch.tensor(lengths), BLOCK)
     for form in (paged_decode_attention, gathered_decode_attention):
         torch.testing.assert_close(form(q, *cache, graph_meta, DIM ** -0.5, WINDOW), want)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +67,30 @@ class AttentionGroup:
 
 @dataclass
 class AttentionMetadata:
+    """A step's attention layout. Its groups depend on the attention window, which is the layer's
+    (Gemma 3 and gpt-oss alternate sliding and full layers): built per window when a layer first
+    asks (`groups_for`), then shared by the layers with that window."""
+
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    groups: list[AttentionGroup]
     block_size: int
+    chunks: Sequence[SequenceChunk]
+    device: torch.device
+    dtype: torch.dtype
+    _groups: dict[int | None, list[AttentionGroup]] = field(default_factory=dict)
+
+    def groups_for(self, sliding_window: int | None) -> list[AttentionGroup]:
+        """The step's groups with each query attending to every position before it (None) or to
+        itself and the `sliding_window - 1` positions before it."""
+        groups = self._groups.get(sliding_window)
+        if groups is None:
+            groups = self._groups[sliding_window] = _groups(self.chunks, self.block_size, self.device, self.dtype,
+                                                            sliding_window)
+        return groups
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        """The groups of full attention."""
+        return self.groups_for(None)
 
 
 @dataclass
@@ -133,18 +154,19 @@ def attention_step(meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tens
 
 
 @torch.library.custom_op("trio_llm::step_attention", mutates_args=())
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                   sliding_window: int) -> torch.Tensor:
     """Layer `layer`'s attention for the step `attention_step` set: writes this step's keys and
-    values to that layer's cache, then attends (`paged_attention`). The cache is state outside
-    the graph, which is why the graph never sees it."""
+    values to that layer's cache, then attends (`paged_attention`; `sliding_window` 0: none). The
+    cache is state outside the graph, which is why the graph never sees it."""
     step = _current.get()
     k_cache, v_cache = step.kv_caches[layer]
     write_kv(k_cache, v_cache, step.meta.slot_mapping, k, v)
-    return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale).contiguous()
+    return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, sliding_window or None).contiguous()
 
 
 @step_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -158,16 +180,21 @@ class SequenceChunk:
 
 
 def build_metadata(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device,
-                   dtype: torch.dtype = torch.float32, sliding_window: int | None = None) -> AttentionMetadata:
+                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """Metadata for a flat batch whose sequences are laid out in `chunks` order, decodes first.
 
     `dtype` is the model's: the mask is additive in that dtype, which CPU SDPA
-    runs about twice as fast as a boolean mask. `sliding_window`: the model's (its config's), each
-    query then attending to itself and the `sliding_window - 1` positions before it."""
+    runs about twice as fast as a boolean mask."""
     slots: list[int] = []
     for c in chunks:
         for pos in range(c.start_position, c.start_position + c.num_tokens):
             slots.append(c.block_ids[pos // block_size] * block_size + pos % block_size)
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), block_size, chunks, device, dtype)
+
+
+def _groups(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device, dtype: torch.dtype,
+            sliding_window: int | None) -> list[AttentionGroup]:
+    """One group of decodes (the first chunks) and one of prompt chunks (the rest), if any."""
     num_decodes = 0
     while num_decodes < len(chunks) and chunks[num_decodes].num_tokens == 1:
         num_decodes += 1
@@ -176,7 +203,7 @@ def build_metadata(chunks: Sequence[SequenceChunk], block_size: int, device: tor
         groups.append(_group(chunks[:num_decodes], 0, block_size, device, dtype, True, sliding_window))
     if num_decodes < len(chunks):
         groups.append(_group(chunks[num_decodes:], num_decodes, block_size, device, dtype, False, sliding_window))
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, block_size)
+    return groups
 
 
 def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int, device: torch.device,
@@ -236,12 +263,14 @@ def _gather_blocks(cache: torch.Tensor, group: AttentionGroup, block_size: int) 
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D], each token attending to its sequence's cached positions.
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D], each token attending to its sequence's cached positions (the
+    last `sliding_window` of them, with a window).
 
     k, v: [T, Hkv, D], this step's keys and values (already written to the cache)."""
     outputs = []
-    for g in meta.groups:
+    for g in meta.groups_for(sliding_window):
         window = slice(g.token_start, g.token_end)
         q_group, k_group, v_group = q[window], k[window], v[window]
         if g.mask is None:  # one fresh sequence: causal over its own tokens

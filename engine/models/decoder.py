@@ -86,12 +86,13 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.rotate(positions, q, k)
         if isinstance(meta, GraphedAttention):  # a compiled step graph: attention is opaque to it
-            return self.o_proj(step_attention(q, k, v, self.index, self.scale).reshape(T, -1))
+            out = step_attention(q, k, v, self.index, self.scale, self.sliding_window or 0)
+            return self.o_proj(out.reshape(T, -1))
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
         if isinstance(meta, DecodeMetadata):  # a compiled decode graph or a captured CUDA graph
             out = meta.attend(q, kv_cache[0], kv_cache[1], self.scale, self.sliding_window)
         else:
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(T, -1))
 
 

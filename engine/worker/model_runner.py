@@ -361,8 +361,7 @@ class ModelRunner:
     def _forward_eager(self, batch: list[ScheduledRequest], embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Any batch, on the step graph if there is one (attention eager inside it), else eager."""
         chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
-        meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype,
-                              self.model.config.sliding_window)
+        meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
         with self._adapters(batch):
             if self.step_graph is not None and self.step_graph.takes(embeds.shape[0]):
                 return self.step_graph.run(embeds, pos, meta)

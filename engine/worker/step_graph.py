@@ -107,8 +107,7 @@ class StepGraph:
         hidden = torch.randn(tokens, self.model.config.hidden_size, generator=generator)
         hidden = hidden.to(device, self.model.dtype)
         positions = torch.arange(tokens, device=device)
-        meta = build_metadata([SequenceChunk(0, tokens, blocks)], self.block_size, device, self.model.dtype,
-                              self.model.config.sliding_window)
+        meta = build_metadata([SequenceChunk(0, tokens, blocks)], self.block_size, device, self.model.dtype)
         want = self.model(hidden, positions, self.kv_caches, meta).float()
         try:
             with attention_step(meta, self.kv_caches):

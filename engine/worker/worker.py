@@ -259,7 +259,7 @@ class Worker:
         assert isinstance(model, DecoderForCausalLM) and model.rope is not None
         tokens, size = min(self.config.token_budget, model.rope.max_positions), self.config.block_size
         chunk = SequenceChunk(0, tokens, [0] * -(-tokens // size))
-        meta = build_metadata([chunk], size, self.device, model.dtype, model.config.sliding_window)
+        meta = build_metadata([chunk], size, self.device, model.dtype)
         hidden = torch.zeros(tokens, model.config.hidden_size, dtype=model.dtype, device=self.device)
         out = model(hidden, torch.arange(tokens, device=self.device), self._profile_caches(), meta)
         if model.lm_head is not None:
