@@ -8,6 +8,8 @@ import pytest
 import torch
 import trio
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -35,6 +37,12 @@ FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32)),
     # a window shorter than most prompts here, so chunks, decodes and the compiled graphs all cut it
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=12, rope_theta=5000.0)),
+    # one sliding and one global layer, each with its rope base, the global one scaled; soft-capped logits
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        head_dim=16, query_pre_attn_scalar=32, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}},
+        final_logit_softcapping=30.0, pad_token_id=None)),
 }
 
 

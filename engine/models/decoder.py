@@ -57,18 +57,31 @@ class DecoderLayer(nn.Module):
                                       tp, moe.shared_expert_intermediate_size, **factory)
         else:
             intermediate = tp.split(cfg.intermediate_size, "intermediate_size")
-            self.mlp = DenseMLP(cfg.hidden_size, intermediate, cfg.mlp_bias, tp, **factory)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+            self.mlp = DenseMLP(cfg.hidden_size, intermediate, cfg.mlp_bias, tp, act=cfg.hidden_act, **factory)
+        def norm(size: int) -> RMSNorm:
+            return RMSNorm(size, cfg.rms_norm_eps, cfg.norm_weight_offset, **factory)
+
+        self.input_layernorm = norm(cfg.hidden_size)
+        # Llama's name for the norm before the MLP; Gemma's for the one after attention, which has
+        # its own norms around the MLP (`sandwich_norms`)
+        self.post_attention_layernorm = norm(cfg.hidden_size)
+        self.sandwich_norms = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = norm(cfg.hidden_size)
+            self.post_feedforward_layernorm = norm(cfg.hidden_size)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
-        self.scale = cfg.head_dim ** -0.5
-        self.sliding_window = cfg.sliding_window
+            self.q_norm = norm(cfg.head_dim)
+            self.k_norm = norm(cfg.head_dim)
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        self.sliding_window = cfg.window_of(index)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata | GraphedAttention) -> torch.Tensor:
+        if self.sandwich_norms:
+            x = x + self.post_attention_layernorm(self._attention(self.input_layernorm(x), positions, rope, kv_cache,
+                                                                  meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self._attention(self.input_layernorm(x), positions, rope, kv_cache, meta)
         h = self.mlp(self.post_attention_layernorm(x))
         if isinstance(self.mlp, SparseMoeBlock):  # partial sums of this rank's experts
@@ -118,10 +131,12 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **factory) \
             if keeps_embedding else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, experts, **factory) for i in self.layer_range)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory) if stage.is_last else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, **factory) \
+            if stage.is_last else None
         vocab_rows = tp.split(cfg.vocab_size, "vocab_size")  # this rank's rows, as the embedding's
         self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False, **factory) if stage.is_last else None
         self.rope: RotaryEmbedding | None = None
+        self.rope_local: RotaryEmbedding | None = None  # the sliding layers' own (Gemma 3)
 
     @property
     def device(self) -> torch.device:
@@ -131,6 +146,16 @@ class DecoderForCausalLM(nn.Module):
         cfg = self.config
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, self.device,
                                     self.dtype)
+        if cfg.local_rope_theta is not None:
+            self.rope_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, None, self.device,
+                                              self.dtype)
+
+    def _ropes(self) -> list[RotaryEmbedding]:
+        """Each layer's rotary embedding: the sliding layers' own where they have one."""
+        assert self.rope is not None, "setup_rope() must run before forward()"
+        windows = [self.config.window_of(i) for i in self.layer_range]
+        return [self.rope_local if self.rope_local is not None and window is not None else self.rope
+                for window in windows]
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.lm_head is not None:
@@ -139,16 +164,18 @@ class DecoderForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "only the first pipeline stage embeds tokens"
-        return self.embed_tokens(input_ids)
+        rows = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:  # Gemma: the scale rounded to the model's dtype, as transformers does
+            rows = rows * torch.tensor(self.config.embed_scale, dtype=rows.dtype)
+        return rows
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata | DecodeMetadata | GraphedAttention) -> torch.Tensor:
         """hidden: input embeddings [T, H] of the flat batch -> final hidden states [T, H].
         With `DecodeMetadata` (one token per sequence) it is the decode graph `torch.compile`
         takes; with `GRAPHED`, the step graph's (attention read from `attention_step`)."""
-        assert self.rope is not None, "setup_rope() must run before forward()"
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rope, kv_cache, meta)
+        for layer, rope, kv_cache in zip(self.layers, self._ropes(), kv_caches, strict=True):
+            hidden = layer(hidden, positions, rope, kv_cache, meta)
         # A pipeline stage before the last passes its layers' output on, unnormalised.
         return self.norm(hidden) if self.norm is not None else hidden
 
@@ -241,7 +268,9 @@ class DecoderForCausalLM(nn.Module):
         """Full-vocabulary logits (gathered from every rank: a collective, so all ranks call it).
         `head`: the LM head's compiled graph, if it has one (engine/worker/decode_graphs.py)."""
         assert self.lm_head is not None, "only the last pipeline stage computes logits"
-        return self.tp.all_gather_last_dim((head or self.lm_head)(hidden)).float()
+        logits = self.tp.all_gather_last_dim((head or self.lm_head)(hidden)).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ---- weight loading ---------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

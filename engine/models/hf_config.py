@@ -16,6 +16,7 @@ from engine.errors import ModelLoadError
 DECODER_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Gemma3ForCausalLM": "gemma3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
@@ -78,6 +79,21 @@ class DecoderConfig:
     moe: MoeConfig | None = None
     # Each token attends to itself and the `sliding_window - 1` before it (Mistral); None: to all
     sliding_window: int | None = None
+    # The layers that do, when not all of them (Gemma 3 alternates sliding and full layers)
+    sliding_layers: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None  # the sliding layers' rope base, when it is their own (Gemma 3)
+    attention_scale: float | None = None  # default head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    hidden_act: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    norm_weight_offset: bool = False  # Gemma: RMSNorms scale by (1 + w), computed in float32
+    sandwich_norms: bool = False  # Gemma: the attention's and the MLP's outputs normalised before the residual
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (None: full attention)."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
 
 
 def require_model_dir(model_dir: str | Path) -> Path:
@@ -135,6 +151,58 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _common(raw: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
+    """The fields every decoder's config.json gives the same way."""
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    return dict(
+        architecture=arch, family=family, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]), num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_ids(raw.get("eos_token_id")))
+
+
+def _gemma3(raw: dict[str, Any], arch: str) -> DecoderConfig:
+    """Gemma 3's text model (transformers' Gemma3TextModel), as transformers 4.50+ and 5 save it."""
+    for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(name):
+            raise ModelLoadError(f"{name}: not implemented for {arch}")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"unsupported hidden_activation {act!r} for {arch}; expected 'gelu_pytorch_tanh'")
+    num_layers = int(raw["num_hidden_layers"])
+    pattern = int(raw.get("sliding_window_pattern", 6))
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"layer_types {types!r}: expected sliding_attention or full_attention per layer")
+    params = raw.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or raw.get("rope_scaling") or {})
+    local = dict(params.get("sliding_attention") or {})
+    theta = float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+    local_theta = float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)))
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"unsupported rope scaling {local['rope_type']!r} on the sliding layers")
+    scaling = full if full.get("rope_type", full.get("type", "default")) != "default" else None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("linear", "llama3"):
+        raise ModelLoadError(f"unsupported rope scaling {scaling.get('rope_type')!r}; supported: default, linear, "
+                             "llama3")
+    window = raw.get("sliding_window")
+    if type(window) is not int or window < 1:
+        raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
+    bias = bool(raw.get("attention_bias", False))
+    return DecoderConfig(
+        **_common(raw, arch, "gemma3"), rope_theta=theta, rope_scaling=scaling, qkv_bias=bias, o_bias=bias,
+        mlp_bias=False, qk_norm=True, sliding_window=window,
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"), local_rope_theta=local_theta,
+        attention_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5, hidden_act=act,
+        norm_weight_offset=True, sandwich_norms=True, embed_scale=float(raw["hidden_size"]) ** 0.5,
+        final_logit_softcapping=raw.get("final_logit_softcapping"))
+
+
 def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
     """Mistral's window, on every layer as transformers applies it. Qwen2 configs carry a
     `sliding_window` that transformers ignores unless `use_sliding_window` is set: refused then
@@ -166,6 +234,8 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
+        if family == "gemma3":
+            return _gemma3(raw, arch)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {act!r} for {arch}; expected 'silu'")

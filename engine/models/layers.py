@@ -3,7 +3,9 @@ weights packed for oneDNN once loaded), the vocab-parallel embedding, RMSNorm an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -224,28 +226,42 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, **factory: Any) -> None:
+    """Llama's: normalised in float32, cast back, then scaled by the weight. With `weight_offset`
+    (Gemma's), scaled by (1 + weight) in float32, then cast back, as transformers does each."""
+
+    def __init__(self, size: int, eps: float, weight_offset: bool = False, **factory: Any) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, **factory))
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
+GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,  # SwiGLU (Llama, Qwen, Mistral)
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),  # GeGLU (Gemma)
+}
+
+
 class DenseMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul. `reduce=False`
-    leaves this rank's partial sum (a shared expert inside an MoE block, reduced with it)."""
+    """down(act(gate(x)) * up(x)): SwiGLU, or GeGLU with `act="gelu_pytorch_tanh"`; gate and up fused
+    into one matmul. `reduce=False` leaves this rank's partial sum (a shared expert inside an MoE
+    block, reduced with it)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel, reduce: bool = True,
-                 **factory: Any) -> None:
+                 act: str = "silu", **factory: Any) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias, **factory)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp, reduce=reduce, **factory)
+        self.act = GATE_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (neox layout, as in HF Llama/Qwen), with llama3 frequency scaling."""
+"""Rotary position embeddings (neox layout, as in HF Llama/Qwen), with llama3 or linear frequency scaling."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type", scaling.get("type")) == "linear":  # positions divided by the factor
+        return inv_freq / float(scaling["factor"])
     return _llama3_scaled(inv_freq, scaling)
 
 
