@@ -53,7 +53,8 @@ async def test_half_precision_dtypes_generate(tiny_model_dir, dtype):
 
 
 @pytest.mark.parametrize("breakage, message", [
-    (lambda p: _edit_config(p, architectures=["GPT2LMHeadModel"]), "unsupported architecture"),
+    (lambda p: _edit_config(p, architectures=["GPT2LMHeadModel"]),
+     r"unsupported architecture \['GPT2LMHeadModel'\]; trio-llm serves .*Gemma3ForCausalLM.*MistralForCausalLM"),
     (lambda p: (p / "config.json").unlink(), "config.json is missing"),
     (lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
     (lambda p: (p / "tokenizer.json").unlink(), "tokenizer.json is missing"),

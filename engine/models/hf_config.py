@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.models.registry import served_names
 
 DECODER_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -134,8 +135,8 @@ def _architecture(raw: dict[str, Any]) -> str:
     if not archs and raw.get("model_type") in by_type:
         return by_type[raw["model_type"]]
     named = archs or [raw.get("model_type")]
-    raise ModelLoadError(
-        f"unsupported architecture {named}; supported: {sorted(DECODER_ARCHITECTURES)}")
+    raise ModelLoadError(f"unsupported architecture {named}; trio-llm serves {', '.join(served_names())} "
+                         "(docs/models.md)")
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

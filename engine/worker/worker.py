@@ -100,6 +100,9 @@ class Worker:
         raw = read_config_json(self.config.model)
         if self.stage.size > 1:
             check_pipeline_parallel(self.config, raw)
+        if self.config.quantization and (is_encoder_config(raw) or is_llava_config(raw)):
+            kind = "encoder (BERT)" if is_encoder_config(raw) else "vision-language"
+            raise ModelLoadError(f"--quantization {self.config.quantization}: not implemented for {kind} models")
         if is_encoder_config(raw):
             return self._load_encoder(raw)
         if is_llava_config(raw):

@@ -1,0 +1,52 @@
+"""docs/models.md is generated from the registry (engine/models/registry.py), and the registry lists
+exactly what the loaders take; the new families run under tensor parallelism as transformers does."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import EngineConfig, open_engine
+from engine.errors import ModelLoadError
+from engine.models.bert import ENCODER_ARCHITECTURES
+from engine.models.hf_config import DECODER_ARCHITECTURES
+from engine.models.registry import models_table, served_names
+from tests.helpers import final_output, greedy
+from tests.model_helpers import save_hf_checkpoint, transformers_greedy
+from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+
+
+def test_the_models_page_is_generated_from_the_registry_which_lists_what_the_loaders_take():
+    assert DOCS.read_text() == models_table(), "regenerate: python -m engine.models.registry > docs/models.md"
+    assert set(served_names()) == {*DECODER_ARCHITECTURES, *ENCODER_ARCHITECTURES, "LlavaForConditionalGeneration"}
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+async def test_tensor_parallel_2_gives_transformers_greedy_tokens(family, tmp_path_factory):
+    config_cls, model_cls, extra = FAMILIES[family]
+    path, hf_model = save_hf_checkpoint(tmp_path_factory, f"{family}-tp", config_cls, model_cls, {**COMMON, **extra})
+    rng = random.Random(4)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (6, 30)]  # the second past the window
+    expected = transformers_greedy(hf_model, prompts, 12)
+    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+                          enforce_eager=True)
+    got = {}
+    async with open_engine(config) as engine:
+        async def run(i: int) -> None:
+            got[i] = list((await final_output(engine, prompts[i], greedy(12, ignore_eos=True))).outputs[0].token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(run, i)
+    assert [got[i] for i in range(len(prompts))] == expected
+
+
+async def test_quantization_on_a_model_that_does_not_quantize_is_refused_not_ignored(minilm_dir):
+    with pytest.raises(ModelLoadError, match="--quantization int8: not implemented for encoder"):
+        async with open_engine(EngineConfig(model=minilm_dir, quantization="int8")):
+            pass  # pragma: no cover - never reached
