@@ -14,6 +14,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -43,6 +45,13 @@ FAMILIES = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}},
         final_logit_softcapping=30.0, pad_token_id=None)),
+    # fused qkv and gate_up in the checkpoint, half of each head rotated, LongRoPE (inside its
+    # original window here: the short factors; test_longrope_* runs past it) and a sliding window
+    "phi3": (Phi3Config, Phi3ForCausalLM, dict(
+        partial_rotary_factor=0.5, original_max_position_embeddings=256, sliding_window=20, pad_token_id=None,
+        initializer_range=0.1,  # wider logit margins: at 0.02 bfloat16 near-ties left too few tokens decided
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.2, 2.0, 3.0],
+                      "long_factor": [1.0, 3.0, 6.0, 12.0]})),
 }
 
 
@@ -91,7 +100,10 @@ async def test_greedy_batch_of_mixed_lengths_is_token_identical(hf_checkpoint):
                                           max_new_tokens=32, do_sample=False)
             expected.append(generated[0, len(prompt):].tolist())
     got = {}
-    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48)
+    # Eager: the compiled graphs of every family are checked against transformers in
+    # test_compiled_decode, and compiling each family twice cost the suite ~2 minutes cold.
+    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=48,
+                          enforce_eager=True)
     async with open_engine(config) as engine:
         async def run(i):
             got[i] = (await final_output(engine, prompts[i], greedy(32, ignore_eos=True))).outputs[0].token_ids
@@ -100,3 +112,17 @@ async def test_greedy_batch_of_mixed_lengths_is_token_identical(hf_checkpoint):
             for i in range(len(prompts)):
                 nursery.start_soon(run, i)
     assert [got[i] for i in range(len(prompts))] == expected
+
+
+def test_longrope_past_the_original_window_is_transformers_long_rope(tmp_path_factory):
+    """Phi-3's LongRoPE with a context past its original window (64 here): the long factors and the
+    attention factor, as transformers computes a sequence that long, the engine's cache filled in
+    chunks and decodes."""
+    config_cls, model_cls, extra = FAMILIES["phi3"]
+    path, hf_model = save_hf_checkpoint(tmp_path_factory, "phi3-longrope", config_cls, model_cls,
+                                        {**COMMON, **extra, "original_max_position_embeddings": 64})
+    token_ids = random.Random(1).choices(range(VOCAB), k=80)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([token_ids])).logits[0].float()
+    ours = _our_logits(path, token_ids, [(0, 17), (17, 64), (64, 65), (65, 80)])
+    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()

@@ -29,7 +29,7 @@ from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, V
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
 from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.rope import RotaryEmbedding
-from engine.models.weights import checked_copy, load_named_weights
+from engine.models.weights import checked_copy, load_named_weights, split_fused
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -145,7 +145,7 @@ class DecoderForCausalLM(nn.Module):
     def setup_rope(self, max_positions: int) -> None:
         cfg = self.config
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, self.device,
-                                    self.dtype)
+                                    self.dtype, cfg.rotary_dim)
         if cfg.local_rope_theta is not None:
             self.rope_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, None, self.device,
                                               self.dtype)
@@ -281,6 +281,9 @@ class DecoderForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         expected = {slot for name in params for slot in self._slots_of(name)}
+        cfg = self.config
+        if cfg.fused_checkpoint:
+            weights = split_fused(weights, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
         load_named_weights(params, weights, self._map_name, self._copy_into, expected, self.config.architecture)
         self.tie_weights()
 

@@ -18,6 +18,7 @@ DECODER_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
@@ -89,6 +90,8 @@ class DecoderConfig:
     sandwich_norms: bool = False  # Gemma: the attention's and the MLP's outputs normalised before the residual
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    rotary_dim: int | None = None  # the leading dims of each head that rope rotates (Phi: partial_rotary_factor)
+    fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj fused, as ours (Phi-3)
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: full attention)."""
@@ -144,12 +147,24 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling:
+        scaling = dict(scaling)
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ("default", "llama3"):
-            raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, llama3")
+        if kind in ("su", "longrope"):  # Phi-3's; the window it was trained on comes from the top level too
+            scaling["rope_type"] = kind = "longrope"
+            scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+            scaling.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
+        if kind not in ("default", "llama3", "linear", "longrope"):
+            raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, longrope")
         if kind == "default":
             scaling = None
     return theta, scaling
+
+
+def _rotary_dim(raw: dict[str, Any], head_dim: int) -> int | None:
+    """The rotated part of each head when it is not all of it (`partial_rotary_factor`)."""
+    params = raw.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    return None if factor == 1.0 else int(head_dim * factor)
 
 
 def _common(raw: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
@@ -216,7 +231,7 @@ def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
     window = raw.get("sliding_window")
     if window is None:
         return None
-    if family != "mistral":
+    if family not in ("mistral", "phi3"):
         raise ModelLoadError(f"sliding_window: sliding-window attention on {family} models is not implemented")
     if type(window) is not int or window < 1:
         raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
@@ -268,6 +283,8 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             moe=_moe(raw, family, num_layers),
             sliding_window=_sliding_window(raw, family),
+            rotary_dim=_rotary_dim(raw, int(raw.get("head_dim") or hidden // heads)),
+            fused_checkpoint=family == "phi3",
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json for {arch} lacks the field {exc.args[0]!r}") from exc

@@ -37,6 +37,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Gemma3ForCausalLM", "decoder", "google/gemma-3-1b-it", **_DECODER,
                  notes="sliding and global layers, each with its rope base; (1 + w) norms; GeGLU; "
                        "final logit soft-capping"),
+    Architecture("Phi3ForCausalLM", "decoder", "microsoft/Phi-3-mini-4k-instruct", **_DECODER,
+                 notes="fused qkv and gate_up in the checkpoint; partial rotary; LongRoPE (long factors when the "
+                       "context passes the original window, as vLLM); sliding window"),
     Architecture("MixtralForCausalLM", "decoder (MoE)", "mistralai/Mixtral-8x7B-Instruct-v0.1", **_MOE,
                  notes="expert parallelism and EPLB"),
     Architecture("Qwen2MoeForCausalLM", "decoder (MoE)", "Qwen/Qwen1.5-MoE-A2.7B-Chat", **_MOE,

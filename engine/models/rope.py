@@ -1,4 +1,5 @@
-"""Rotary position embeddings (neox layout, as in HF Llama/Qwen), with llama3 or linear frequency scaling."""
+"""Rotary position embeddings (neox layout, as in HF Llama/Qwen): llama3, linear or LongRoPE frequency scaling,
+and partial rotation (the leading `rotary_dim` dims of each head)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,33 @@ from torch import nn
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """`head_dim`: the rotated dims (all of a head's, or its rotary part)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
-    if scaling.get("rope_type", scaling.get("type")) == "linear":  # positions divided by the factor
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":  # positions divided by the factor
         return inv_freq / float(scaling["factor"])
     return _llama3_scaled(inv_freq, scaling)
+
+
+def _longrope_freqs(positions: torch.Tensor, rotary_dim: int, theta: float,
+                    scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): the angles of `positions` and the factor cos and sin are scaled by. The
+    long factors when the engine runs sequences past the window the model was trained on (its
+    tables reach past `original_max_position_embeddings`), else the short ones: one choice for the
+    whole deployment, as vLLM makes it. transformers switches per sequence, recomputing the whole
+    cache with the long factors once a sequence crosses the window; the two agree on every sequence
+    that crosses it, and, with a context length inside the window, on every sequence."""
+    original = int(scaling["original_max_position_embeddings"])
+    factors = scaling["long_factor"] if positions.numel() > original else scaling["short_factor"]
+    base = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
+    factor = scaling.get("factor") or int(scaling["max_position_embeddings"]) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return torch.outer(positions, inv_freq), float(attention)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -44,13 +66,20 @@ class RotaryEmbedding(nn.Module):
     sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None, device: torch.device | str, dtype: torch.dtype) -> None:
+                 scaling: dict[str, Any] | None, device: torch.device | str, dtype: torch.dtype,
+                 rotary_dim: int | None = None) -> None:
+        """`rotary_dim`: rotate only each head's first so many dims (default: all of them)."""
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
-        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        dim = rotary_dim or head_dim
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        scale = 1.0
+        if scaling is not None and scaling.get("rope_type") == "longrope":
+            freqs, scale = _longrope_freqs(positions, dim, theta, scaling)
+        else:
+            freqs = torch.outer(positions, inverse_frequencies(dim, theta, scaling))
+        self.rotary_dim = None if dim == head_dim else dim
+        self.register_buffer("cos", (freqs.cos() * scale).to(device, dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale).to(device, dtype), persistent=False)
 
     @property
     def max_positions(self) -> int:
@@ -61,7 +90,11 @@ class RotaryEmbedding(nn.Module):
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their tokens' positions [T]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.rotary_dim is None:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        dim = self.rotary_dim  # the rest of each head passes through
+        return (torch.cat((_rotate(q[..., :dim], cos, sin), q[..., dim:]), dim=-1),
+                torch.cat((_rotate(k[..., :dim], cos, sin), k[..., dim:]), dim=-1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

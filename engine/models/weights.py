@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -40,3 +40,23 @@ def checked_copy(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> No
         raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(target.shape)}")
     target.copy_(tensor)
+
+
+def split_fused(weights: Iterable[tuple[str, torch.Tensor]], q_size: int,
+                kv_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint whose attention and MLP projections are stored fused (Phi-3's `qkv_proj`,
+    `gate_up_proj`) as the separate tensors other checkpoints hold: loading then fuses them as it
+    fuses those, sharding each part for tensor parallelism."""
+    for name, tensor in weights:
+        if name.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+            prefix, kind = name.rsplit(".qkv_proj.", 1)
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), torch.split(tensor, [q_size, kv_size, kv_size]),
+                                  strict=True):
+                yield f"{prefix}.{part}.{kind}", rows
+        elif name.endswith((".gate_up_proj.weight", ".gate_up_proj.bias")):
+            prefix, kind = name.rsplit(".gate_up_proj.", 1)
+            gate, up = tensor.chunk(2)
+            yield f"{prefix}.gate_proj.{kind}", gate
+            yield f"{prefix}.up_proj.{kind}", up
+        else:
+            yield name, tensor
