@@ -40,6 +40,23 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_lora_delta(bench)
     _add_bench_gpu(bench)
     _add_bench_async_scheduling(bench)
+    _add_bench_sliding_window(bench)
+
+
+def _add_bench_sliding_window(bench: Subcommands) -> None:
+    sw = bench.add_parser("sliding-window", help="KV blocks one long sequence holds with a sliding window on every "
+                                                 "layer against full attention, the same model otherwise")
+    sw.add_argument("--length", type=int, default=4096, help="the sequence's tokens, prompt and generated")
+    sw.add_argument("--prompt-len", type=int, default=3968)
+    sw.add_argument("--window", type=int, default=512)
+    sw.add_argument("--block-size", type=int, default=16)
+    sw.set_defaults(run=_bench_sliding_window)
+
+
+def _bench_sliding_window(args: argparse.Namespace) -> int:
+    from bench import sliding_window
+    print(trio.run(sliding_window.run, args.length, args.window, args.block_size, args.prompt_len))
+    return 0
 
 
 def _add_bench_async_scheduling(bench: Subcommands) -> None:

@@ -97,3 +97,31 @@ def test_prefix_caching_disabled_never_hits():
     kv = KVBlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     compute_all(kv, make_request("a", list(range(9))))
     assert kv.find_cached_prefix(make_request("b", list(range(9)))) == []
+
+
+def test_with_a_sliding_window_a_long_sequence_holds_a_windows_worth_of_blocks():
+    """Window 6, blocks of 4: the token at position p attends to p - 5 .. p, so once a request has
+    computed n tokens its blocks wholly before n - 5 are released; their ids stay in its table (the
+    worker masks them), another request may reuse them, and freeing the request frees the rest."""
+    kv = KVBlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True, sliding_window=6)
+    req = make_request("a", list(range(8)))
+    assert kv.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    kv.cache_computed_blocks(req)
+    held = []
+    for _ in range(32):  # decode to 40 tokens, one at a time: 10 blocks' worth in a 6-block cache
+        req.append_output_token(7)
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        kv.cache_computed_blocks(req)
+        held.append(kv.num_used_blocks)
+    assert len(kv.block_ids("a")) == 10 and max(held) <= 3  # the window's two blocks and the one being filled
+    other = make_request("b", list(range(100, 112)))
+    assert kv.allocate_slots(other, 12)  # fits only in blocks "a" released
+    assert set(kv.block_ids("b")) & set(kv.block_ids("a")[:7])
+    kv.free(req)
+    kv.free(other)
+    assert kv.num_free_blocks == 6
+    full = KVBlockManager(num_blocks=6, block_size=4)  # the same without a window runs out
+    long = make_request("c", list(range(25)))
+    assert not full.allocate_slots(long, 25)

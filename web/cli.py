@@ -45,7 +45,8 @@ MODEL_SIZES = {"layers": "decoder layers", "hidden": "hidden size", "heads": "at
                "vocab": "vocabulary size (rows of the embedding and the LM head)",
                "max_positions": "context length (max_position_embeddings)", "seed": "seed of the random weights",
                "experts": "experts per MoE layer (MoE architectures)",
-               "top_k": "experts each token is routed to (MoE architectures)"}
+               "top_k": "experts each token is routed to (MoE architectures)",
+               "sliding_window": "attention window in positions (mistral)"}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -81,7 +81,8 @@ def build_scheduler(config: EngineConfig, info: ModelInfo, connector: SharedStor
     # Blocks are namespaced by the model: a cache never serves KV computed by another model or dtype.
     namespace = f"{config.model}\0{info.architecture}\0{info.dtype}".encode()
     hasher = PrefixHasher(config.prefix_caching_hash_algo, namespace)
-    blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching, hasher)
+    blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching, hasher,
+                            info.kv_sliding_window)
     if connector is None or not connector.consumer:
         return Scheduler(sched_config, blocks)
     scheduler = Scheduler(sched_config, blocks, [ECConnectorGate(connector, ec_blocking)], external=connector)

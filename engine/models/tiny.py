@@ -103,6 +103,8 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]
         "torch_dtype": spec.dtype,
         "eos_token_id": eos_id,
     }
+    if spec.arch == "mistral":
+        config.update(sliding_window=spec.sliding_window)
     if spec.arch == "mixtral":
         config.update(num_local_experts=spec.experts, num_experts_per_tok=spec.top_k)
     if spec.arch == "qwen3_moe":

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "llava": "LlavaForConditionalGeneration"}
 
@@ -25,6 +26,7 @@ class TinyModelSpec:
     experts: int = 8  # MoE architectures: experts per layer, each token routed to top_k of them
     top_k: int = 2
     rope_theta: float = 10000.0
+    sliding_window: int | None = None  # mistral: each token attends to this many positions
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:

@@ -7,6 +7,12 @@ computed gets a hash chained from its predecessor's, so two requests with the
 same prefix share the same blocks. When a request finishes, its blocks return
 to the free list but keep their hash: until the block is reused for something
 else, a later request with the same prefix still hits it.
+
+With a sliding window on every layer (Mistral; `sliding_window`), a block none
+of a request's later tokens can attend to is released while the request runs
+(vLLM's sliding-window manager): a long sequence holds about a window's worth of
+blocks. Its id stays in the request's block table, where attention masks it
+out, so the table keeps its shape and positions; another request may reuse it.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ class KVBlockManager:
     """Allocates KV blocks to requests. Plain Python; owned by the scheduler."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hasher: PrefixHasher | None = None) -> None:
+                 hasher: PrefixHasher | None = None, sliding_window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._released: dict[str, int] = {}  # request id -> its leading blocks released (outside the window)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher or PrefixHasher()
         self.num_collisions = 0  # hits whose tokens or parent differed: refused (counted for tests and logs)
@@ -114,6 +122,7 @@ class KVBlockManager:
         Returns False, changing nothing, when there are not enough free blocks.
         """
         held = self._req_blocks.setdefault(request.request_id, [])
+        self._release_outside_window(request, held)
         num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(held) - len(cached_prefix)
         revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)  # free now, taken by this request
@@ -130,6 +139,24 @@ class KVBlockManager:
         if cached_prefix:
             self._num_hashed_blocks[request.request_id] = len(held) - max(num_new_blocks, 0)
         return True
+
+    def _release_outside_window(self, request: Request, held: list[KVBlock]) -> None:
+        """With a sliding window: release the leading blocks that the request's next token, and so
+        every later one, no longer attends to (it sees positions past num_computed - window)."""
+        if self.sliding_window is None or not held:
+            return
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        keep_from = min(first_needed // self.block_size, len(held))
+        start = self._released.get(request.request_id, 0)
+        for block in held[start:keep_from]:
+            self._unref(block)
+        if keep_from > start:
+            self._released[request.request_id] = keep_from
+
+    def _unref(self, block: KVBlock) -> None:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self._free[block.block_id] = block
 
     def _take_free_block(self) -> KVBlock:
         _, block = self._free.popitem(last=False)
@@ -167,7 +194,6 @@ class KVBlockManager:
         """Release the request's blocks. Last blocks first, so they are evicted first."""
         rid = request.request_id
         self._num_hashed_blocks.pop(rid, None)
-        for block in reversed(self._req_blocks.pop(rid, ())):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+        released = self._released.pop(rid, 0)
+        for block in reversed(self._req_blocks.pop(rid, [])[released:]):
+            self._unref(block)

@@ -186,7 +186,8 @@ class Worker:
         quantization = quantized[0].qmethod if quantized else None
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
-                         self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes)
+                         self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes,
+                         kv_sliding_window=cfg.sliding_window if cfg.sliding_layers is None else None)
 
     def _load_encoder(self, raw: dict[str, Any]) -> ModelInfo:
         if self.tp.size > 1:
