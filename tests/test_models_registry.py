@@ -26,7 +26,7 @@ def test_the_models_page_is_generated_from_the_registry_which_lists_what_the_loa
     assert set(served_names()) == {*DECODER_ARCHITECTURES, *ENCODER_ARCHITECTURES, "LlavaForConditionalGeneration"}
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])  # mistral shards as llama does
 async def test_tensor_parallel_2_gives_transformers_greedy_tokens(family, tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES[family]
     path, hf_model = save_hf_checkpoint(tmp_path_factory, f"{family}-tp", config_cls, model_cls, {**COMMON, **extra})
