@@ -46,7 +46,8 @@ MODEL_SIZES = {"layers": "decoder layers", "hidden": "hidden size", "heads": "at
                "max_positions": "context length (max_position_embeddings)", "seed": "seed of the random weights",
                "experts": "experts per MoE layer (MoE architectures)",
                "top_k": "experts each token is routed to (MoE architectures)",
-               "sliding_window": "attention window in positions (mistral)"}
+               "sliding_window": "attention window in positions (mistral, gemma3)",
+               "head_dim": "dims per attention head (default: hidden / heads)"}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -38,6 +38,9 @@ CHAT_TEMPLATE = (
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {"arch": "qwen2", "layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864,
                      "vocab": 151936, "max_positions": 32768, "rope_theta": 1000000.0},
+    "gemma3-270m": {"arch": "gemma3", "layers": 18, "hidden": 640, "heads": 4, "kv_heads": 1, "head_dim": 256,
+                    "intermediate": 2048, "vocab": 262144, "max_positions": 32768, "rope_theta": 1000000.0,
+                    "sliding_window": 512},
     "llama3-8b": {"arch": "llama", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
                   "vocab": 128256, "max_positions": 8192, "rope_theta": 500000.0},
 }
@@ -93,7 +96,7 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.hidden // spec.heads,
+        "head_dim": spec.head_size,
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_positions,
         "rms_norm_eps": 1e-6,
@@ -105,6 +108,12 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]
     }
     if spec.arch == "mistral":
         config.update(sliding_window=spec.sliding_window)
+    if spec.arch == "gemma3":  # five sliding layers to each global one, as Gemma 3's checkpoints
+        del config["hidden_act"]
+        config.update(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=spec.head_size, sliding_window=spec.sliding_window or 512,
+                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                   for i in range(spec.layers)], rope_local_base_freq=10000.0)
     if spec.arch == "mixtral":
         config.update(num_local_experts=spec.experts, num_experts_per_tok=spec.top_k)
     if spec.arch == "qwen3_moe":

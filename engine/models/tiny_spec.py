@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "llava": "LlavaForConditionalGeneration"}
 
@@ -26,13 +26,18 @@ class TinyModelSpec:
     experts: int = 8  # MoE architectures: experts per layer, each token routed to top_k of them
     top_k: int = 2
     rope_theta: float = 10000.0
-    sliding_window: int | None = None  # mistral: each token attends to this many positions
+    sliding_window: int | None = None  # mistral, gemma3: each token attends to this many positions
+    head_dim: int | None = None  # default hidden // heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {self.arch!r}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError("hidden must divide by heads, and heads by kv_heads")
+        if (self.head_dim is None and self.hidden % self.heads) or self.heads % self.kv_heads:
+            raise ValueError("hidden must divide by heads (or give head_dim), and heads by kv_heads")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError("top_k must be between 1 and experts")
         if self.dtype not in ("float32", "bfloat16", "float16"):

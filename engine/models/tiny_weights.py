@@ -27,14 +27,16 @@ def _mlp_weights(spec: TinyModelSpec, prefix: str, normal: Any) -> dict[str, tor
 
 def random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(spec.seed)
-    head_dim = spec.hidden // spec.heads
+    head_dim = spec.head_size
+    # Gemma scales by (1 + w): its unit norms are zeros
+    unit = torch.zeros if spec.arch == "gemma3" else torch.ones
     dtype = getattr(torch, spec.dtype)
 
     def normal(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.05).to(dtype)
 
     weights = {"model.embed_tokens.weight": normal(vocab_size, spec.hidden),
-               "model.norm.weight": torch.ones(spec.hidden, dtype=dtype)}
+               "model.norm.weight": unit(spec.hidden, dtype=dtype)}
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         weights.update({
@@ -43,13 +45,16 @@ def random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tens
             p + "self_attn.v_proj.weight": normal(spec.kv_heads * head_dim, spec.hidden),
             p + "self_attn.o_proj.weight": normal(spec.hidden, spec.heads * head_dim),
             **_mlp_weights(spec, p, normal),
-            p + "input_layernorm.weight": torch.ones(spec.hidden, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(spec.hidden, dtype=dtype),
+            p + "input_layernorm.weight": unit(spec.hidden, dtype=dtype),
+            p + "post_attention_layernorm.weight": unit(spec.hidden, dtype=dtype),
         })
+        if spec.arch == "gemma3":
+            weights[p + "pre_feedforward_layernorm.weight"] = unit(spec.hidden, dtype=dtype)
+            weights[p + "post_feedforward_layernorm.weight"] = unit(spec.hidden, dtype=dtype)
         if spec.arch == "qwen2":
             for proj, size in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
                 weights[p + f"self_attn.{proj}_proj.bias"] = normal(size * head_dim)
-        if spec.arch in ("qwen3", "qwen3_moe"):
-            weights[p + "self_attn.q_norm.weight"] = torch.ones(head_dim, dtype=dtype)
-            weights[p + "self_attn.k_norm.weight"] = torch.ones(head_dim, dtype=dtype)
+        if spec.arch in ("qwen3", "qwen3_moe", "gemma3"):
+            weights[p + "self_attn.q_norm.weight"] = unit(head_dim, dtype=dtype)
+            weights[p + "self_attn.k_norm.weight"] = unit(head_dim, dtype=dtype)
     return weights
