@@ -63,6 +63,13 @@ class FakeExecutor(Executor):
 # Functions of the worker, not methods of it: what only tests ask stays out of the Worker class,
 # and a worker process finds them by name (they pickle as `engine.testing.<name>`).
 
+def wait_for_writer(worker: Any, fifo: str) -> None:
+    """Block this worker until something opens the FIFO at `fifo` for writing and closes it: a test
+    holds the worker's next calls (which run in order) behind this one until it lets them go."""
+    with open(fifo, "rb") as reader:
+        reader.read()
+
+
 def encoder_runs(worker: Any) -> int:
     """Images this rank ran through the vision encoder since the KV cache was set up."""
     return int(getattr(worker.runner, "num_encoded", 0))

@@ -3,6 +3,8 @@ flight to end, then raises (`EngineCore.step` relies on it: the worker's state s
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 from dataclasses import replace
 
@@ -15,7 +17,7 @@ from engine.core.open_core import build_scheduler
 from engine.executor import create_executor
 from engine.executor.inproc import InProcExecutor
 from engine.sched.request import Request
-from engine.testing import FakeExecutor
+from engine.testing import FakeExecutor, wait_for_writer
 from tests.conftest import engine_config
 
 
@@ -55,6 +57,19 @@ async def check_a_cancelled_step_ends_before_the_cancellation_is_raised(tiny_mod
         scheduler.add_request(Request("long", list(range(1, 200)), SamplingParams(max_tokens=2), max_tokens=2))
         sched_out = scheduler.schedule()
         cancel_sent = threading.Event()
+        release = None
+        if kind != "inproc":
+            # The workers hold the step behind a call that waits on a FIFO until the cancellation
+            # is sent: a step whose reply arrived before the loop ever went idle tests nothing.
+            fifo = os.path.join(tempfile.mkdtemp(), "hold")
+            os.mkfifo(fifo)
+            await executor.collective_rpc(wait_for_writer, (fifo,), non_block=True)
+
+            def release() -> None:
+                with open(fifo, "wb"):
+                    pass
+                os.unlink(fifo)
+                os.rmdir(os.path.dirname(fifo))
         if kind == "inproc":
             # The worker thread holds its step until the cancellation is sent: a step that ends first
             # (the thread can starve the event loop of the GIL on a busy machine) tests nothing.
@@ -80,6 +95,8 @@ async def check_a_cancelled_step_ends_before_the_cancellation_is_raised(tiny_mod
                 assert not worker_idle(executor)
                 scope.cancel()
                 cancel_sent.set()
+                if release is not None:
+                    await trio.to_thread.run_sync(release)
 
             nursery.start_soon(step)
         assert cancelled.is_set()
