@@ -50,3 +50,33 @@ async def test_quantization_on_a_model_that_does_not_quantize_is_refused_not_ign
     with pytest.raises(ModelLoadError, match="--quantization int8: not implemented for encoder"):
         async with open_engine(EngineConfig(model=minilm_dir, quantization="int8")):
             pass  # pragma: no cover - never reached
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_make_models_new_architectures_are_what_transformers_loads(tmp_path, arch):
+    """`make-model --arch mistral|gemma3` (the benchmarks' checkpoints): transformers reads the same
+    architecture from them, and our logits equal its, past the window."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.attention import SequenceChunk, build_metadata
+    from engine.models.loader import load_decoder
+    from engine.models.tiny import make_model
+    from engine.models.tiny_spec import TinyModelSpec
+
+    spec = TinyModelSpec(arch=arch, layers=7, hidden=64, heads=4, kv_heads=1, head_dim=32, intermediate=128,
+                         vocab=512, sliding_window=8)
+    path = make_model(tmp_path / arch, spec)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf_model).__name__ == {"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]
+    ids = random.Random(0).choices(range(512), k=30)
+    model = load_decoder(path, "float32")
+    cfg, size = model.config, 4
+    kv = [(torch.zeros(64 * size, cfg.num_kv_heads, cfg.head_dim), torch.zeros(64 * size, cfg.num_kv_heads,
+                                                                                cfg.head_dim))
+          for _ in range(cfg.num_layers)]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+        meta = build_metadata([SequenceChunk(0, 30, list(range(64)))], size, torch.device("cpu"))
+        ours = model.compute_logits(model(model.embed(torch.tensor(ids)), torch.arange(30), kv, meta))
+    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()
