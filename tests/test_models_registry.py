@@ -7,13 +7,19 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 import trio
+from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, open_engine
 from engine.errors import ModelLoadError
+from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.bert import ENCODER_ARCHITECTURES
 from engine.models.hf_config import DECODER_ARCHITECTURES
+from engine.models.loader import load_decoder
 from engine.models.registry import models_table, served_names
+from engine.models.tiny import make_model
+from engine.models.tiny_spec import TinyModelSpec
 from tests.helpers import final_output, greedy
 from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
@@ -56,14 +62,6 @@ async def test_quantization_on_a_model_that_does_not_quantize_is_refused_not_ign
 def test_make_models_new_architectures_are_what_transformers_loads(tmp_path, arch):
     """`make-model --arch mistral|gemma3` (the benchmarks' checkpoints): transformers reads the same
     architecture from them, and our logits equal its, past the window."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from engine.models.attention import SequenceChunk, build_metadata
-    from engine.models.loader import load_decoder
-    from engine.models.tiny import make_model
-    from engine.models.tiny_spec import TinyModelSpec
-
     spec = TinyModelSpec(arch=arch, layers=7, hidden=64, heads=4, kv_heads=1, head_dim=32, intermediate=128,
                          vocab=512, sliding_window=8)
     path = make_model(tmp_path / arch, spec)

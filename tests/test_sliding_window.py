@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import trio
 
+from engine import EngineConfig, open_engine
 from engine.errors import ModelLoadError
 from engine.models.attention import (
     DecodeMetadata,
@@ -23,6 +24,9 @@ from engine.models.attention import (
     write_kv,
 )
 from engine.models.hf_config import parse_decoder_config
+from tests.helpers import final_output, greedy
+from tests.model_helpers import save_hf_checkpoint, transformers_greedy
+from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
 
 WINDOW, BLOCK, HEADS, KV_HEADS, DIM = 5, 4, 4, 2, 16  # a head size our kernels take
 
@@ -104,11 +108,6 @@ async def test_an_engine_releases_the_blocks_behind_the_window_and_still_gives_t
     """A Mistral whose window is 12, blocks of 4: four sequences decoding to 72 tokens each need 72
     blocks with full attention; a cache of 24 serves them at once, reusing released blocks (whose
     stale contents attention masks out), token for token with transformers."""
-    from engine import EngineConfig, open_engine
-    from tests.helpers import final_output, greedy
-    from tests.model_helpers import save_hf_checkpoint, transformers_greedy
-    from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
-
     config_cls, model_cls, extra = FAMILIES["mistral"]
     path, hf_model = save_hf_checkpoint(tmp_path_factory, "mistral-release", config_cls, model_cls,
                                         {**COMMON, **extra})
