@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import trio
 import trio.testing
 
-from engine.concurrency.device_event import CPU_BACKEND, DeviceEvent, FakeDeviceBackend
+from engine.concurrency.device_event import CPU_BACKEND, CudaBackend, DeviceEvent, FakeDeviceBackend
 
 
 async def wait_then_set(event: DeviceEvent, done: trio.Event) -> None:
@@ -133,3 +135,48 @@ def test_cpu_backend_work_is_done_at_record():
     assert not event.query()
     event.record()
     assert event.query()
+
+
+class HandOverCudaEvent:
+    """Stands in for a `torch.cuda.Event` the device has not finished: `synchronize()` blocks its
+    thread until the test says the device is done."""
+
+    def __init__(self) -> None:
+        self.device_done = threading.Event()
+        self.synchronized_in: list[str] = []
+
+    def query(self) -> bool:
+        return self.device_done.is_set()
+
+    def synchronize(self) -> None:
+        self.synchronized_in.append(threading.current_thread().name)
+        self.device_done.wait()
+
+
+async def test_the_cuda_wait_is_woken_by_the_device_not_by_a_timer(autojump_clock):
+    # Polling from the loop woke on trio's timers, whole epoll milliseconds each; the wait must
+    # end when the device does, with virtual time standing still, and the loop free meanwhile.
+    handle = HandOverCudaEvent()
+    backend = CudaBackend()
+    done = trio.Event()
+
+    async def waiter():
+        await backend.wait(handle, None)
+        done.set()
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()  # the loop runs while the device is busy
+        assert not done.is_set()
+        assert handle.synchronized_in and handle.synchronized_in[0] != threading.current_thread().name
+        handle.device_done.set()
+        await done.wait()
+    assert trio.current_time() == start
+
+
+async def test_a_cuda_event_already_done_is_not_handed_to_a_thread():
+    handle = HandOverCudaEvent()
+    handle.device_done.set()
+    await CudaBackend().wait(handle, None)
+    assert handle.synchronized_in == []

@@ -16,7 +16,7 @@ went ahead before the producer had even started. Its fix paired each CUDA event 
 
 One producer and one consumer per event. The device part is a backend: `CPU_BACKEND` (work is
 complete when it is recorded), `FakeDeviceBackend` (complete only when a test says so) and
-`CudaBackend` (`torch.cuda.Event`, polled from the loop with back-off, never synchronised on it).
+`CudaBackend` (`torch.cuda.Event`, synchronised on in a thread, never on the loop).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 
 class DeviceBackend(Protocol):
@@ -104,8 +105,18 @@ class FakeDeviceBackend:
 
 class CudaBackend:
     """`torch.cuda.Event`s. A wait with a stream is a device-side `stream.wait_event`; a wait
-    without one polls `query()` with back-off (50 us up to 2 ms), so the loop is never blocked
-    in `synchronize()` and the wait stays cancellable."""
+    without one hands `event.synchronize()` (which releases the GIL) to a thread of this backend's
+    own, so the loop never blocks and is woken the moment the device finishes.
+
+    Not a poll from the loop: trio's timed sleeps wake on epoll's whole milliseconds (a 50 us
+    `sleep` takes ~1.2 ms here), so polling `query()` with back-off put a millisecond or more on
+    any step not done at the first look; the likeliest part of the H200 run's 2.78 ms a token at
+    one stream against a 0.30 ms floor (docs/benchmarks.md)."""
+
+    def __init__(self) -> None:
+        # One step's output is awaited at a time; a limiter of its own keeps these waits from
+        # queueing behind tokenizer or file work in anyio's default thread pool.
+        self._waiters = anyio.CapacityLimiter(1)
 
     def record(self, stream: Any) -> Any:
         import torch
@@ -118,16 +129,17 @@ class CudaBackend:
         return bool(handle.query())
 
     async def wait(self, handle: Any, stream: Any) -> None:
-        """Device-side ordering with a stream; otherwise polls until done. Cancellation stops the
-        polling (the device work itself goes on)."""
+        """Device-side ordering with a stream; otherwise until the device work is done, waited
+        for in a thread. Cancellation takes effect once that work is done (a step's work is
+        bounded, and the thread is never abandoned)."""
         if stream is not None:
             stream.wait_event(handle)
             await anyio.lowlevel.checkpoint()
             return
-        delay = 50e-6
-        while not handle.query():
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 2e-3)
+        if handle.query():
+            await anyio.lowlevel.checkpoint()
+            return
+        await anyio.to_thread.run_sync(handle.synchronize, limiter=self._waiters)
 
 
 class DeviceEvent:

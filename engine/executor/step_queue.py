@@ -10,8 +10,8 @@ memory object stream of its own, read once by `PendingStep.result`.
 On a device the worker's thread returns once the step's work is queued (`Worker.start_model`): its
 sampled tokens are still being copied to pinned host memory on a side stream (`output.pending`,
 engine/worker/transfers.py). So a `DeviceEvent` is recorded on that stream and sent with the output,
-and the engine core waits for it on the event loop (`DeviceEvent.wait`: a CUDA event polled, never
-a blocking synchronize) before reading the tokens (`output.resolve()`), while the queue's task
+and the engine core waits for it on the event loop (`DeviceEvent.wait`: a CUDA event synchronised on in a
+thread, never on the loop) before reading the tokens (`output.resolve()`), while the queue's task
 already starts the next step. On CPU the event is complete when recorded; tests drive a
 `FakeDeviceBackend`, whose events complete when they say.
 """
