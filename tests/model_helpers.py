@@ -9,11 +9,17 @@ from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.tiny import write_tokenizer
 
 
-def save_hf_checkpoint(tmp_path_factory, name: str, config_cls, model_cls, options: dict, seed: int = 0):
+def save_hf_checkpoint(tmp_path_factory, name: str, config_cls, model_cls, options: dict, seed: int = 0,
+                       redraw: tuple[str, ...] = (), redraw_std: float = 0.5):
     """A random model of transformers' `model_cls`, saved (with a tokenizer) as checkpoint `name`;
-    returns (its directory, the model)."""
+    returns (its directory, the model). Parameters whose names end with one of `redraw` (biases and
+    sinks, which transformers starts at zero or near it) are drawn again, wide enough to matter."""
     torch.manual_seed(seed)
     model = model_cls(config_cls(**options)).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(redraw):
+                param.normal_(0.0, redraw_std)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     write_tokenizer(path, options["vocab_size"])

@@ -85,23 +85,30 @@ async def our_greedy(config: EngineConfig, max_tokens: int = 24):
     return [got[i] for i in range(len(PROMPTS))], stats, placements, engine_view
 
 
+def moe_logits(path, token_ids: list[int], layout: ExpertLayout):
+    """Our logits [T, V] over `token_ids` in chunks (a chunked prefill, a decode, the rest) with
+    the experts held as `layout` says, and the model (its expert load counted)."""
+    model = load_decoder(path, "float32", experts=layout)
+    cfg, block_size = model.config, 4
+    kv = [(torch.zeros(64 * block_size, cfg.num_kv_heads, cfg.head_dim),
+           torch.zeros(64 * block_size, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    ids, logits = torch.tensor(token_ids), []
+    with torch.no_grad():
+        for start, end in [(0, 13), (13, 14), (14, len(token_ids))]:
+            meta = build_metadata([SequenceChunk(start, end - start, list(range(64)))], block_size,
+                                  torch.device("cpu"))
+            logits.append(model.compute_logits(model(model.embed(ids[start:end]), torch.arange(start, end), kv, meta)))
+    return torch.cat(logits), model
+
+
 @pytest.mark.parametrize("slots", [4, 6])
 def test_logits_match_transformers_with_and_without_redundant_experts(any_moe, slots):
     path, hf_model = any_moe
     token_ids = random.Random(1).choices(range(VOCAB), k=30)
     with torch.no_grad():
         expected = hf_model(torch.tensor([token_ids])).logits[0].float()
-    model = load_decoder(path, "float32", experts=ExpertLayout(4, slots))
-    cfg, block_size = model.config, 4
-    kv = [(torch.zeros(64 * block_size, cfg.num_kv_heads, cfg.head_dim),
-           torch.zeros(64 * block_size, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
-    ids, logits = torch.tensor(token_ids), []
-    with torch.no_grad():
-        for start, end in [(0, 13), (13, 14), (14, 30)]:  # chunked prefill, a decode, the rest
-            meta = build_metadata([SequenceChunk(start, end - start, list(range(64)))], block_size,
-                                  torch.device("cpu"))
-            logits.append(model.compute_logits(model(model.embed(ids[start:end]), torch.arange(start, end), kv, meta)))
-    assert torch.allclose(torch.cat(logits), expected, atol=1e-4, rtol=1e-4)
+    logits, model = moe_logits(path, token_ids, ExpertLayout(4, slots))
+    assert torch.allclose(logits, expected, atol=1e-4, rtol=1e-4)
     load = model.take_expert_load()
     assert load.shape == (2, slots) and int(load.sum()) == 2 * 30 * 2  # layers x tokens x top-k
     if slots == 6:

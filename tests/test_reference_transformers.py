@@ -126,3 +126,17 @@ def test_longrope_past_the_original_window_is_transformers_long_rope(tmp_path_fa
         expected = hf_model(torch.tensor([token_ids])).logits[0].float()
     ours = _our_logits(path, token_ids, [(0, 17), (17, 64), (64, 65), (65, 80)])
     assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()
+
+
+def test_yarn_as_qwen_configures_it_is_transformers_yarn(tmp_path_factory):
+    """YaRN with its correction range truncated (the default; gpt-oss's untruncated one is
+    tests/test_gpt_oss.py's) and the attention factor from the scaling factor, past the original window."""
+    config_cls, model_cls, extra = FAMILIES["qwen2"]
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    path, hf_model = save_hf_checkpoint(tmp_path_factory, "qwen2-yarn", config_cls, model_cls,
+                                        {**COMMON, **extra, "rope_parameters": yarn})
+    token_ids = random.Random(1).choices(range(VOCAB), k=60)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([token_ids])).logits[0].float()
+    ours = _our_logits(path, token_ids, [(0, 17), (17, 40), (40, 41), (41, 60)])
+    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()

@@ -104,10 +104,11 @@ class DecodeMetadata:
     block_size: int
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The batch's attention: reductions written for inductor (`paged_decode_attention`).
-        `sliding_window`: the layer's (a constant of the graph), or None."""
-        return paged_decode_attention(q, k_cache, v_cache, self, scale, sliding_window)
+        `sliding_window`: the layer's (a constant of the graph), or None; `sinks`: its heads' sink
+        logits (gpt-oss), or None."""
+        return paged_decode_attention(q, k_cache, v_cache, self, scale, sliding_window, sinks)
 
 
 @dataclass
@@ -117,8 +118,8 @@ class GatheredDecodeMetadata(DecodeMetadata):
     which runs eagerly on any device and launches the same kernels at every replay."""
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               sliding_window: int | None = None) -> torch.Tensor:
-        return gathered_decode_attention(q, k_cache, v_cache, self, scale, sliding_window)
+               sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return gathered_decode_attention(q, k_cache, v_cache, self, scale, sliding_window, sinks)
 
 
 @dataclass(frozen=True)
@@ -155,18 +156,19 @@ def attention_step(meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tens
 
 @torch.library.custom_op("trio_llm::step_attention", mutates_args=())
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                   sliding_window: int) -> torch.Tensor:
+                   sliding_window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Layer `layer`'s attention for the step `attention_step` set: writes this step's keys and
     values to that layer's cache, then attends (`paged_attention`; `sliding_window` 0: none). The
     cache is state outside the graph, which is why the graph never sees it."""
     step = _current.get()
     k_cache, v_cache = step.kv_caches[layer]
     write_kv(k_cache, v_cache, step.meta.slot_mapping, k, v)
-    return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, sliding_window or None).contiguous()
+    return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, sliding_window or None, sinks).contiguous()
 
 
 @step_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int,
+      sinks: torch.Tensor | None = None) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -264,15 +266,20 @@ def _gather_blocks(cache: torch.Tensor, group: AttentionGroup, block_size: int) 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], each token attending to its sequence's cached positions (the
     last `sliding_window` of them, with a window).
 
-    k, v: [T, Hkv, D], this step's keys and values (already written to the cache)."""
+    k, v: [T, Hkv, D], this step's keys and values (already written to the cache). `sinks` [Hq]:
+    each head's sink logit (gpt-oss; `sink_attention`), or None."""
     outputs = []
     for g in meta.groups_for(sliding_window):
         window = slice(g.token_start, g.token_end)
         q_group, k_group, v_group = q[window], k[window], v[window]
+        if sinks is not None:  # neither SDPA nor our kernels take a sink
+            outputs.append(masked_group_attention(q_group, k_group, v_group, k_cache, v_cache, g, meta.block_size,
+                                                  scale, sinks))
+            continue
         if g.mask is None:  # one fresh sequence: causal over its own tokens
             outputs.append(causal_prompt_attention(q_group, k_group, v_group, scale))
             continue
@@ -291,9 +298,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def masked_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, group: AttentionGroup, block_size: int,
-                           scale: float) -> torch.Tensor:
-    """A group's sequences in one SDPA call: queries padded to the longest, keys taken from this
-    step's rows (all fresh) or gathered from the cache, the group's additive mask over both."""
+                           scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A group's sequences in one SDPA call (`sink_attention` with `sinks`): queries padded to the
+    longest, keys taken from this step's rows (all fresh) or gathered from the cache, the group's
+    additive mask over both."""
+    if group.mask is None:  # one fresh sequence, unmasked elsewhere: its causal mask, for the sinks
+        assert sinks is not None
+        tokens = q.shape[0]
+        causal = torch.zeros(tokens, tokens, dtype=q.dtype, device=q.device).masked_fill_(
+            torch.ones(tokens, tokens, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        q_seq, k_seq, v_seq = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        return sink_attention(q_seq, k_seq, v_seq, causal, scale, sinks)[0].transpose(0, 1)
     q_batch = q.unsqueeze(1) if group.q_index is None else q[group.q_index]
     if group.block_table is None:
         k_batch = k[group.q_index].transpose(1, 2)
@@ -301,10 +316,30 @@ def masked_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     else:
         k_batch = _gather_blocks(k_cache, group, block_size)
         v_batch = _gather_blocks(v_cache, group, block_size)
-    out = F.scaled_dot_product_attention(q_batch.transpose(1, 2), k_batch, v_batch,
-                                         attn_mask=group.mask, scale=scale, enable_gqa=True)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q_batch.transpose(1, 2), k_batch, v_batch,
+                                             attn_mask=group.mask, scale=scale, enable_gqa=True)
+    else:
+        out = sink_attention(q_batch.transpose(1, 2), k_batch, v_batch, group.mask, scale, sinks)
     out = out.transpose(1, 2)  # [B, Lq, Hq, D]
     return out.squeeze(1) if group.q_index is None else out[group.q_valid]
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, Lq, D], k and v [B, Hkv, L, D], `mask` additive, broadcast to [B, Hq, Lq, L] ->
+    [B, Hq, Lq, D]: attention with each head's sink logit `sinks` [Hq] in the softmax's denominator
+    (gpt-oss's attention sinks, as transformers computes them): the sink takes its share of the
+    weight and contributes no value. Written out (the scores in float32), as no SDPA takes a sink."""
+    batch, num_heads, queries, dim = q.shape
+    num_kv_heads, length = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads  # query heads per KV head, each KV head's together
+    q_grouped = q.reshape(batch, num_kv_heads, group * queries, dim)
+    scores = (q_grouped @ k.transpose(-1, -2)).float().view(batch, num_heads, queries, length) * scale + mask
+    sink = sinks.float().view(1, num_heads, 1, 1).expand(batch, num_heads, queries, 1)
+    weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :length]
+    out = weights.to(v.dtype).view(batch, num_kv_heads, group * queries, length) @ v
+    return out.view(batch, num_heads, queries, dim)
 
 
 def prompt_chunks_by_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -413,9 +448,11 @@ def query_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: DecodeMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                           meta: DecodeMetadata, scale: float, sliding_window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one query per sequence) -> [B, Hq, D], over each sequence's cached keys
-    and values (this step's already written). For compiled graphs only: see the module doc.
+    and values (this step's already written), with each head's sink logit in the softmax's
+    denominator when `sinks` [Hq] is given. For compiled graphs only: see the module doc.
 
     The shapes are chosen for the loops inductor writes from them (docs/benchmarks.md, "Decode
     attention in the compiled graph"): the softmax runs along positions laid out contiguously,
@@ -434,15 +471,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scores = scores.permute(0, 3, 4, 1, 2).reshape(B, num_kv_heads, group, length)
     scores = scores.masked_fill(~_decode_allowed(length, meta.seq_lens, sliding_window)[:, None, None, :],
                                 float("-inf"))
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # unnormalised softmax
+    top = scores.amax(-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.float().view(1, num_kv_heads, group, 1)
+        top = torch.maximum(top, sink)
+    weights = torch.exp(scores - top)  # unnormalised softmax
     per_block = weights.view(B, num_kv_heads, group, num_blocks, block_size).permute(0, 3, 4, 1, 2)
     out = (per_block.unsqueeze(-1) * values.unsqueeze(4)).sum(2).sum(1)  # [B, Hkv, G, D]
-    out = out / weights.sum(-1, keepdim=True)
+    total = weights.sum(-1, keepdim=True)
+    out = out / (total if sinks is None else total + torch.exp(sink - top))
     return out.reshape(B, num_heads, dim).to(q.dtype)
 
 
 def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: DecodeMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                              meta: DecodeMetadata, scale: float, sliding_window: int | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one query per sequence) -> [B, Hq, D]: the keys and values of each sequence's
     block table gathered ([B, Hkv, L, D]), then one SDPA call masked to each one's length.
 
@@ -458,6 +501,11 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     keys = k_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
     values = v_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
     allowed = _decode_allowed(length, meta.seq_lens, sliding_window)
+    if sinks is not None:
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill_(~allowed, float("-inf"))
+        out = sink_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None, None, :],
+                             scale, sinks)
+        return out.reshape(B, num_heads, dim)
     out = F.scaled_dot_product_attention(q.view(B, num_kv_heads, group, dim), keys.transpose(1, 2),
                                          values.transpose(1, 2), attn_mask=allowed[:, None, None, :], scale=scale)
     return out.reshape(B, num_heads, dim)

@@ -29,7 +29,7 @@ from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, V
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
 from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.rope import RotaryEmbedding
-from engine.models.weights import checked_copy, load_named_weights, split_fused
+from engine.models.weights import checked_copy, load_named_weights, split_fused, split_stacked_experts
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -53,8 +53,7 @@ class DecoderLayer(nn.Module):
         self.mlp: DenseMLP | SparseMoeBlock
         moe = cfg.moe
         if moe is not None and experts is not None and index in moe.sparse_layers:
-            self.mlp = SparseMoeBlock(cfg.hidden_size, moe.intermediate_size, moe.top_k, moe.renormalize, experts,
-                                      tp, moe.shared_expert_intermediate_size, **factory)
+            self.mlp = SparseMoeBlock(cfg.hidden_size, moe, experts, tp, **factory)
         else:
             intermediate = tp.split(cfg.intermediate_size, "intermediate_size")
             self.mlp = DenseMLP(cfg.hidden_size, intermediate, cfg.mlp_bias, tp, act=cfg.hidden_act, **factory)
@@ -75,6 +74,9 @@ class DecoderLayer(nn.Module):
             self.k_norm = norm(cfg.head_dim)
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.sliding_window = cfg.window_of(index)
+        # gpt-oss: each head's learned logit in its softmax's denominator (attention.sink_attention)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory), requires_grad=False) \
+            if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: KVCache, meta: AttentionMetadata | DecodeMetadata | GraphedAttention) -> torch.Tensor:
@@ -99,13 +101,14 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.rotate(positions, q, k)
         if isinstance(meta, GraphedAttention):  # a compiled step graph: attention is opaque to it
-            out = step_attention(q, k, v, self.index, self.scale, self.sliding_window or 0)
+            out = step_attention(q, k, v, self.index, self.scale, self.sliding_window or 0, self.sinks)
             return self.o_proj(out.reshape(T, -1))
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
         if isinstance(meta, DecodeMetadata):  # a compiled decode graph or a captured CUDA graph
-            out = meta.attend(q, kv_cache[0], kv_cache[1], self.scale, self.sliding_window)
+            out = meta.attend(q, kv_cache[0], kv_cache[1], self.scale, self.sliding_window, self.sinks)
         else:
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                  self.sinks)
         return self.o_proj(out.reshape(T, -1))
 
 
@@ -224,13 +227,16 @@ class DecoderForCausalLM(nn.Module):
     def quantize_linears(self, method: str | None, only: set[str] | None = None) -> None:
         """Quantization of every linear layer the kernel takes, the LM head included (`method`:
         "int8" weight-only, "w8a8" or "int4"; None: none), or of the layers named in `only`. Call once the
-        weights are final, before `pack_linears`."""
+        weights are final, before `pack_linears`. An MoE block's router stays in float, as vLLM keeps
+        it: tiny, and an error there changes which experts run, not a logit's last digits."""
         if method is None:
             return
+        routers = {id(gate) for block in self.modules() if isinstance(block, SparseMoeBlock)
+                   for gate in (block.gate, block.shared_expert_gate)}
         for name, module in self.named_modules():
             if isinstance(module, FusedExperts) and only is None:
                 module.quantize(method)
-            if isinstance(module, Linear) and (only is None or name in only):
+            if isinstance(module, Linear) and id(module) not in routers and (only is None or name in only):
                 module.quantize(method, keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
 
     def linears_of(self, hf_names: set[str]) -> set[str]:
@@ -284,6 +290,8 @@ class DecoderForCausalLM(nn.Module):
         cfg = self.config
         if cfg.fused_checkpoint:
             weights = split_fused(weights, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        if cfg.family == "gpt_oss":
+            weights = split_stacked_experts(weights)
         load_named_weights(params, weights, self._map_name, self._copy_into, expected, self.config.architecture)
         self.tie_weights()
 
@@ -291,9 +299,9 @@ class DecoderForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and name == "lm_head.weight":
             return []
         num_experts = self.config.moe.num_experts if self.config.moe else 0
-        if name.endswith(".experts.w13"):  # expert e's gate is slot 2e, its up 2e + 1
+        if name.endswith((".experts.w13", ".experts.w13_bias")):  # expert e's gate is slot 2e, its up 2e + 1
             return [(name, i) for i in range(2 * num_experts)]
-        if name.endswith(".experts.w2"):
+        if name.endswith((".experts.w2", ".experts.w2_bias")):
             return [(name, e) for e in range(num_experts)]
         if ".qkv_proj." in name:
             return [(name, 0), (name, 1), (name, 2)]
@@ -324,6 +332,7 @@ class DecoderForCausalLM(nn.Module):
         if len(parts) == 7 and parts[2:4] == ["mlp", "experts"] and parts[5] in self._EXPERT:
             ours, part = self._EXPERT[parts[5]]
             expert = int(parts[4])
+            ours += "_bias" if parts[6] == "bias" else ""
             return ".".join([*parts[:4], ours]), expert if part is None else 2 * expert + part
         if len(parts) >= 3 and parts[-2] in self._FUSED:
             fused, slot = self._FUSED[parts[-2]]
@@ -359,13 +368,13 @@ class DecoderForCausalLM(nn.Module):
         experts = self.get_submodule(name.rsplit(".", 1)[0])
         assert isinstance(experts, FusedExperts)
         sharded = experts.layout.ep_size == 1  # without expert parallelism each expert is tensor-sharded
-        if name.endswith(".w13"):
+        if name.endswith((".w13", ".w13_bias")):
             expert, part = divmod(slot, 2)
             half = param.shape[1] // 2
             tensor = self.tp.shard(tensor, 0) if sharded else tensor
             targets = [param.data[local].narrow(0, part * half, half) for local in experts.local_slots_of(expert)]
-        else:
-            tensor = self.tp.shard(tensor, 1) if sharded else tensor
+        else:  # the down projection; its bias is whole on every rank (`FusedExperts.add_down_bias`)
+            tensor = self.tp.shard(tensor, 1) if sharded and name.endswith(".w2") else tensor
             targets = [param.data[local] for local in experts.local_slots_of(slot)]
         for target in targets:
             checked_copy(target, tensor, hf_name)
@@ -376,7 +385,7 @@ class DecoderForCausalLM(nn.Module):
         return list(self.first_layer.split)
 
     _ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
-    _COLUMN_PARALLEL = (".qkv_proj.", ".gate_up_proj.", "embed_tokens.weight", "lm_head.weight")
+    _COLUMN_PARALLEL = (".qkv_proj.", ".gate_up_proj.", "embed_tokens.weight", "lm_head.weight", ".sinks")
 
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (the identity without tensor parallelism;

@@ -24,6 +24,7 @@ DECODER_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -37,6 +38,13 @@ class MoeConfig:
     renormalize: bool  # rescale the top-k routing weights to sum to 1
     sparse_layers: tuple[int, ...]  # layers whose MLP is the expert block (the rest are dense)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
+    router_bias: bool = False  # gpt-oss: the router's linear has a bias
+    expert_bias: bool = False  # gpt-oss: each expert's gate/up and down projections have biases
+    # The experts' gate: "silu" (SwiGLU), or "swigluoai" (gpt-oss: clamped at `swiglu_limit`,
+    # x * sigmoid(alpha * x) on the gate, (up + 1) on the up projection; vLLM's name)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 def _moe(raw: dict[str, Any], family: str, num_layers: int) -> MoeConfig | None:
@@ -92,6 +100,7 @@ class DecoderConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     rotary_dim: int | None = None  # the leading dims of each head that rope rotates (Phi: partial_rotary_factor)
     fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj fused, as ours (Phi-3)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: full attention)."""
@@ -149,12 +158,15 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if scaling:
         scaling = dict(scaling)
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in ("su", "longrope"):  # Phi-3's; the window it was trained on comes from the top level too
-            scaling["rope_type"] = kind = "longrope"
+        if kind == "su":  # Phi-3's first name for LongRoPE
+            kind = "longrope"
+        if kind in ("longrope", "yarn"):  # the window trained on may come from the top level too
+            scaling["rope_type"] = kind
             scaling.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
             scaling.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
-        if kind not in ("default", "llama3", "linear", "longrope"):
-            raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, longrope")
+        if kind not in ("default", "llama3", "linear", "longrope", "yarn"):
+            raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, longrope, "
+                                 "yarn")
         if kind == "default":
             scaling = None
     return theta, scaling
@@ -219,6 +231,34 @@ def _gemma3(raw: dict[str, Any], arch: str) -> DecoderConfig:
         final_logit_softcapping=raw.get("final_logit_softcapping"))
 
 
+def _gpt_oss(raw: dict[str, Any], arch: str) -> DecoderConfig:
+    """OpenAI's gpt-oss (transformers' GptOssForCausalLM): sliding and full layers alternating,
+    attention sinks, biases on q/k/v/o, YaRN, and MoE in every layer with a biased router (softmax
+    over its top-k logits) and clamped SwiGLU experts with biases."""
+    quantization = (raw.get("quantization_config") or {}).get("quant_method")
+    if quantization is not None:
+        raise ModelLoadError(f"quantization_config {quantization!r}: not implemented for {arch}; load a checkpoint "
+                             "with the experts in bfloat16 or float32")
+    num_layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                       for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"layer_types {types!r}: expected sliding_attention or full_attention per layer")
+    window = raw.get("sliding_window")
+    if type(window) is not int or window < 1:
+        raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
+    theta, scaling = _rope(raw)
+    moe = MoeConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
+                    True, tuple(range(num_layers)), router_bias=True, expert_bias=True, activation="swigluoai",
+                    swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
+    bias = bool(raw.get("attention_bias", True))
+    return DecoderConfig(
+        **_common(raw, arch, "gpt_oss"), rope_theta=theta, rope_scaling=scaling, qkv_bias=bias, o_bias=bias,
+        mlp_bias=False, qk_norm=False, moe=moe, sliding_window=window,
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"), attention_sinks=True)
+
+
 def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
     """Mistral's window, on every layer as transformers applies it. Qwen2 configs carry a
     `sliding_window` that transformers ignores unless `use_sliding_window` is set: refused then
@@ -252,6 +292,8 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
         heads = int(raw["num_attention_heads"])
         if family == "gemma3":
             return _gemma3(raw, arch)
+        if family == "gpt_oss":
+            return _gpt_oss(raw, arch)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {act!r} for {arch}; expected 'silu'")

@@ -17,7 +17,9 @@ between steps; each forward counts the tokens routed to each physical slot (`ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,16 +64,48 @@ class ExpertLayout:
         return self.first_slot <= slot < self.first_slot + self.slots_per_rank
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' gate (transformers' `GptOssExperts._apply_gate`, vLLM's "swigluoai"): the gate
+    clamped above and the up projection both ways at `limit`, x * sigmoid(alpha * x), times up + 1."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def expert_activation(moe: MoeConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The experts' act(gate) * up, as `moe.activation` names it."""
+    if moe.activation == "swigluoai":
+        return partial(swiglu_oai, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
+    return swiglu
+
+
 class FusedExperts(nn.Module):
     """This rank's expert slots: `w13` [slots, 2 * intermediate, hidden] (gate; up) and `w2`
-    [slots, hidden, intermediate], plus the placement buffers."""
+    [slots, hidden, intermediate], with `w13_bias` [slots, 2 * intermediate] and `w2_bias` [slots,
+    hidden] where the experts have biases (gpt-oss), plus the placement buffers.
 
-    def __init__(self, hidden: int, intermediate: int, layout: ExpertLayout, **factory: Any) -> None:
+    `add_down_bias`: whether this rank adds the down projection's bias. Its outputs are partial sums
+    that one all-reduce completes, so with each expert split over the ranks (tensor parallelism)
+    only the first adds it; with whole experts (expert parallelism) the rank holding one does."""
+
+    def __init__(self, hidden: int, intermediate: int, layout: ExpertLayout, biases: bool = False,
+                 activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+                 add_down_bias: bool = True, **factory: Any) -> None:
         super().__init__()
         self.layout = layout
         slots = layout.slots_per_rank
         self.w13 = nn.Parameter(torch.empty(slots, 2 * intermediate, hidden, **factory), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(slots, hidden, intermediate, **factory), requires_grad=False)
+        self.w13_bias = self.w2_bias = None
+        if biases:
+            self.w13_bias = nn.Parameter(torch.empty(slots, 2 * intermediate, **factory), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(slots, hidden, **factory), requires_grad=False)
+        self.activation = activation
+        self.add_down_bias = add_down_bias
         device = factory.get("device")
         self.set_maps(ExpertMaps.from_phy2log(initial_phy2log(1, layout.num_logical, layout.num_physical),
                                               layout.num_logical), device)
@@ -81,6 +115,12 @@ class FusedExperts(nn.Module):
         self.qmethod: str | None = None
         for buffer in ("w13_rows", "w13_scales", "w2_rows", "w2_scales"):
             self.register_buffer(buffer, None)
+
+    @property
+    def per_slot(self) -> list[torch.Tensor]:
+        """The tensors indexed by slot that move with an expert (EPLB): its weights, and its biases
+        where it has them."""
+        return [t for t in (self.w13, self.w2, self.w13_bias, self.w2_bias) if t is not None]
 
     def set_maps(self, maps: ExpertMaps, device: Any = None) -> None:
         """Adopt one layer's placement (tensors with a leading dimension of 1)."""
@@ -111,11 +151,13 @@ class FusedExperts(nn.Module):
         return True
 
     def _expert(self, name: str, slot: int, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` for expert slot `slot`'s weight `name` ("w13" or "w2"), float or quantized."""
+        """`x @ W.T (+ b)` for expert slot `slot`'s weight `name` ("w13" or "w2"), float or quantized."""
+        biases = getattr(self, f"{name}_bias")
+        bias = biases[slot] if biases is not None and (name == "w13" or self.add_down_bias) else None
         if self.qmethod is None:
-            return F.linear(x, getattr(self, name)[slot])
+            return F.linear(x, getattr(self, name)[slot], bias)
         rows, scales = getattr(self, f"{name}_rows"), getattr(self, f"{name}_scales")
-        return QUANTIZED_MATMULS[self.qmethod](x, rows[slot], scales[slot], None)
+        return QUANTIZED_MATMULS[self.qmethod](x, rows[slot], scales[slot], bias)
 
     def exclude_from_compilation(self) -> None:
         """Run `forward` eagerly inside a compiled model, between its compiled parts: the dispatch
@@ -143,7 +185,8 @@ class FusedExperts(nn.Module):
                 continue
             rows = tokens[start:start + count]
             gate, up = self._expert("w13", slot, x[rows]).chunk(2, dim=-1)
-            out.index_add_(0, rows, self._expert("w2", slot, F.silu(gate) * up) * pick_weights[start:start + count])
+            down = self._expert("w2", slot, self.activation(gate, up))
+            out.index_add_(0, rows, down * pick_weights[start:start + count])
             start += count
         return out
 
@@ -154,22 +197,26 @@ class FusedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ Qwen2-MoE's gated shared expert). Returns this rank's partial sum."""
+    """Router + experts (+ Qwen2-MoE's gated shared expert). Returns this rank's partial sum.
 
-    def __init__(self, hidden: int, intermediate: int, top_k: int, renormalize: bool, layout: ExpertLayout,
-                 tp: TensorParallel, shared_intermediate: int = 0, **factory: Any) -> None:
+    Routing is a softmax over the router's logits, its top k, renormalised to sum to 1 where the
+    model says (the same as gpt-oss's softmax over its top-k logits)."""
+
+    def __init__(self, hidden: int, moe: MoeConfig, layout: ExpertLayout, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
-        self.top_k = top_k
-        self.renormalize = renormalize
-        self.gate = Linear(hidden, layout.num_logical, bias=False, **factory)
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.gate = Linear(hidden, layout.num_logical, bias=moe.router_bias, **factory)
         # Under expert parallelism experts are whole on their rank; otherwise each is tensor-sharded.
-        expert_intermediate = intermediate if layout.ep_size > 1 else tp.split(intermediate, "moe_intermediate_size")
-        self.experts = FusedExperts(hidden, expert_intermediate, layout, **factory)
+        whole = layout.ep_size > 1
+        intermediate = moe.intermediate_size if whole else tp.split(moe.intermediate_size, "moe_intermediate_size")
+        self.experts = FusedExperts(hidden, intermediate, layout, moe.expert_bias, expert_activation(moe),
+                                    add_down_bias=whole or tp.rank == 0, **factory)
         self.shared_expert: DenseMLP | None = None
         self.shared_expert_gate: Linear | None = None
-        if shared_intermediate:
-            self.shared_expert = DenseMLP(hidden, tp.split(shared_intermediate, "shared_expert_intermediate_size"),
-                                          False, tp, reduce=False, **factory)
+        if moe.shared_expert_intermediate_size:
+            shared = tp.split(moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+            self.shared_expert = DenseMLP(hidden, shared, False, tp, reduce=False, **factory)
             self.shared_expert_gate = Linear(hidden, 1, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

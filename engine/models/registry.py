@@ -46,6 +46,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  notes="shared expert; expert parallelism and EPLB"),
     Architecture("Qwen3MoeForCausalLM", "decoder (MoE)", "Qwen/Qwen3-30B-A3B", **_MOE,
                  notes="expert parallelism and EPLB"),
+    Architecture("GptOssForCausalLM", "decoder (MoE)", "openai/gpt-oss-20b", **_MOE,
+                 notes="attention sinks; sliding and full layers alternating; YaRN; a biased router and clamped "
+                       "SwiGLU experts with biases; expert parallelism and EPLB; MXFP4 checkpoints refused (the "
+                       "experts in bfloat16 or float32 load)"),
     Architecture("LlavaForConditionalGeneration", "vision-language", "llava-hf/llava-1.5-7b-hf",
                  tensor_parallel=YES, pipeline_parallel=NO, lora=NO, quantization=NO, compiled=YES,
                  notes="images in chat messages; the encoder cache"),

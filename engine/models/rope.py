@@ -1,5 +1,5 @@
-"""Rotary position embeddings (neox layout, as in HF Llama/Qwen): llama3, linear or LongRoPE frequency scaling,
-and partial rotation (the leading `rotary_dim` dims of each head)."""
+"""Rotary position embeddings (neox layout, as in HF Llama/Qwen): llama3, linear, YaRN or LongRoPE frequency
+scaling, and partial rotation (the leading `rotary_dim` dims of each head)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,38 @@ def _longrope_freqs(positions: torch.Tensor, rotary_dim: int, theta: float,
     return torch.outer(positions, inv_freq), float(attention)
 
 
+def _yarn(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, Qwen's long-context setting, DeepSeek-V3): the inverse frequencies, blended
+    between interpolated and original along the dims, and the factor cos and sin are scaled by;
+    transformers' `_compute_yarn_parameters`, which vLLM's `YaRNScalingRotaryEmbedding` matches."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or int(scaling["max_position_embeddings"]) / original
+    factor = float(factor)
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        big, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, big) / mscale(factor, all_dims) if big and all_dims else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    original_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    extrapolated = 1 - ramp  # the high-frequency dims keep their frequency; the low ones are interpolated
+    inv_freq = original_freq / factor * (1 - extrapolated) + original_freq * extrapolated
+    return inv_freq, float(attention)
+
+
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
@@ -73,8 +105,12 @@ class RotaryEmbedding(nn.Module):
         dim = rotary_dim or head_dim
         positions = torch.arange(max_positions, dtype=torch.float32)
         scale = 1.0
-        if scaling is not None and scaling.get("rope_type") == "longrope":
+        kind = None if scaling is None else scaling.get("rope_type")
+        if scaling is not None and kind == "longrope":
             freqs, scale = _longrope_freqs(positions, dim, theta, scaling)
+        elif scaling is not None and kind == "yarn":
+            inv_freq, scale = _yarn(dim, theta, scaling)
+            freqs = torch.outer(positions, inv_freq)
         else:
             freqs = torch.outer(positions, inverse_frequencies(dim, theta, scaling))
         self.rotary_dim = None if dim == head_dim else dim

@@ -60,3 +60,24 @@ def split_fused(weights: Iterable[tuple[str, torch.Tensor]], q_size: int,
             yield f"{prefix}.up_proj.{kind}", up
         else:
             yield name, tensor
+
+
+def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's experts, stored stacked (`mlp.experts.gate_up_proj` [experts, hidden, 2 * inter]
+    with gate and up columns interleaved, `down_proj` [experts, inter, hidden], and their biases),
+    as the per-expert tensors of the other MoE checkpoints (`mlp.experts.E.gate_proj.weight`
+    [inter, hidden], ...); its `mlp.router` as their `mlp.gate`."""
+    for name, tensor in weights:
+        prefix, _, kind = name.rpartition(".experts.")
+        if kind in ("gate_up_proj", "gate_up_proj_bias"):
+            suffix = "bias" if kind.endswith("_bias") else "weight"
+            for expert, both in enumerate(tensor):
+                gate, up = both[..., ::2], both[..., 1::2]
+                yield f"{prefix}.experts.{expert}.gate_proj.{suffix}", gate.t() if suffix == "weight" else gate
+                yield f"{prefix}.experts.{expert}.up_proj.{suffix}", up.t() if suffix == "weight" else up
+        elif kind in ("down_proj", "down_proj_bias"):
+            suffix = "bias" if kind.endswith("_bias") else "weight"
+            for expert, down in enumerate(tensor):
+                yield f"{prefix}.experts.{expert}.down_proj.{suffix}", down.t() if suffix == "weight" else down
+        else:
+            yield name.replace(".mlp.router.", ".mlp.gate."), tensor

@@ -32,8 +32,8 @@ from engine.models.moe import ExpertLayout, FusedExperts
 @dataclass
 class StagedLayer:
     local_slots: torch.Tensor  # this rank's slots that change
-    w13: torch.Tensor  # their new weights, in the same order
-    w2: torch.Tensor
+    # their new weights (and biases), in the same order: one tensor per `FusedExperts.per_slot`
+    tensors: list[torch.Tensor]
     ready: Any = None  # the CUDA event after the staging copies (None on CPU)
 
 
@@ -56,10 +56,9 @@ class ExpertMover:
         if first == 0:
             slots = torch.tensor([m.dst_slot - first_slot for m in mine], dtype=torch.long,
                                  device=experts.w13.device)
-            self.staged[plan.layer] = StagedLayer(slots, torch.empty((len(mine), *experts.w13.shape[1:]),
-                                                                     dtype=experts.w13.dtype, device=slots.device),
-                                                  torch.empty((len(mine), *experts.w2.shape[1:]),
-                                                              dtype=experts.w2.dtype, device=slots.device))
+            self.staged[plan.layer] = StagedLayer(slots, [torch.empty((len(mine), *live.shape[1:]), dtype=live.dtype,
+                                                                      device=slots.device)
+                                                          for live in experts.per_slot])
         staged = self.staged[plan.layer]
         part = plan.moves[first:] if count is None else plan.moves[first:first + count]
         filled = 0
@@ -79,16 +78,15 @@ class ExpertMover:
         first_slot = self.layout.first_slot
         if dst == self.rank:
             i = mine.index(move)
-            if src == self.rank:
-                staged.w13[i].copy_(experts.w13[move.src_slot - first_slot])
-                staged.w2[i].copy_(experts.w2[move.src_slot - first_slot])
-            else:
-                dist.recv(staged.w13[i], src)
-                dist.recv(staged.w2[i], src)
+            for new, live in zip(staged.tensors, experts.per_slot, strict=True):
+                if src == self.rank:
+                    new[i].copy_(live[move.src_slot - first_slot])
+                else:
+                    dist.recv(new[i], src)
             return 1
         if src == self.rank:
-            dist.send(experts.w13[move.src_slot - first_slot].contiguous(), dst)
-            dist.send(experts.w2[move.src_slot - first_slot].contiguous(), dst)
+            for live in experts.per_slot:
+                dist.send(live[move.src_slot - first_slot].contiguous(), dst)
         return 0
 
     def commit(self, plan: LayerPlan) -> None:
@@ -97,7 +95,7 @@ class ExpertMover:
         experts = self.layers[plan.layer]
         if staged.ready is not None:
             torch.cuda.current_stream().wait_event(staged.ready)  # on the device: the CPU does not wait
-        experts.w13.data.index_copy_(0, staged.local_slots, staged.w13)
-        experts.w2.data.index_copy_(0, staged.local_slots, staged.w2)
+        for live, new in zip(experts.per_slot, staged.tensors, strict=True):
+            live.data.index_copy_(0, staged.local_slots, new)
         experts.set_maps(ExpertMaps.from_phy2log(torch.tensor([plan.new_phy2log]), self.layout.num_logical))
 

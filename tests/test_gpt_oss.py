@@ -1,0 +1,154 @@
+"""gpt-oss against transformers: attention sinks, sliding and full layers, YaRN, the biased router
+and the clamped SwiGLU experts with biases, eager and compiled, chunked, prefix-cached, under tensor
+parallelism, and in bfloat16."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trio
+from transformers import GptOssConfig, GptOssForCausalLM
+
+from engine import EngineConfig, open_engine
+from engine.config import EplbConfig
+from engine.eplb.maps import initial_phy2log
+from engine.errors import ModelLoadError
+from engine.models.hf_config import parse_decoder_config, read_config_json
+from engine.models.loader import load_decoder
+from engine.models.moe import ExpertLayout, swiglu_oai
+from tests.helpers import final_output, greedy
+from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
+from tests.test_compiled_decode import compiled_config
+from tests.test_compiled_decode import engine_greedy as compiled_greedy
+from tests.test_moe_eplb import moe_logits
+from tests.test_quantization import INT8_TOLERANCE
+
+VOCAB = 512
+WINDOW = 12
+OPTIONS = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+    sliding_window=WINDOW, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    # wide weights and a low clamp, so that the clamp bites; YaRN past a short original window
+    initializer_range=0.1, swiglu_limit=1.0,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+# transformers starts every bias at zero and the sinks near it: drawn again so each one counts
+REDRAW = ("bias", "sinks")
+PROMPTS = [random.Random(7).choices(range(3, VOCAB), k=n) for n in (5, 19, 40)]  # two past the window
+
+
+def save_gpt_oss(tmp_path_factory, name: str = "gpt-oss", dtype: torch.dtype = torch.float32,
+                 redraw: tuple[str, ...] = REDRAW):
+    path, model = save_hf_checkpoint(tmp_path_factory, name, GptOssConfig, GptOssForCausalLM,
+                                     {**OPTIONS, "dtype": dtype}, redraw=redraw)
+    return path, model.to(dtype)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return save_gpt_oss(tmp_path_factory)
+
+
+async def engine_greedy(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24) -> list[list[int]]:
+    got: dict[int, list[int]] = {}
+    async with open_engine(config) as engine:
+        async def run(i: int) -> None:
+            got[i] = list((await final_output(engine, prompts[i], greedy(max_tokens, ignore_eos=True))).outputs[0]
+                          .token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(run, i)
+    return [got[i] for i in range(len(prompts))]
+
+
+def test_the_config_reads_every_feature_and_refuses_mxfp4(gpt_oss):
+    path, _ = gpt_oss
+    raw = read_config_json(path)
+    cfg = parse_decoder_config(raw)
+    assert cfg.attention_sinks and cfg.qkv_bias and cfg.o_bias
+    assert [cfg.window_of(i) for i in range(2)] == [WINDOW, None]
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
+    assert cfg.moe is not None and (cfg.moe.router_bias, cfg.moe.expert_bias, cfg.moe.activation) == \
+        (True, True, "swigluoai")
+    with pytest.raises(ModelLoadError, match="quantization_config 'mxfp4': not implemented for GptOssForCausalLM"):
+        parse_decoder_config({**raw, "quantization_config": {"quant_method": "mxfp4"}})
+
+
+def test_the_clamped_swiglu_is_transformers_own():
+    gate_up = torch.randn(6, 2 * 8) * 4  # beyond the limit both ways
+    experts = GptOssForCausalLM(GptOssConfig(**OPTIONS)).model.layers[0].mlp.experts
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    assert torch.equal(swiglu_oai(gate, up, experts.alpha, experts.limit), experts._apply_gate(gate_up))
+
+
+@pytest.mark.parametrize("slots", [4, 6])
+def test_logits_match_transformers_over_chunks_past_the_window(gpt_oss, slots):
+    """Chunked prefill, a decode and the rest, 30 tokens against a window of 12; with 6 slots two
+    experts have a replica, biases and all."""
+    path, hf_model = gpt_oss
+    token_ids = random.Random(1).choices(range(VOCAB), k=30)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([token_ids])).logits[0].float()
+    logits, _ = moe_logits(path, token_ids, ExpertLayout(4, slots))
+    assert torch.allclose(logits, expected, atol=1e-4, rtol=1e-4), (logits - expected).abs().max()
+
+
+async def test_greedy_tokens_eager_and_compiled_chunked_and_prefix_cached_equal_transformers(gpt_oss):
+    path, hf_model = gpt_oss
+    expected = transformers_greedy(hf_model, PROMPTS, 24)
+    # chunks of 16 tokens cut the 40-token prompt; the prompts run twice, the second time from the prefix cache
+    base = dict(model=str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
+                enable_prefix_caching=True)
+    assert await engine_greedy(EngineConfig(**base, enforce_eager=True), PROMPTS + PROMPTS) == expected + expected
+    compiled, steps = await compiled_greedy(compiled_config(path, max_num_batched_tokens=16), PROMPTS, 24)
+    assert compiled == expected and steps >= 20  # the decodes ran on the compiled graph
+
+
+async def test_tensor_parallel_2_gives_transformers_greedy_tokens(gpt_oss):
+    """Heads, sinks and each expert's intermediate split over two ranks; the down projection's bias
+    added once."""
+    path, hf_model = gpt_oss
+    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+                          enforce_eager=True)
+    assert await engine_greedy(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
+
+
+async def test_bfloat16_tokens_agree_with_transformers_bfloat16_on_a_prefix(tmp_path_factory):
+    """transformers runs the softmax and router in bfloat16, we in float32: the first 8 tokens of
+    each prompt agree, then near-ties may part them."""
+    path, hf_model = save_gpt_oss(tmp_path_factory, "gpt-oss-bf16", torch.bfloat16)
+    expected = transformers_greedy(hf_model, PROMPTS, 8)
+    got = await engine_greedy(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, enforce_eager=True),
+                              max_tokens=8)
+    assert got == expected
+
+
+async def test_rebalancing_moves_the_experts_biases_with_their_weights(gpt_oss):
+    path, hf_model = gpt_oss
+    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True, enable_eplb=True,
+                          eplb_config=EplbConfig(window_size=4, step_interval=4, num_redundant_experts=2,
+                                                 use_async=False))
+    async with open_engine(config) as engine:
+        tokens = [list((await final_output(engine, prompt, greedy(24, ignore_eos=True))).outputs[0].token_ids)
+                  for prompt in PROMPTS]
+        placement = engine.core.eplb.placement() if engine.core.eplb else None
+        rebalances = engine.stats().eplb.rebalances
+    assert rebalances >= 3 and placement != initial_phy2log(2, 4, 6).tolist()
+    assert tokens == transformers_greedy(hf_model, PROMPTS, 24)
+
+
+def test_int8_quantizes_the_experts_and_keeps_their_biases(tmp_path_factory):
+    """The router stays in float, and its weights are drawn wide here: with transformers' narrow ones
+    two experts' logits come within int8's error of each other, and a token that changes experts
+    moves its logits by far more than the kernel's error."""
+    path, _ = save_gpt_oss(tmp_path_factory, "gpt-oss-int8", redraw=(*REDRAW, "router.weight"))
+    exact, quantized = load_decoder(path, "float32"), load_decoder(path, "float32", quantization="int8")
+    assert quantized.moe_layers and all(e.qmethod == "int8" and e.w13_bias is not None for e in quantized.moe_layers)
+    assert all(layer.mlp.gate.qmethod is None and layer.qkv_proj.qmethod == "int8" for layer in quantized.layers)
+    for prompt in PROMPTS:
+        ours, float_logits = (decoder_logits(m, m.embed(torch.tensor(prompt))) for m in (quantized, exact))
+        assert (ours - float_logits).abs().max() <= INT8_TOLERANCE * float_logits.abs().max()
