@@ -61,3 +61,21 @@ def test_stop_strings_wait_for_min_tokens(tiny_model_dir):
     late = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["ab"], min_tokens=len(ids) - 1, max_tokens=50))
     assert late.add_tokens(ids[:-1]) is None  # within min_tokens: no stop
     assert late.add_tokens(ids[-1:]) == "ab" and late.text.endswith(" ")
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+async def test_the_eos_that_ends_a_sequence_is_in_its_ids_not_its_text_even_with_special_tokens_kept(
+        tiny_model_dir, tokenizer, include_stop):
+    """vLLM's rule: the stop token's text is left out unless include_stop_str_in_output, so a
+    client that keeps special tokens (gpt-oss's harmony parser does) never sees the EOS."""
+    from engine import open_engine
+    from tests.conftest import engine_config
+    from tests.helpers import final_output
+
+    eos = tokenizer.backend.token_to_id("<|im_end|>")
+    params = SamplingParams(max_tokens=4, logit_bias={eos: 100.0}, skip_special_tokens=False,
+                            include_stop_str_in_output=include_stop)
+    async with open_engine(engine_config(tiny_model_dir)) as engine:
+        completion = (await final_output(engine, [5, 6, 7], params)).outputs[0]
+    assert completion.token_ids == [eos] and completion.finish_reason == "stop"
+    assert completion.text == ("<|im_end|>" if include_stop else "")

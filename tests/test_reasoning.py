@@ -4,13 +4,15 @@ chat_template_kwargs reach the template."""
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
 
+from bench.http import request
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
-from web.chat.reasoning import ReasoningStream, split_reasoning
+from web.chat.reasoning import reasoning_stream, split_reasoning
 from web.http.settings import ServerSettings
 
 TEMPLATE = ("{% if enable_thinking %}THINK THINK THINK\n{% endif %}"
@@ -65,11 +67,17 @@ async def test_chat_template_kwargs_reach_the_template(client):
     ("qwen3", "no thinking at all", (None, "no thinking at all")),
     ("deepseek_r1", "still thinking when cut off", ("still thinking when cut off", "")),
     ("deepseek_r1", "why</think>because", ("why", "because")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>plan it<|end|><|start|>assistant<|channel|>final<|message|>answer",
+     ("plan it", "answer")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut off while thinking", ("cut off while thinking", "")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>x < y<|return|>", ("ab", "x < y")),
+    ("openai_gptoss", "plain text, no channel", (None, "plain text, no channel")),
 ])
 def test_split_whole_and_in_any_chunking(parser, text, expected):
     assert split_reasoning(parser, text) == expected
     for size in (1, 2, 3, 7):
-        splitter, reasoning, content = ReasoningStream(parser), "", ""
+        splitter, reasoning, content = reasoning_stream(parser), "", ""
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
         for i, piece in enumerate(pieces):
             r, c = splitter.feed(piece, final=i == len(pieces) - 1)
@@ -89,3 +97,47 @@ async def test_structured_outputs_apply_after_the_reasoning(client):
                                                           seed=1, temperature=1.0, response_format=response_format)
     text = still_thinking.choices[0].message.content
     assert not text.startswith('{"a"')  # no </think> yet: the model reasons freely, unconstrained
+
+
+# gpt-oss's harmony format, as its chat template lays it out (a short template of our own: the
+# system message names the reasoning effort, each message is <|start|>role<|message|>...<|end|>)
+HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+HARMONY_OUTPUT = "<|channel|>analysis<|message|>ab cd<|end|><|start|>assistant<|channel|>final<|message|>xy z"
+
+
+@pytest.fixture
+async def gptoss_server(tiny_model_dir):
+    settings = ServerSettings(reasoning_parser="openai_gptoss")
+    async with running_server(engine_config(tiny_model_dir, chat_template=HARMONY_TEMPLATE), settings) as server:
+        yield server
+
+
+async def test_harmony_analysis_is_the_reasoning_and_the_final_channel_the_content(gptoss_server):
+    client = openai.AsyncOpenAI(base_url=gptoss_server.url + "/v1", api_key="unused", max_retries=0)
+    model = gptoss_server.state.model_name
+    forced = {"structured_outputs": {"regex": re.escape(HARMONY_OUTPUT)}}
+    # the answer's grammar applies after the reasoning's end, found in this prompt already (as in FORCED_MESSAGES)
+    messages = [{"role": "user", "content": "go <|channel|>final<|message|>"}]
+    async with client:
+        out = await client.chat.completions.create(model=model, messages=messages, max_tokens=80, extra_body=forced)
+        assert (out.choices[0].message.reasoning, out.choices[0].message.content) == ("ab cd", "xy z")
+        stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=80, stream=True,
+                                                      extra_body=forced)
+        reasoning = content = ""
+        async for chunk in stream:
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning", None) or ""
+                content += choice.delta.content or ""
+        assert (reasoning, content) == ("ab cd", "xy z")
+
+
+async def test_harmony_prompts_carry_the_effort_and_keep_special_tokens_for_the_parser(gptoss_server):
+    body = {"messages": MESSAGES, "reasoning_effort": "high"}
+    rendered = (await request(gptoss_server.url, "POST", "/v1/chat/completions/render", body)).json()
+    detok = await request(gptoss_server.url, "POST", "/detokenize", {"tokens": rendered["token_ids"]})
+    assert detok.json()["prompt"] == ("<|start|>system<|message|>Reasoning: high<|end|>"
+                                      "<|start|>user<|message|>think first<|end|><|start|>assistant")
+    # harmony's tags are special tokens in gpt-oss's tokenizer: skipping them would leave nothing to parse
+    assert rendered["sampling_params"]["skip_special_tokens"] is False

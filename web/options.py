@@ -16,6 +16,7 @@ from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from engine.config import QUANTIZATIONS, SAME_AS_FIELD, TRUST_REMOTE_CODE_REFUSED, EngineConfig, Flag
+from web.chat.reasoning import PARSERS as REASONING_PARSERS
 from web.http.cors import CorsSettings
 from web.http.settings import ServerSettings
 from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_notes, foreign_flag_refusals
@@ -128,8 +129,9 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help="GET /load answers how many generation and pooling requests are being served")
     srv.add_argument("--enable-force-include-usage", action="store_true",
                      help="usage in every response, streamed ones too (as if stream_options.include_usage)")
-    srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                     help="put the model's <think>...</think> part in reasoning_content")
+    srv.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                     help="put the model's reasoning in reasoning_content: its <think>...</think> part (qwen3, "
+                          "deepseek_r1), or gpt-oss's analysis channel (openai_gptoss)")
     srv.add_argument("--allow-unknown-fields", action="store_true",
                      help="log and ignore request fields neither OpenAI nor vLLM defines (default: 400 naming them)")
     add_foreign_flags(srv, SERVER_FLAGS)

@@ -421,7 +421,8 @@ class EngineCore:
             tracker.add_prompt_logprobs(*update.prompt_logprobs)
         if not update.new_token_ids:
             return
-        stop = tracker.add_tokens(child, update.new_token_ids, update.logprobs)
+        stop = tracker.add_tokens(child, update.new_token_ids, update.logprobs,
+                                  stop_terminated=request.status == RequestStatus.FINISHED_STOPPED)
         if stop is not None and not request.status.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             tracker.finish_child(child, "stop", stop)

@@ -81,14 +81,16 @@ class RequestTracker:
     def child(self, request_id: str) -> ChildSequence:
         return next(c for c in self.children if c.request.request_id == request_id)
 
-    def add_tokens(self, child: ChildSequence, token_ids: list[int], logprobs: list[TokenLogprobs]) -> str | None:
-        """Record new tokens; returns the stop string that matched, if any."""
+    def add_tokens(self, child: ChildSequence, token_ids: list[int], logprobs: list[TokenLogprobs],
+                   stop_terminated: bool = False) -> str | None:
+        """Record new tokens; returns the stop string that matched, if any. `stop_terminated`: the
+        last one is the EOS or stop token that finished the sequence (kept in the ids, not the text)."""
         child.token_ids.extend(token_ids)
         for entry in logprobs:
             assert child.logprobs is not None and child.cumulative_logprob is not None
             child.logprobs.append(to_position_logprobs(entry, self.tokenizer))
             child.cumulative_logprob += entry[1][0]
-        return child.detokenizer.add_tokens(token_ids)
+        return child.detokenizer.add_tokens(token_ids, stop_terminated)
 
     def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
         if self.prompt_logprobs is None:

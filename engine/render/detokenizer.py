@@ -27,9 +27,12 @@ class IncrementalDetokenizer:
         self.text = ""
         self._released = 0
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string that ended the text, if one did."""
-        for token_id in token_ids:
+    def add_tokens(self, token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Append tokens; returns the stop string that ended the text, if one did. `stop_terminated`:
+        the last token is the EOS or stop token that ended the sequence; as in vLLM its text is left
+        out (unless `include_stop_str_in_output`), which matters once special tokens are kept."""
+        rendered = token_ids[:-1] if stop_terminated and not self._include_stop else token_ids
+        for token_id in rendered:
             piece = self._step(token_id)
             self._num_tokens += 1
             if not piece:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import CompletionOutput, PositionLogprobs, RequestOutput
-from web.chat.reasoning import ReasoningStream, split_reasoning
+from web.chat.reasoning import HarmonyStream, ReasoningStream, reasoning_stream, split_reasoning
 from web.chat.tools import ToolCallStream, ToolPlan, extract_calls
 
 
@@ -230,7 +230,7 @@ class ChatStream:
     tool_plan: ToolPlan | None = None
     held: dict[int, str] = field(default_factory=dict)
     reasoning_parser: str | None = None
-    reasoning: dict[int, ReasoningStream] = field(default_factory=dict)
+    reasoning: dict[int, ReasoningStream | HarmonyStream] = field(default_factory=dict)
     echo: str = ""  # sent before each choice's first content (chat `echo`)
     echoed: set[int] = field(default_factory=set)
     call_streams: dict[int, ToolCallStream] = field(default_factory=dict)
@@ -288,7 +288,9 @@ class ChatStream:
 
     def _reasoning_delta(self, index: int, text: str, final: bool) -> dict[str, Any]:
         assert self.reasoning_parser is not None
-        splitter = self.reasoning.setdefault(index, ReasoningStream(self.reasoning_parser))
+        splitter = self.reasoning.get(index)
+        if splitter is None:
+            splitter = self.reasoning[index] = reasoning_stream(self.reasoning_parser)
         reasoning, content = splitter.feed(text, final)
         delta: dict[str, Any] = {}
         if reasoning:

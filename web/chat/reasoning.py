@@ -5,26 +5,87 @@
   dropped); text without `</think>` is all content (thinking was off).
 - `deepseek_r1`: the template opens the thinking, so the output starts in it: everything up to
   `</think>` is reasoning, and without `</think>` all of it is.
+- `openai_gptoss`: gpt-oss's harmony messages (`<|channel|>analysis<|message|>...<|end|>`, then
+  `<|start|>assistant<|channel|>final<|message|>...`): the analysis channel is the reasoning, the
+  other channels' messages the content; an output that does not open a channel is all content.
+  Its tags are special tokens, so a request under this parser keeps them in the text
+  (`skip_special_tokens=False`, `web.chat.run`) for the parser to read and drop.
 
-`ReasoningStream` splits streamed deltas the same way, holding back a possible partial tag.
+`reasoning_stream` splits streamed deltas the same way, holding back a possible partial tag.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = ("qwen3", "deepseek_r1")
+PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 OPEN, CLOSE = "<think>", "</think>"
+CHANNEL, MESSAGE, FINAL = "<|channel|>", "<|message|>", "<|channel|>final<|message|>"
+HARMONY_TAGS = ("<|start|>", CHANNEL, MESSAGE, "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+
+
+def reasoning_end(parser: str) -> str:
+    """The text after which the answer starts (where a grammar for the answer begins to apply)."""
+    return FINAL if parser == "openai_gptoss" else CLOSE
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     """(reasoning_content, content) of a whole output."""
+    if parser == "openai_gptoss":
+        reasoning, content = split_harmony(text)
+        return reasoning or None, content
     if CLOSE in text:
         reasoning, _, content = text.partition(CLOSE)
         return reasoning.removeprefix(OPEN).lstrip("\n") or None, content.lstrip("\n")
     if parser == "deepseek_r1":
         return text.removeprefix(OPEN) or None, ""
     return None, text
+
+
+def split_harmony(text: str) -> tuple[str, str]:
+    """(reasoning, content) of harmony messages: each message's body runs from `<|message|>` to the
+    next tag; a body still without its end (streaming, or cut off) counts as far as it goes."""
+    if not text.startswith(CHANNEL):
+        return "", text
+    reasoning: list[str] = []
+    content: list[str] = []
+    for segment in text.split(CHANNEL)[1:]:
+        header, found, body = segment.partition(MESSAGE)
+        if not found:
+            continue  # the header is all there is so far
+        end = min((i for i in (body.find(tag) for tag in HARMONY_TAGS) if i >= 0), default=len(body))
+        (reasoning if header.split(" ", 1)[0] == "analysis" else content).append(body[:end])
+    return "".join(reasoning), "".join(content)
+
+
+@dataclass
+class HarmonyStream:
+    """`split_harmony` over streamed text: each feed splits all the text so far, less a possible
+    partial tag at its end, and returns what is new in each part (a message's body only ever
+    grows at its end, and a later message starts after it, so the parts only ever grow)."""
+
+    text: str = ""
+    sent_reasoning: int = 0
+    sent_content: int = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        self.text += text
+        visible = self.text
+        if not final:
+            if CHANNEL.startswith(visible):
+                return "", ""  # too early to tell harmony from plain text
+            start = visible.rfind("<")
+            if start >= 0 and any(tag.startswith(visible[start:]) for tag in HARMONY_TAGS):
+                visible = visible[:start]
+        reasoning, content = split_harmony(visible)
+        delta = reasoning[self.sent_reasoning:], content[self.sent_content:]
+        self.sent_reasoning, self.sent_content = len(reasoning), len(content)
+        return delta
+
+
+def reasoning_stream(parser: str) -> ReasoningStream | HarmonyStream:
+    """The streaming splitter for `parser`."""
+    return HarmonyStream() if parser == "openai_gptoss" else ReasoningStream(parser)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from engine.api import AsyncEngine, RequestOutputKind, SamplingParams
 from engine.ids import random_id
 from web.chat.outputs import ChatStream
 from web.chat.protocol import ChatCompletionRequest, checked_messages, message_texts
+from web.chat.reasoning import reasoning_end
 from web.chat.tools import ToolPlan, history_for_template, plan_tools
 from web.http.errors import bad_request
 from web.http.requests import first_item
@@ -68,10 +69,13 @@ async def chat_sampling_params(state: ServerState, engine: AsyncEngine, req: Any
             raise bad_request("tool_choice required or a named function constrains the output already; drop "
                               "response_format / structured_outputs", "tool_choice")
         params = replace(params, structured_outputs=tools.structured)
-    if params.structured_outputs is not None and state.settings.reasoning_parser is not None:
+    parser = state.settings.reasoning_parser
+    if params.structured_outputs is not None and parser is not None:
         # The constraint applies to the answer, after the model's reasoning.
-        end = tuple(await engine.tokenize("</think>", add_special_tokens=False))
+        end = tuple(await engine.tokenize(reasoning_end(parser), add_special_tokens=False))
         params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning_end=end))
+    if parser == "openai_gptoss":  # harmony's tags are special tokens: the parser reads them, then drops them
+        params = replace(params, skip_special_tokens=False)
     return params
 
 
