@@ -13,11 +13,11 @@ def save_hf_checkpoint(tmp_path_factory, name: str, config_cls, model_cls, optio
                        redraw: tuple[str, ...] = (), redraw_std: float = 0.5):
     """A random model of transformers' `model_cls`, saved (with a tokenizer) as checkpoint `name`;
     returns (its directory, the model). Parameters whose names end with one of `redraw` (biases and
-    sinks, which transformers starts at zero or near it) are drawn again, wide enough to matter."""
+    sinks, which transformers starts at zero or near it; buffers too) are drawn again, wide enough to matter."""
     torch.manual_seed(seed)
     model = model_cls(config_cls(**options)).eval()
     with torch.no_grad():
-        for param_name, param in model.named_parameters():
+        for param_name, param in [*model.named_parameters(), *model.named_buffers()]:
             if param_name.endswith(redraw):
                 param.normal_(0.0, redraw_std)
     path = tmp_path_factory.mktemp(name)
@@ -41,8 +41,8 @@ def transformers_greedy(model, prompts: list[list[int]], max_tokens: int) -> lis
 def decoder_logits(decoder, hidden: torch.Tensor) -> torch.Tensor:
     """Logits [T, V] of `decoder` for input embeddings `hidden` [T, H] at positions 0..T-1."""
     c, length = decoder.config, hidden.shape[0]
-    kv = [(torch.zeros(64, c.num_kv_heads, c.head_dim), torch.zeros(64, c.num_kv_heads, c.head_dim))
-          for _ in range(c.num_layers)]
+    keys, values = decoder.kv_cache_shapes(64)
+    kv = [(torch.zeros(keys), torch.zeros(values)) for _ in range(c.num_layers)]
     meta = build_metadata([SequenceChunk(0, length, list(range(4)))], 16, torch.device("cpu"))
     with torch.no_grad():
         return decoder.compute_logits(decoder(hidden, torch.arange(length), kv, meta))

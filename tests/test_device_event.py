@@ -167,12 +167,14 @@ async def test_the_cuda_wait_is_woken_by_the_device_not_by_a_timer(autojump_cloc
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(waiter)
-        await trio.testing.wait_all_tasks_blocked()  # the loop runs while the device is busy
-        assert not done.is_set()
-        assert handle.synchronized_in and handle.synchronized_in[0] != threading.current_thread().name
-        handle.device_done.set()
+        try:
+            await trio.testing.wait_all_tasks_blocked()  # the loop runs while the device is busy
+            assert not done.is_set()
+        finally:  # the device finishes whatever happens: the thread is never abandoned
+            handle.device_done.set()
         await done.wait()
     assert trio.current_time() == start
+    assert handle.synchronized_in and handle.synchronized_in[0] != threading.current_thread().name
 
 
 async def test_a_cuda_event_already_done_is_not_handed_to_a_thread():

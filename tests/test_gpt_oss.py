@@ -4,11 +4,14 @@ parallelism, and in bfloat16."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 import torch
 import trio
+from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from engine import EngineConfig, open_engine
@@ -18,6 +21,7 @@ from engine.errors import ModelLoadError
 from engine.models.hf_config import parse_decoder_config, read_config_json
 from engine.models.loader import load_decoder
 from engine.models.moe import ExpertLayout, swiglu_oai
+from engine.models.mxfp4 import dequantize_mxfp4
 from tests.helpers import final_output, greedy
 from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
 from tests.test_compiled_decode import compiled_config
@@ -41,9 +45,9 @@ PROMPTS = [random.Random(7).choices(range(3, VOCAB), k=n) for n in (5, 19, 40)] 
 
 
 def save_gpt_oss(tmp_path_factory, name: str = "gpt-oss", dtype: torch.dtype = torch.float32,
-                 redraw: tuple[str, ...] = REDRAW):
+                 redraw: tuple[str, ...] = REDRAW, **overrides):
     path, model = save_hf_checkpoint(tmp_path_factory, name, GptOssConfig, GptOssForCausalLM,
-                                     {**OPTIONS, "dtype": dtype}, redraw=redraw)
+                                     {**OPTIONS, "dtype": dtype, **overrides}, redraw=redraw)
     return path, model.to(dtype)
 
 
@@ -65,7 +69,7 @@ async def engine_greedy(config: EngineConfig, prompts=PROMPTS, max_tokens: int =
     return [got[i] for i in range(len(prompts))]
 
 
-def test_the_config_reads_every_feature_and_refuses_mxfp4(gpt_oss):
+def test_the_config_reads_every_feature_and_refuses_what_it_does_not_implement(gpt_oss):
     path, _ = gpt_oss
     raw = read_config_json(path)
     cfg = parse_decoder_config(raw)
@@ -74,8 +78,8 @@ def test_the_config_reads_every_feature_and_refuses_mxfp4(gpt_oss):
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
     assert cfg.moe is not None and (cfg.moe.router_bias, cfg.moe.expert_bias, cfg.moe.activation) == \
         (True, True, "swigluoai")
-    with pytest.raises(ModelLoadError, match="quantization_config 'mxfp4': not implemented for GptOssForCausalLM"):
-        parse_decoder_config({**raw, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ModelLoadError, match="quantization_config 'bitsandbytes': not implemented for GptOss"):
+        parse_decoder_config({**raw, "quantization_config": {"quant_method": "bitsandbytes"}})
 
 
 def test_the_clamped_swiglu_is_transformers_own():
@@ -152,3 +156,62 @@ def test_int8_quantizes_the_experts_and_keeps_their_biases(tmp_path_factory):
     for prompt in PROMPTS:
         ours, float_logits = (decoder_logits(m, m.embed(torch.tensor(prompt))) for m in (quantized, exact))
         assert (ours - float_logits).abs().max() <= INT8_TOLERANCE * float_logits.abs().max()
+
+
+def random_mxfp4(rows_shape: tuple[int, ...], columns: int, generator: torch.Generator):
+    """MXFP4 blocks and scales for a [*rows_shape, columns] weight: random codes, exponents near 2**-4."""
+    blocks = torch.randint(0, 256, (*rows_shape, columns // 32, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(121, 126, (*rows_shape, columns // 32), dtype=torch.uint8, generator=generator)
+    return blocks, scales
+
+
+def test_mxfp4_dequantizes_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = random_mxfp4((3, 40), 64, torch.Generator().manual_seed(0))
+    assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), convert_moe_packed_tensors(blocks, scales))
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(tmp_path_factory):
+    """The same gpt-oss as an MXFP4 checkpoint (experts as blocks and scales, as OpenAI publishes it)
+    and as a float one (those experts dequantized by transformers), and transformers' model of it."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    intermediate = 64  # MXFP4 groups 32 inputs: each projection's inputs a multiple of 32
+    float_dir, hf_model = save_gpt_oss(tmp_path_factory, "gpt-oss-mxfp4-float", intermediate_size=intermediate)
+    generator, packed = torch.Generator().manual_seed(3), {}
+    with torch.no_grad():
+        for index, layer in enumerate(hf_model.model.layers):
+            experts, prefix = layer.mlp.experts, f"model.layers.{index}.mlp.experts"
+            for name, (rows, columns) in {"gate_up_proj": (2 * intermediate, OPTIONS["hidden_size"]),
+                                          "down_proj": (OPTIONS["hidden_size"], intermediate)}.items():
+                blocks, scales = random_mxfp4((OPTIONS["num_local_experts"], rows), columns, generator)
+                getattr(experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed[f"{prefix}.{name}_blocks"], packed[f"{prefix}.{name}_scales"] = blocks, scales
+    hf_model.save_pretrained(float_dir)
+    mxfp4_dir = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    tensors = {name: tensor for name, tensor in load_file(float_dir / "model.safetensors").items()
+               if not name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**tensors, **packed}, mxfp4_dir / "model.safetensors")
+    config = json.loads((float_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (mxfp4_dir / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(float_dir / name, mxfp4_dir / name)
+    return mxfp4_dir, float_dir, hf_model
+
+
+async def test_an_mxfp4_checkpoint_loads_the_experts_transformers_dequantizes(mxfp4_pair, tmp_path):
+    mxfp4_dir, float_dir, hf_model = mxfp4_pair
+    ours, reference = load_decoder(mxfp4_dir, "float32"), load_decoder(float_dir, "float32")
+    for mine, theirs in zip(ours.moe_layers, reference.moe_layers, strict=True):
+        assert torch.equal(mine.w13, theirs.w13) and torch.equal(mine.w2, theirs.w2)
+    config = EngineConfig(model=str(mxfp4_dir), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    assert await engine_greedy(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
+    stored = json.loads((mxfp4_dir / "config.json").read_text())
+    llama = {**{key: value for key, value in stored.items() if key != "sliding_window"},
+             "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    with pytest.raises(ModelLoadError, match="'mxfp4': not implemented for LlamaForCausalLM"):
+        load_decoder(tmp_path, "float32")

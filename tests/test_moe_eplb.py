@@ -90,8 +90,8 @@ def moe_logits(path, token_ids: list[int], layout: ExpertLayout):
     the experts held as `layout` says, and the model (its expert load counted)."""
     model = load_decoder(path, "float32", experts=layout)
     cfg, block_size = model.config, 4
-    kv = [(torch.zeros(64 * block_size, cfg.num_kv_heads, cfg.head_dim),
-           torch.zeros(64 * block_size, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    keys, values = model.kv_cache_shapes(64 * block_size)
+    kv = [(torch.zeros(keys), torch.zeros(values)) for _ in range(cfg.num_layers)]
     ids, logits = torch.tensor(token_ids), []
     with torch.no_grad():
         for start, end in [(0, 13), (13, 14), (14, len(token_ids))]:

@@ -255,7 +255,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     v_cache.index_copy_(0, slot_mapping, v)
 
 
-def _gather_blocks(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
     """[slots, H, D] cache -> [B, H, nb * block_size, D]: each sequence's blocks, in table order."""
     _, heads, dim = cache.shape
     assert group.block_table is not None
@@ -314,8 +314,8 @@ def masked_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
         k_batch = k[group.q_index].transpose(1, 2)
         v_batch = v[group.q_index].transpose(1, 2)
     else:
-        k_batch = _gather_blocks(k_cache, group, block_size)
-        v_batch = _gather_blocks(v_cache, group, block_size)
+        k_batch = gather_blocks(k_cache, group, block_size)
+        v_batch = gather_blocks(v_cache, group, block_size)
     if sinks is None:
         out = F.scaled_dot_product_attention(q_batch.transpose(1, 2), k_batch, v_batch,
                                              attn_mask=group.mask, scale=scale, enable_gqa=True)
@@ -469,7 +469,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q_grouped = q.view(B, 1, 1, num_kv_heads, group, dim)
     scores = (q_grouped * keys.unsqueeze(4)).sum(-1, dtype=torch.float32) * scale  # [B, nb, bs, Hkv, G]
     scores = scores.permute(0, 3, 4, 1, 2).reshape(B, num_kv_heads, group, length)
-    scores = scores.masked_fill(~_decode_allowed(length, meta.seq_lens, sliding_window)[:, None, None, :],
+    scores = scores.masked_fill(~decode_allowed(length, meta.seq_lens, sliding_window)[:, None, None, :],
                                 float("-inf"))
     top = scores.amax(-1, keepdim=True)
     if sinks is not None:
@@ -500,7 +500,7 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     length = meta.block_table.shape[1] * meta.block_size
     keys = k_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
     values = v_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
-    allowed = _decode_allowed(length, meta.seq_lens, sliding_window)
+    allowed = decode_allowed(length, meta.seq_lens, sliding_window)
     if sinks is not None:
         mask = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill_(~allowed, float("-inf"))
         out = sink_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None, None, :],
@@ -511,7 +511,7 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out.reshape(B, num_heads, dim)
 
 
-def _decode_allowed(length: int, seq_lens: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+def decode_allowed(length: int, seq_lens: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """[B, L]: which of a decode's table positions it attends to: those before its length, and
     within `sliding_window` of its query (the last one) when there is a window."""
     positions = torch.arange(length, device=seq_lens.device)[None, :]

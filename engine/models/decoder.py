@@ -26,6 +26,7 @@ from engine.models.attention import (
 )
 from engine.models.hf_config import DecoderConfig
 from engine.models.layers import DenseMLP, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from engine.models.mla import MlaAttention
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
 from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.rope import RotaryEmbedding
@@ -46,10 +47,15 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
         self.tp = tp
-        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, **factory)
-        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp, **factory)
+        self.self_attn: MlaAttention | None = None
+        if cfg.mla is not None:  # DeepSeek's latent attention: its own projections, one latent "head" cached
+            self.self_attn = MlaAttention(cfg, cfg.mla, tp, **factory)
+            self.num_kv_heads = 1
+        else:
+            q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+            self.split = (q_size, kv_size, kv_size)
+            self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, **factory)
+            self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp, **factory)
         self.mlp: DenseMLP | SparseMoeBlock
         moe = cfg.moe
         if moe is not None and experts is not None and index in moe.sparse_layers:
@@ -84,7 +90,8 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(self._attention(self.input_layernorm(x), positions, rope, kv_cache,
                                                                   meta))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self._attention(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        attention = self._attention if self.self_attn is None else self.self_attn
+        x = x + attention(self.input_layernorm(x), positions, rope, kv_cache, meta)
         h = self.mlp(self.post_attention_layernorm(x))
         if isinstance(self.mlp, SparseMoeBlock):  # partial sums of this rank's experts
             h = self.tp.all_reduce(h)
@@ -200,6 +207,15 @@ class DecoderForCausalLM(nn.Module):
     @property
     def num_local_kv_heads(self) -> int:
         return self.first_layer.num_kv_heads
+
+    def kv_cache_shapes(self, slots: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """Each layer's key and value cache shapes for `slots` token slots: [slots, kv heads, head
+        size]; with MLA, the latents and the shared rotated key parts (`engine.models.mla`)."""
+        mla = self.config.mla
+        if mla is not None:
+            return (slots, 1, mla.kv_lora_rank), (slots, 1, mla.qk_rope_head_dim)
+        shape = (slots, self.num_local_kv_heads, self.config.head_dim)
+        return shape, shape
 
     def pack_linears(self) -> None:
         """Lay every large linear weight out for oneDNN (engine/models/packed_linear.py): a decode
@@ -323,8 +339,12 @@ class DecoderForCausalLM(nn.Module):
             return None
         if hf_name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
             return None
-        staged = self._on_this_stage(
-            hf_name.removeprefix("model.").replace("self_attn.", "").replace("block_sparse_moe.", "mlp."))
+        name = hf_name.removeprefix("model.").replace("block_sparse_moe.", "mlp.")
+        if self.config.mla is None:  # MLA keeps its own module (`self_attn`): its projections are not fused
+            name = name.replace("self_attn.", "")
+        # DeepSeek's router bias and ungated shared experts, where ours sit
+        name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+        staged = self._on_this_stage(name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
         if staged is None:
             return None
         name = staged
@@ -334,7 +354,7 @@ class DecoderForCausalLM(nn.Module):
             expert = int(parts[4])
             ours += "_bias" if parts[6] == "bias" else ""
             return ".".join([*parts[:4], ours]), expert if part is None else 2 * expert + part
-        if len(parts) >= 3 and parts[-2] in self._FUSED:
+        if len(parts) >= 3 and parts[-2] in self._FUSED and "self_attn" not in parts:
             fused, slot = self._FUSED[parts[-2]]
             return ".".join([*parts[:-2], fused, parts[-1]]), slot
         return name, None
@@ -385,7 +405,8 @@ class DecoderForCausalLM(nn.Module):
         return list(self.first_layer.split)
 
     _ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
-    _COLUMN_PARALLEL = (".qkv_proj.", ".gate_up_proj.", "embed_tokens.weight", "lm_head.weight", ".sinks")
+    _COLUMN_PARALLEL = (".qkv_proj.", ".gate_up_proj.", "embed_tokens.weight", "lm_head.weight", ".sinks",
+                        ".q_b_proj.", ".kv_b_proj.", ".self_attn.q_proj.")  # MLA's heads split likewise
 
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (the identity without tensor parallelism;

@@ -7,6 +7,7 @@ Accepts both the transformers 4 spelling (`rope_theta`, `rope_scaling`,
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ DECODER_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -45,6 +47,32 @@ class MoeConfig:
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V3: the router scores experts by a sigmoid, picks `topk_group` of `n_group` groups of
+    # experts by their best two scores plus a correction bias, then the top k within them, weighted
+    # by the uncorrected scores (renormalised where `renormalize`) times `routed_scaling_factor`
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek's do not
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention: queries through a low-rank projection (or none), keys
+    and values from one latent of `kv_lora_rank` per token (what the KV cache holds, beside the
+    rotated `qk_rope_head_dim` part of the key shared by every head)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint lays each rotated pair out interleaved
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 def _moe(raw: dict[str, Any], family: str, num_layers: int) -> MoeConfig | None:
@@ -101,6 +129,7 @@ class DecoderConfig:
     rotary_dim: int | None = None  # the leading dims of each head that rope rotates (Phi: partial_rotary_factor)
     fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj fused, as ours (Phi-3)
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
+    mla: MlaConfig | None = None  # DeepSeek-V3's latent attention (head_dim is then its rotated part)
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: full attention)."""
@@ -234,11 +263,11 @@ def _gemma3(raw: dict[str, Any], arch: str) -> DecoderConfig:
 def _gpt_oss(raw: dict[str, Any], arch: str) -> DecoderConfig:
     """OpenAI's gpt-oss (transformers' GptOssForCausalLM): sliding and full layers alternating,
     attention sinks, biases on q/k/v/o, YaRN, and MoE in every layer with a biased router (softmax
-    over its top-k logits) and clamped SwiGLU experts with biases."""
+    over its top-k logits) and clamped SwiGLU experts with biases, stored in float or MXFP4."""
     quantization = (raw.get("quantization_config") or {}).get("quant_method")
-    if quantization is not None:
-        raise ModelLoadError(f"quantization_config {quantization!r}: not implemented for {arch}; load a checkpoint "
-                             "with the experts in bfloat16 or float32")
+    if quantization not in (None, "mxfp4"):  # MXFP4 experts are dequantized at load (engine/models/mxfp4.py)
+        raise ModelLoadError(f"quantization_config {quantization!r}: not implemented for {arch}; supported: mxfp4, "
+                             "or the experts in bfloat16 or float32")
     num_layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                        for i in range(num_layers)]
@@ -257,6 +286,37 @@ def _gpt_oss(raw: dict[str, Any], arch: str) -> DecoderConfig:
         **_common(raw, arch, "gpt_oss"), rope_theta=theta, rope_scaling=scaling, qkv_bias=bias, o_bias=bias,
         mlp_bias=False, qk_norm=False, moe=moe, sliding_window=window,
         sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"), attention_sinks=True)
+
+
+def _deepseek_v3(raw: dict[str, Any], arch: str) -> DecoderConfig:
+    """DeepSeek-V3 (and the models on its architecture: DeepSeek-R1, Kimi K2): multi-head latent
+    attention, YaRN with its attention scale, the first layers dense and the rest MoE with shared
+    experts and grouped top-k routing by sigmoid scores and a correction bias."""
+    for name, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(name, wanted) != wanted:
+            raise ModelLoadError(f"{name} {raw[name]!r}: not implemented for {arch}; expected {wanted!r}")
+    if raw.get("quantization_config"):
+        raise ModelLoadError(f"quantization_config {raw['quantization_config'].get('quant_method')!r}: not "
+                             f"implemented for {arch}; load a bfloat16 checkpoint")
+    num_layers = int(raw["num_hidden_layers"])
+    mla = MlaConfig(raw.get("q_lora_rank"), int(raw["kv_lora_rank"]), int(raw["qk_nope_head_dim"]),
+                    int(raw["qk_rope_head_dim"]), int(raw["v_head_dim"]), bool(raw.get("rope_interleave", True)))
+    theta, scaling = _rope(raw)
+    scale = mla.qk_head_dim ** -0.5
+    if scaling is not None and scaling.get("mscale_all_dim"):
+        factor = float(scaling["factor"])  # the softmax scale grows with YaRN's mscale, squared
+        scale *= (0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
+    first_dense = int(raw.get("first_k_dense_replace", 0))
+    moe = MoeConfig(int(raw["n_routed_experts"]), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                    bool(raw.get("norm_topk_prob", True)), tuple(range(first_dense, num_layers)),
+                    int(raw["moe_intermediate_size"]) * int(raw.get("n_shared_experts") or 0),
+                    scoring="sigmoid", n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+                    routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)), shared_expert_gated=False)
+    bias = bool(raw.get("attention_bias", False))
+    common = {**_common(raw, arch, "deepseek_v3"), "head_dim": mla.qk_rope_head_dim,
+              "num_kv_heads": int(raw["num_attention_heads"])}
+    return DecoderConfig(**common, rope_theta=theta, rope_scaling=scaling, qkv_bias=bias, o_bias=bias,
+                         mlp_bias=False, qk_norm=False, moe=moe, attention_scale=scale, mla=mla)
 
 
 def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
@@ -294,6 +354,8 @@ def parse_decoder_config(raw: dict[str, Any]) -> DecoderConfig:
             return _gemma3(raw, arch)
         if family == "gpt_oss":
             return _gpt_oss(raw, arch)
+        if family == "deepseek_v3":
+            return _deepseek_v3(raw, arch)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {act!r} for {arch}; expected 'silu'")

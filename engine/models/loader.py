@@ -25,6 +25,7 @@ from engine.models.hf_config import (
     read_json_file,
 )
 from engine.models.moe import ExpertLayout
+from engine.models.mxfp4 import mxfp4_dequantized
 from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.vision import LlavaVision, VisionConfig
 
@@ -82,10 +83,15 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
     cfg: DecoderConfig = parse_decoder_config(raw)
-    scheme = None if is_gguf(model_dir) else read_scheme(raw, str(model_dir))
+    mxfp4 = (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    if mxfp4 and cfg.family != "gpt_oss":
+        raise ModelLoadError(f"quantization_config 'mxfp4': not implemented for {cfg.architecture} (gpt-oss's only)")
+    scheme = None if is_gguf(model_dir) or mxfp4 else read_scheme(raw, str(model_dir))
     quantized: set[str] = set()  # HF names of the weights a compressed-tensors checkpoint stores as int8
     if is_gguf(model_dir):
         weights = gguf_weights(model_dir, raw)
+    elif mxfp4:  # the experts dequantized as they are read
+        weights = mxfp4_dequantized(iterate_weights(safetensors_files(model_dir)))
     elif scheme is not None:
         files = safetensors_files(model_dir)
         weights = dequantized(iterate_weights(files), weight_scales(files), quantized)

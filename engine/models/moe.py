@@ -204,9 +204,14 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden: int, moe: MoeConfig, layout: ExpertLayout, tp: TensorParallel, **factory: Any) -> None:
         super().__init__()
+        self.moe = moe
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.gate = Linear(hidden, layout.num_logical, bias=moe.router_bias, **factory)
+        self.e_score_correction_bias = None
+        if moe.scoring == "sigmoid":  # DeepSeek's: kept in float32, as its checkpoints store it
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(layout.num_logical, dtype=torch.float32, device=factory.get("device")), requires_grad=False)
         # Under expert parallelism experts are whole on their rank; otherwise each is tensor-sharded.
         whole = layout.ep_size > 1
         intermediate = moe.intermediate_size if whole else tp.split(moe.intermediate_size, "moe_intermediate_size")
@@ -217,17 +222,44 @@ class SparseMoeBlock(nn.Module):
         if moe.shared_expert_intermediate_size:
             shared = tp.split(moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
             self.shared_expert = DenseMLP(hidden, shared, False, tp, reduce=False, **factory)
-            self.shared_expert_gate = Linear(hidden, 1, bias=False, **factory)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Linear(hidden, 1, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self._route(self.gate(x).float())
         out = self.experts(x, weights.to(x.dtype), experts)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, logical experts) [T, k] of the router's float32 logits [T, E]."""
+        if self.e_score_correction_bias is None:
+            weights, experts = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            experts = grouped_top_k(scores + self.e_score_correction_bias, self.top_k, self.moe.n_group,
+                                    self.moe.topk_group)
+            weights = scores.gather(1, experts)
+        if self.renormalize:  # DeepSeek's sum has a floor: sigmoid scores can all be near zero
+            floor = 0.0 if self.e_score_correction_bias is None else 1e-20
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + floor)
+        return weights * self.moe.routed_scaling_factor, experts
+
+
+def grouped_top_k(choice: torch.Tensor, top_k: int, num_groups: int, groups_kept: int) -> torch.Tensor:
+    """DeepSeek-V3's pick [T, k] from scores [T, E]: the experts split into `num_groups` groups, each
+    scored by its best two; the top k experts within the best `groups_kept` groups."""
+    if num_groups > 1:
+        tokens, num_experts = choice.shape
+        grouped = choice.view(tokens, num_groups, num_experts // num_groups)
+        best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(groups_kept, dim=-1).indices
+        kept = torch.zeros(tokens, num_groups, dtype=torch.bool, device=choice.device).scatter_(1, best_groups, True)
+        choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(tokens, num_experts)
+    return choice.topk(top_k, dim=-1).indices
 
 
 def expert_layout_for(moe: MoeConfig | None, config: EngineConfig, rank: int) -> ExpertLayout | None:

@@ -7,6 +7,7 @@ arguments and results are plain picklable data.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -180,8 +181,8 @@ class Worker:
         element_size = torch.empty((), dtype=self.model.dtype).element_size()
         # This rank's share: the cache budget applies per rank, as each holds its own heads (and,
         # under pipeline parallelism, its own layers).
-        per_block = 2 * len(self.model.layers) * self.config.block_size * self.model.num_local_kv_heads * cfg.head_dim \
-            * element_size
+        per_block = len(self.model.layers) * element_size * sum(
+            math.prod(shape) for shape in self.model.kv_cache_shapes(self.config.block_size))
         quantized = [m for m in self.model.modules() if isinstance(m, Linear) and m.qweight is not None]
         quantization = quantized[0].qmethod if quantized else None
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
@@ -215,11 +216,7 @@ class Worker:
         plan = self._graph_plan()
         if plan.why_eager is not None:
             logger.info("decode steps run eagerly: %s", plan.why_eager)
-        shape = ((num_blocks + plan.pads_batches) * self.config.block_size, self.model.num_local_kv_heads,
-                 cfg.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.model.dtype, device=self.device))
-                  for _ in self.model.layers]
+        caches = self._kv_caches((num_blocks + plan.pads_batches) * self.config.block_size)
         graphs, step_graph = self._graphs(plan, caches, num_blocks)
         features = RunnerFeatures(self.pooler, self.config.enable_eplb, self.vision, self._ec_saver(),
                                   GrammarMasks(self.config.tokenizer_path, cfg.vocab_size), self.lora)
@@ -252,9 +249,14 @@ class Worker:
     def _profile_caches(self) -> list[KVCache]:
         """One block per layer: every profiled token writes there (the profile's outputs are dropped)."""
         assert isinstance(self.model, DecoderForCausalLM)
-        shape = (self.config.block_size, self.model.num_local_kv_heads, self.model.config.head_dim)
-        return [(torch.zeros(shape, dtype=self.model.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.model.dtype, device=self.device)) for _ in self.model.layers]
+        return self._kv_caches(self.config.block_size)
+
+    def _kv_caches(self, slots: int) -> list[KVCache]:
+        """Each layer's key and value caches of `slots` token slots, zeroed."""
+        assert isinstance(self.model, DecoderForCausalLM)
+        keys, values = self.model.kv_cache_shapes(slots)
+        return [(torch.zeros(keys, dtype=self.model.dtype, device=self.device),
+                 torch.zeros(values, dtype=self.model.dtype, device=self.device)) for _ in self.model.layers]
 
     def _profile_step(self) -> None:
         """The largest step the scheduler sends: one fresh prompt of the whole token budget, and the
