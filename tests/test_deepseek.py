@@ -16,6 +16,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from engine import EngineConfig, open_engine
 from engine.config import EplbConfig
 from engine.eplb.maps import initial_phy2log
+from engine.errors import ModelLoadError
 from engine.models.hf_config import parse_decoder_config, read_config_json
 from engine.models.loader import load_decoder
 from engine.models.moe import ExpertLayout
@@ -174,3 +175,11 @@ def test_the_multi_token_prediction_layer_after_the_last_is_not_loaded(deepseek,
         shutil.copy(path / name, tmp_path / name)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     assert len(load_decoder(tmp_path, "float32").layers) == OPTIONS["num_hidden_layers"]
+
+
+async def test_lora_is_refused_by_name_not_failed_inside(deepseek):
+    path, _ = deepseek
+    with pytest.raises(ModelLoadError, match="--enable-lora: not implemented for DeepseekV3ForCausalLM"):
+        async with open_engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True,
+                                            enable_lora=True)):
+            pass  # pragma: no cover - never reached

@@ -7,14 +7,17 @@ from engine.worker.graph_plan import DecodeRunner, GraphPlan
 
 
 def plan(parallel_ranks: int = 1, moe: bool = False, lora: bool = False, on_cuda: bool = False,
-         **options) -> GraphPlan:
+         latent_attention: bool = False, **options) -> GraphPlan:
     config = EngineConfig(model="m", **{"enforce_eager": False, **options})
-    return GraphPlan.choose(config, parallel_ranks=parallel_ranks, moe=moe, lora=lora, on_cuda=on_cuda)
+    return GraphPlan.choose(config, parallel_ranks=parallel_ranks, moe=moe, lora=lora, on_cuda=on_cuda,
+                            latent_attention=latent_attention)
 
 
 def test_a_cpu_rank_compiles_its_decodes_and_its_prompts_unless_told_otherwise():
     assert plan() == GraphPlan(DecodeRunner.COMPILED, step_graph=True)
     assert plan(moe=True) == GraphPlan(DecodeRunner.COMPILED, step_graph=False)  # experts break one graph
+    # DeepSeek's latent attention decodes compiled; the step graph's attention op does not take it
+    assert plan(latent_attention=True) == GraphPlan(DecodeRunner.COMPILED, step_graph=False)
     assert not plan(compilation_config=CompilationConfig(compile_prompts=False)).step_graph
     assert plan(lora=True).decode is DecodeRunner.COMPILED  # the LoRA delta compiles into the graph
     assert plan(enforce_eager=True) == GraphPlan(DecodeRunner.EAGER, step_graph=False)

@@ -28,11 +28,13 @@ class GraphPlan:
         return self.decode is not DecodeRunner.EAGER
 
     @classmethod
-    def choose(cls, config: EngineConfig, *, parallel_ranks: int, moe: bool, lora: bool, on_cuda: bool) -> GraphPlan:
+    def choose(cls, config: EngineConfig, *, parallel_ranks: int, moe: bool, lora: bool, on_cuda: bool,
+               latent_attention: bool = False) -> GraphPlan:
         """The plan of one decoder rank. `parallel_ranks`: the tensor-parallel ranks times the
         pipeline stages (their collectives run eagerly); `moe`: the model has experts (which break
         one exported graph); `lora`: adapters are served; `on_cuda`: the rank runs on a CUDA device
-        (captured graphs there, never the CPU's AOTInductor package)."""
+        (captured graphs there, never the CPU's AOTInductor package); `latent_attention`: DeepSeek's
+        MLA, which the step graph's opaque attention op does not take (its prompts run eagerly)."""
         if config.eager:
             return cls(DecodeRunner.EAGER, step_graph=False)
         if parallel_ranks > 1:
@@ -44,4 +46,5 @@ class GraphPlan:
                 what = "LoRA adapters" if lora else "an MoE model's experts"
                 return cls(DecodeRunner.EAGER, False, f"CUDA graphs are not captured for {what}")
             return cls(DecodeRunner.CAPTURED, step_graph=False)
-        return cls(DecodeRunner.COMPILED, step_graph=config.compilation_config.compile_prompts and not moe)
+        prompts = config.compilation_config.compile_prompts and not (moe or latent_attention)
+        return cls(DecodeRunner.COMPILED, step_graph=prompts)

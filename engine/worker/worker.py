@@ -136,6 +136,9 @@ class Worker:
         if not self.config.enable_lora:
             return
         assert isinstance(self.model, DecoderForCausalLM)
+        if self.model.config.mla is not None:  # adapters name q_proj/k_proj/v_proj, which MLA does not have
+            raise ModelLoadError(f"--enable-lora: not implemented for {self.model.config.architecture} (its latent "
+                                 "attention has no q/k/v projections for adapters to target)")
         dtype = self.model.dtype
 
         def read(name: str, path: str) -> LoRAAdapter:
@@ -284,7 +287,7 @@ class Worker:
         assert isinstance(self.model, DecoderForCausalLM)
         return GraphPlan.choose(self.config, parallel_ranks=self.tp.size * self.stage.size,
                                 moe=bool(self.model.moe_layers), lora=self.lora is not None,
-                                on_cuda=self._captures_graphs())
+                                on_cuda=self._captures_graphs(), latent_attention=self.model.config.mla is not None)
 
     def _captures_graphs(self) -> bool:
         """Whether this rank's graphs would be captured CUDA graphs (on CUDA) rather than compiled."""
