@@ -109,7 +109,7 @@ HARMONY_OUTPUT = "<|channel|>analysis<|message|>ab cd<|end|><|start|>assistant<|
 
 @pytest.fixture
 async def gptoss_server(tiny_model_dir):
-    settings = ServerSettings(reasoning_parser="openai_gptoss")
+    settings = ServerSettings(reasoning_parser="openai_gptoss", tool_call_parser="openai", enable_auto_tool_choice=True)
     async with running_server(engine_config(tiny_model_dir, chat_template=HARMONY_TEMPLATE), settings) as server:
         yield server
 
@@ -141,3 +141,45 @@ async def test_harmony_prompts_carry_the_effort_and_keep_special_tokens_for_the_
                                       "<|start|>user<|message|>think first<|end|><|start|>assistant")
     # harmony's tags are special tokens in gpt-oss's tokenizer: skipping them would leave nothing to parse
     assert rendered["sampling_params"]["skip_special_tokens"] is False
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+HARMONY_CALL = ("<|channel|>analysis<|message|>need the weather<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_harmony_messages_to_functions_are_tool_calls(gptoss_server, stream):
+    client = openai.AsyncOpenAI(base_url=gptoss_server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "go <|channel|>final<|message|>"}]  # the grammar applies at once
+    request = dict(model=gptoss_server.state.model_name, messages=messages, max_tokens=200, tools=[WEATHER],
+                   extra_body={"structured_outputs": {"regex": re.escape(HARMONY_CALL)}})
+    async with client:
+        if not stream:
+            choice = (await client.chat.completions.create(**request)).choices[0]
+            reasoning, content, calls = choice.message.reasoning, choice.message.content, choice.message.tool_calls
+            finish = choice.finish_reason
+        else:
+            reasoning, content, calls, finish = "", None, [], None
+            async for chunk in await client.chat.completions.create(**request, stream=True):
+                for delta_choice in chunk.choices:
+                    reasoning += getattr(delta_choice.delta, "reasoning", None) or ""
+                    content = delta_choice.delta.content or content
+                    calls += delta_choice.delta.tool_calls or []
+                    finish = delta_choice.finish_reason or finish
+    assert reasoning == "need the weather" and not content and finish == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_a_harmony_call_named_in_the_role_header_and_the_parser_pairing():
+    from web.chat.tools import parse_calls
+
+    text = (' to=functions.lookup<|channel|>commentary json<|message|>{"q": 1}<|call|>'
+            "<|start|>assistant<|channel|>final<|message|>done")
+    content, calls = parse_calls("openai", text)
+    assert content == "done" and [c["function"]["name"] for c in calls] == ["lookup"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"q": 1}
+    with pytest.raises(ValueError, match="needs --reasoning-parser openai_gptoss"):
+        ServerSettings(tool_call_parser="openai")

@@ -177,13 +177,15 @@ def chat_message(text: str, finish_reason: str | None, tools: ToolPlan | None,
     """The assistant message for `text` (its reasoning split off with a reasoning parser, its tool
     calls found under `tools`), and the finish reason."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": None}  # vLLM's null, not []
+    written = text
     if reasoning_parser is not None:  # vLLM 0.32's `reasoning`, and `reasoning_content` as before it
         message["reasoning"], text = split_reasoning(reasoning_parser, text)
         message["reasoning_content"] = message["reasoning"]
         message["content"] = text
     if tools is None:
         return message, finish_reason
-    content, calls = extract_calls(tools, text)
+    # gpt-oss's calls are messages of their own, beside the reasoning: read from all it wrote
+    content, calls = extract_calls(tools, written if tools.parser == "openai" else text)
     message.update(content=content, tool_calls=calls or None)
     if calls and finish_reason == "stop" and tools.mode != "named":
         finish_reason = "tool_calls"  # OpenAI's: a named function's call ends with "stop"

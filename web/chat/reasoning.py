@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
@@ -42,20 +43,47 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def split_harmony(text: str) -> tuple[str, str]:
-    """(reasoning, content) of harmony messages: each message's body runs from `<|message|>` to the
-    next tag; a body still without its end (streaming, or cut off) counts as far as it goes."""
-    if not text.startswith(CHANNEL):
-        return "", text
-    reasoning: list[str] = []
-    content: list[str] = []
-    for segment in text.split(CHANNEL)[1:]:
-        header, found, body = segment.partition(MESSAGE)
+@dataclass(frozen=True)
+class HarmonyMessage:
+    """One message of gpt-oss's output: its channel, its recipient (`functions.NAME` for a tool
+    call), and its body so far."""
+
+    channel: str
+    recipient: str | None
+    body: str
+
+
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_CHANNEL_NAME = re.compile(r"<\|channel\|>(\w+)")
+
+
+def harmony_messages(text: str) -> list[HarmonyMessage] | None:
+    """The messages of `text`, or None if it is not harmony (does not open with a header: a channel,
+    or a recipient the model named before it). A body runs from `<|message|>` to the next tag; one
+    still without its end (streaming, or cut off) counts as far as it goes."""
+    if not text.startswith(CHANNEL) and not text.lstrip().startswith("to="):
+        return None
+    messages = []
+    for part in text.split("<|start|>"):
+        header, found, body = part.partition(MESSAGE)
         if not found:
             continue  # the header is all there is so far
         end = min((i for i in (body.find(tag) for tag in HARMONY_TAGS) if i >= 0), default=len(body))
-        (reasoning if header.split(" ", 1)[0] == "analysis" else content).append(body[:end])
-    return "".join(reasoning), "".join(content)
+        channel, recipient = _CHANNEL_NAME.search(header), _RECIPIENT.search(header)
+        messages.append(HarmonyMessage(channel.group(1) if channel else "", recipient.group(1) if recipient else None,
+                                       body[:end]))
+    return messages
+
+
+def split_harmony(text: str) -> tuple[str, str]:
+    """(reasoning, content) of harmony messages: the analysis channel, and the messages to the user
+    (a message with a recipient is a tool call: `web.chat.tools`, parser `openai`)."""
+    messages = harmony_messages(text)
+    if messages is None:
+        return "", text
+    reasoning = "".join(m.body for m in messages if m.channel == "analysis" and m.recipient is None)
+    content = "".join(m.body for m in messages if m.channel != "analysis" and m.recipient is None)
+    return reasoning, content
 
 
 @dataclass
@@ -72,7 +100,7 @@ class HarmonyStream:
         self.text += text
         visible = self.text
         if not final:
-            if CHANNEL.startswith(visible):
+            if CHANNEL.startswith(visible) or "to=".startswith(visible.lstrip()):
                 return "", ""  # too early to tell harmony from plain text
             start = visible.rfind("<")
             if start >= 0 and any(tag.startswith(visible[start:]) for tag in HARMONY_TAGS):

@@ -23,10 +23,10 @@ import partial_json_parser
 
 from engine.ids import random_id
 from engine.structured_outputs import StructuredOutputs
-from web.chat.reasoning import held_back
+from web.chat.reasoning import harmony_messages, held_back, split_harmony
 from web.http.errors import bad_request
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "openai")
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,16 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 def parse_calls(parser: str, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Tool calls written as the model's format has them; text that is not a call stays content."""
+    """Tool calls written as the model's format has them; text that is not a call stays content.
+    `openai`: gpt-oss's harmony messages to `functions.NAME` (its text, special tokens kept: it runs
+    beside `--reasoning-parser openai_gptoss`), the content its messages to the user."""
+    if parser == "openai":
+        messages = harmony_messages(text)
+        if messages is None:
+            return text, []
+        calls = [_call(m.recipient.removeprefix("functions."), m.body.strip()) for m in messages
+                 if m.recipient is not None and m.recipient.startswith("functions.")]
+        return split_harmony(text)[1] or None, calls
     if parser == "hermes":
         start = text.find("<tool_call>")
         if start < 0:

@@ -45,6 +45,9 @@ class ServerSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.grace_period < 0 or self.loop_lag_interval <= 0:
             raise ValueError("grace_period must be >= 0 and loop_lag_interval > 0")
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError("--tool-call-parser openai reads gpt-oss's harmony messages, special tokens and all: "
+                             "it needs --reasoning-parser openai_gptoss")
 
     def open_paths(self) -> frozenset[str]:
         """Routes that answer without the API key: probes, and /metrics unless it is protected.
