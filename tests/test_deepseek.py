@@ -21,8 +21,8 @@ from engine.models.hf_config import parse_decoder_config, read_config_json
 from engine.models.loader import load_decoder
 from engine.models.moe import ExpertLayout
 from tests.helpers import final_output, greedy
-from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
-from tests.test_compiled_decode import compiled_config
+from tests.model_helpers import decided_prefix, decoder_logits, save_hf_checkpoint, transformers_greedy
+from tests.test_compiled_decode import BF16_TIE, compiled_config
 from tests.test_compiled_decode import engine_greedy as compiled_greedy
 from tests.test_moe_eplb import moe_logits
 
@@ -130,14 +130,18 @@ async def test_rebalancing_changes_no_token(deepseek):
     assert tokens == transformers_greedy(hf_model, PROMPTS, 24)
 
 
-async def test_bfloat16_tokens_agree_with_transformers_bfloat16_on_a_prefix(tmp_path_factory):
-    """transformers keeps the router in float32 and computes the rest in bfloat16, as we do; the
-    first 8 tokens of each prompt agree."""
+async def test_bfloat16_tokens_agree_with_transformers_bfloat16_up_to_its_first_near_tie(tmp_path_factory):
+    """Tokens compared up to transformers' first near tie (top two logits within BF16_TIE of the
+    largest): past one, bfloat16 rounding decides, in transformers as in us. This model's margins
+    are narrow (11 of the 48 tokens decided): at least 8 must be, so the test cannot pass by
+    deciding nothing."""
     path, hf_model = save_deepseek(tmp_path_factory, "deepseek-bf16", torch.bfloat16)
-    expected = transformers_greedy(hf_model, PROMPTS, 8)
+    expected = transformers_greedy(hf_model, PROMPTS, 16)
+    decided = [decided_prefix(hf_model, p, e, BF16_TIE) for p, e in zip(PROMPTS, expected, strict=True)]
+    assert sum(decided) >= 8
     got = await engine_greedy(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, enforce_eager=True),
-                              max_tokens=8)
-    assert got == expected
+                              max_tokens=16)
+    assert [g[:n] for g, n in zip(got, decided, strict=True)] == [e[:n] for e, n in zip(expected, decided, strict=True)]
 
 
 # MLA chains two low-rank projections on each side of its norms (q_a, q_b; kv_a, kv_b): int8's

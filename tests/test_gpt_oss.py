@@ -23,8 +23,8 @@ from engine.models.loader import load_decoder
 from engine.models.moe import ExpertLayout, swiglu_oai
 from engine.models.mxfp4 import dequantize_mxfp4
 from tests.helpers import final_output, greedy
-from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
-from tests.test_compiled_decode import compiled_config
+from tests.model_helpers import decided_prefix, decoder_logits, save_hf_checkpoint, transformers_greedy
+from tests.test_compiled_decode import BF16_TIE, compiled_config
 from tests.test_compiled_decode import engine_greedy as compiled_greedy
 from tests.test_moe_eplb import moe_logits
 from tests.test_quantization import INT8_TOLERANCE
@@ -121,14 +121,17 @@ async def test_tensor_parallel_2_gives_transformers_greedy_tokens(gpt_oss):
     assert await engine_greedy(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
 
 
-async def test_bfloat16_tokens_agree_with_transformers_bfloat16_on_a_prefix(tmp_path_factory):
-    """transformers runs the softmax and router in bfloat16, we in float32: the first 8 tokens of
-    each prompt agree, then near-ties may part them."""
+async def test_bfloat16_tokens_agree_with_transformers_bfloat16_up_to_its_first_near_tie(tmp_path_factory):
+    """Tokens compared up to transformers' first near tie (top two logits within BF16_TIE of the
+    largest): past one, bfloat16 rounding decides, in transformers as in us. At least a third of
+    the tokens must be decided, so the test cannot pass by deciding nothing."""
     path, hf_model = save_gpt_oss(tmp_path_factory, "gpt-oss-bf16", torch.bfloat16)
-    expected = transformers_greedy(hf_model, PROMPTS, 8)
+    expected = transformers_greedy(hf_model, PROMPTS, 16)
+    decided = [decided_prefix(hf_model, p, e, BF16_TIE) for p, e in zip(PROMPTS, expected, strict=True)]
+    assert sum(decided) >= 16 * len(PROMPTS) // 3
     got = await engine_greedy(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, enforce_eager=True),
-                              max_tokens=8)
-    assert got == expected
+                              max_tokens=16)
+    assert [g[:n] for g, n in zip(got, decided, strict=True)] == [e[:n] for e, n in zip(expected, decided, strict=True)]
 
 
 async def test_rebalancing_moves_the_experts_biases_with_their_weights(gpt_oss):

@@ -329,17 +329,33 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                    sinks: torch.Tensor) -> torch.Tensor:
     """q [B, Hq, Lq, D], k and v [B, Hkv, L, D], `mask` additive, broadcast to [B, Hq, Lq, L] ->
     [B, Hq, Lq, D]: attention with each head's sink logit `sinks` [Hq] in the softmax's denominator
-    (gpt-oss's attention sinks, as transformers computes them): the sink takes its share of the
-    weight and contributes no value. Written out (the scores in float32), as no SDPA takes a sink."""
+    (gpt-oss's attention sinks): the sink takes its share of the weight and contributes no value.
+
+    The share the keys keep is sigmoid(lse - sink), lse being the log of the keys' own softmax
+    denominator; on CPU torch's flash kernel returns it beside its output, so the sink costs a
+    scaling of that output (8.6x faster than writing the softmax out, and no [Lq, L] scores held:
+    bfloat16, 64 query and 8 KV heads, 512 queries over 2,048 keys, 77 against 665 ms on two
+    threads). Elsewhere the softmax is written out, scores in float32, as transformers computes it."""
     batch, num_heads, queries, dim = q.shape
     num_kv_heads, length = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads  # query heads per KV head, each KV head's together
+    if q.device.type == "cpu" and _FLASH_WITH_LSE is not None:
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out, lse = _FLASH_WITH_LSE(q, k, v, 0.0, False, attn_mask=mask.to(q.dtype), scale=scale)
+        kept = torch.sigmoid(lse - sinks.float().view(1, num_heads, 1)).unsqueeze(-1)
+        return (out.float() * kept).to(q.dtype)
     q_grouped = q.reshape(batch, num_kv_heads, group * queries, dim)
     scores = (q_grouped @ k.transpose(-1, -2)).float().view(batch, num_heads, queries, length) * scale + mask
     sink = sinks.float().view(1, num_heads, 1, 1).expand(batch, num_heads, queries, 1)
     weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :length]
     out = weights.to(v.dtype).view(batch, num_kv_heads, group * queries, length) @ v
     return out.view(batch, num_heads, queries, dim)
+
+
+# torch's CPU flash attention with its log-sum-exp (an aten op, not public API): None where this
+# torch lacks it, and the sinks are then written out.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def prompt_chunks_by_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
