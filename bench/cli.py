@@ -41,6 +41,23 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_gpu(bench)
     _add_bench_async_scheduling(bench)
     _add_bench_sliding_window(bench)
+    _add_bench_mla(bench)
+
+
+def _add_bench_mla(bench: Subcommands) -> None:
+    mla = bench.add_parser("mla", help="one MLA layer's decode attention: the latents expanded against absorbed")
+    mla.add_argument("--heads", type=int, default=16, help="query heads (DeepSeek-V3: 128; Moonlight: 16)")
+    mla.add_argument("--context", type=int, default=4096, help="cached tokens per sequence")
+    mla.add_argument("--batch", type=int, default=1)
+    mla.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    mla.add_argument("--repeats", type=int, default=5)
+    mla.set_defaults(run=_bench_mla)
+
+
+def _bench_mla(args: argparse.Namespace) -> int:
+    from bench import mla
+    print(mla.run(args.heads, args.context, args.batch, args.threads, args.repeats))
+    return 0
 
 
 def _add_bench_sliding_window(bench: Subcommands) -> None:

@@ -19,6 +19,7 @@ from engine.eplb.maps import initial_phy2log
 from engine.errors import ModelLoadError
 from engine.models.hf_config import parse_decoder_config, read_config_json
 from engine.models.loader import load_decoder
+from engine.models.mla import FloatProjection
 from engine.models.moe import ExpertLayout
 from tests.helpers import final_output, greedy
 from tests.model_helpers import decided_prefix, decoder_logits, save_hf_checkpoint, transformers_greedy
@@ -157,7 +158,8 @@ def test_int8_quantizes_the_latent_projections_within_tolerance_and_the_experts(
     path, _ = save_deepseek(tmp_path_factory, "deepseek-int8", first_k_dense_replace=OPTIONS["num_hidden_layers"])
     exact, quantized = load_decoder(path, "float32"), load_decoder(path, "float32", quantization="int8")
     attention = quantized.layers[0].self_attn
-    assert attention.kv_b_proj.qmethod == attention.q_b_proj.qmethod == attention.kv_a_proj_with_mqa.qmethod == "int8"
+    assert attention.q_b_proj.qmethod == attention.kv_a_proj_with_mqa.qmethod == attention.o_proj.qmethod == "int8"
+    assert isinstance(attention.kv_b_proj, FloatProjection)  # read as matrices by the absorbed decode
     for prompt in PROMPTS:
         ours, float_logits = (decoder_logits(m, m.embed(torch.tensor(prompt))) for m in (quantized, exact))
         assert (ours - float_logits).abs().max() <= MLA_INT8_TOLERANCE * float_logits.abs().max()
