@@ -16,8 +16,7 @@ from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from engine.config import QUANTIZATIONS, SAME_AS_FIELD, TRUST_REMOTE_CODE_REFUSED, EngineConfig, Flag
-from web.chat.reasoning import PARSERS as REASONING_PARSERS
-from web.chat.tools import PARSERS as TOOL_PARSERS
+from web.chat.parser_names import REASONING_PARSERS, TOOL_PARSERS
 from web.http.cors import CorsSettings
 from web.http.settings import ServerSettings
 from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_notes, foreign_flag_refusals
@@ -118,7 +117,8 @@ def add_server_options(srv: argparse.ArgumentParser) -> None:
                      help='tool_choice "auto": find tool calls in what the model writes (with --tool-call-parser)')
     srv.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                      help="the format tool calls are written in: hermes (<tool_call>...</tool_call>), llama3_json, "
-                          "openai (gpt-oss's harmony messages to functions.NAME; with --reasoning-parser openai_gptoss)")
+                          "openai (gpt-oss's harmony messages to functions.NAME; needs --reasoning-parser "
+                          "openai_gptoss)")
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="accept a chat_template in chat requests (a template runs in a sandbox, but it is the "
                           "client's code)")

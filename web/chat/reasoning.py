@@ -19,7 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
+from web.chat.parser_names import REASONING_PARSERS
+
+PARSERS = REASONING_PARSERS
 OPEN, CLOSE = "<think>", "</think>"
 CHANNEL, MESSAGE, FINAL = "<|channel|>", "<|message|>", "<|channel|>final<|message|>"
 HARMONY_TAGS = ("<|start|>", CHANNEL, MESSAGE, "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")

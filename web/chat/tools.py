@@ -23,10 +23,11 @@ import partial_json_parser
 
 from engine.ids import random_id
 from engine.structured_outputs import StructuredOutputs
+from web.chat.parser_names import TOOL_PARSERS
 from web.chat.reasoning import harmony_messages, held_back, split_harmony
 from web.http.errors import bad_request
 
-PARSERS = ("hermes", "llama3_json", "openai")
+PARSERS = TOOL_PARSERS
 
 
 @dataclass(frozen=True)
