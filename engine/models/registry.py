@@ -50,13 +50,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  notes="attention sinks; sliding and full layers alternating; YaRN; a biased router and clamped "
                        "SwiGLU experts with biases; expert parallelism and EPLB; MXFP4 checkpoints (as OpenAI "
                        "publishes them) dequantized at load"),
-    Architecture("DeepseekV3ForCausalLM", "decoder (MoE)", "moonshotai/Moonlight-16B-A3B-Instruct",
+    Architecture("DeepseekV3ForCausalLM", "decoder (MoE)", "deepseek-ai/DeepSeek-V3",
                  **dict(_MOE, lora=NO),
                  notes="multi-head latent attention, the cache holding each token's latent and rotated key part "
                        "(kv_lora_rank + qk_rope_head_dim values a layer); YaRN with its softmax scale; dense first "
                        "layers, shared experts, grouped top-k routing with the correction bias; expert parallelism "
-                       "and EPLB; the MTP layers are not loaded; FP8 checkpoints refused (DeepSeek-V3's own: load a "
-                       "bfloat16 copy)"),
+                       "and EPLB; the MTP layers are not loaded; FP8 checkpoints (DeepSeek-V3's own) refused: load a "
+                       "bfloat16 copy"),
     Architecture("LlavaForConditionalGeneration", "vision-language", "llava-hf/llava-1.5-7b-hf",
                  tensor_parallel=YES, pipeline_parallel=NO, lora=NO, quantization=NO, compiled=YES,
                  notes="images in chat messages; the encoder cache"),
