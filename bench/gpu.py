@@ -9,9 +9,11 @@ before), on the default path (`serve` as a user runs it: compiled, i.e. CUDA gra
    every figure below is set against;
 3. offline: the Qwen2.5-0.5B shape, N prompts of 128 tokens in and 128 out through the engine,
    against transformers' batched `generate` (batch 64) on the same prompts;
-4. served: `trio-llm serve` on that model, streaming, 1 / 16 / 64 / 256 streams: tok/s, TTFT, ITL,
+4. the device's idle time between steps: one sequence decoding under torch.profiler, the gaps
+   between consecutive kernels (`step_gaps`; issue 48 asks for under 0.5 ms between two steps);
+5. served: `trio-llm serve` on that model, streaming, 1 / 16 / 64 / 256 streams: tok/s, TTFT, ITL,
    and each level's floor (the weights and the KV cache read once per step, over the bandwidth);
-5. the same served levels (1 and 64 streams) on a Llama-3-8B shape, random weights.
+6. the same served levels (1 and 64 streams) on a Llama-3-8B shape, random weights.
 
 `--quick` (with `--device cpu`) runs every part at tiny sizes: the check of this script itself,
 which costs no device time.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import statistics
 import sys
 import tempfile
@@ -38,6 +41,7 @@ from bench.side_by_side import SERVED_NAME, requests_for, served, warm_up
 from bench.throughput import BenchSpec, make_prompts, transformers_tokens_per_s
 from engine.api.open import open_engine
 from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
 from engine.models.tiny import TinyModelSpec, make_model, shaped_spec
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -208,7 +212,61 @@ def offline(model: str, device: str, spec: BenchSpec) -> None:
         f"ratio {ours / theirs:.2f}x")
 
 
-# ---- 4 and 5. served ---------------------------------------------------------------------------
+# ---- 4. the device's idle time between steps ----------------------------------------------------
+def step_gaps(kernels: list[tuple[float, float]], steps: int) -> list[float]:
+    """The device's idle time at step boundaries, longest first: the `steps - 1` longest gaps
+    between consecutive kernels (`kernels`: (start, end) times, overlapping ones merged). Each
+    boundary between two steps is one gap; a step's own kernels (a graph replay, the sampler) run
+    back to back, so the longest gaps are the boundaries', or longer ones inside a step: either way
+    no boundary's gap exceeds the largest reported."""
+    merged: list[list[float]] = []
+    for start, end in sorted(kernels):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    gaps = [later[0] - earlier[1] for earlier, later in itertools.pairwise(merged)]
+    return sorted(gaps, reverse=True)[:max(steps - 1, 0)]
+
+
+async def _profiled_decode(model: str, device: str, tokens: int,
+                           vocab: int = 1000) -> tuple[list[tuple[float, float]], int]:
+    """The device kernels ((start, end) in seconds) of one sequence decoding `tokens` tokens after a
+    warm-up one, on the default path, and the engine steps they span."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    config = EngineConfig(model=model, device=device, dtype="bfloat16", max_num_seqs=1, executor="inproc")
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    prompt = make_prompts(BenchSpec(1, 128, tokens, 1), vocab)[0]
+    async with open_engine(config) as engine:
+        core = engine.core
+        assert isinstance(core, EngineCore), "open_engine runs its core in this process"
+        await _drain(engine, prompt, params)  # warm-up
+        steps_before = core.num_steps
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            await _drain(engine, prompt, params)
+        steps = core.num_steps - steps_before
+    kernels = [(event.time_range.start / 1e6, event.time_range.end / 1e6) for event in trace.events()
+               if event.device_type == DeviceType.CUDA]
+    return kernels, steps
+
+
+def kernel_gaps(model: str, device: str, tokens: int) -> None:
+    if not device.startswith("cuda"):
+        say("step gaps: no device kernels to time on the CPU")
+        return
+    kernels, steps = trio.run(_profiled_decode, model, device, tokens)
+    gaps = step_gaps(kernels, steps)
+    if not gaps:
+        say(f"step gaps: {len(kernels)} kernels over {steps} steps, no gap to report")
+        return
+    say(f"step gaps over {steps} steps ({len(kernels)} kernels; the {len(gaps)} longest idle gaps, each at least "
+        f"its boundary's): median {statistics.median(gaps) * 1e3:.3f} ms, largest {gaps[0] * 1e3:.3f} ms "
+        f"(issue 48: under 0.5 ms)")
+
+
+# ---- 5 and 6. served ---------------------------------------------------------------------------
 async def _served(model: str, device: str, levels: tuple[int, ...], requests: int, floor: Floor,
                   port: int, log: Path) -> None:
     command = [sys.executable, "-m", "web.cli", "serve", model, "--device", device, "--dtype", "bfloat16",
@@ -255,6 +313,8 @@ def run(device: str, quick: bool, port: int, logs: Path) -> int:
             if i == 0:
                 with timing("offline"):
                     offline(model, device, chosen.offline)
+                with timing("step gaps"):
+                    kernel_gaps(model, device, 16 if quick else 64)
             with timing(f"served {i}"):
                 trio.run(_served, model, device, levels, chosen.requests, floor_of(spec, bw), port,
                          logs / f"serve-{i}.log")
