@@ -218,3 +218,23 @@ async def test_an_mxfp4_checkpoint_loads_the_experts_transformers_dequantizes(mx
     (tmp_path / "config.json").write_text(json.dumps(llama))
     with pytest.raises(ModelLoadError, match="'mxfp4': not implemented for LlamaForCausalLM"):
         load_decoder(tmp_path, "float32")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_sink_attention_equals_the_written_out_softmax_fast_or_in_query_blocks(monkeypatch, fast):
+    """On CPU the flash kernel's log-sum-exp scales its output by the keys' share; elsewhere the
+    softmax is written out a block of queries at a time (3 here): both equal the whole softmax with
+    the sink written out at once."""
+    import engine.models.attention as attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=generator) for shape in ((2, 4, 10, 8), (2, 2, 12, 8), (2, 2, 12, 8)))
+    allowed = torch.rand(2, 1, 10, 12, generator=generator) > 0.3
+    allowed[..., 0] = True
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    sinks = torch.randn(4, generator=generator)
+    whole = attention._written_out_sink_attention(q, k, v, mask, 0.3, sinks)
+    if not fast:
+        monkeypatch.setattr(attention, "_FLASH_WITH_LSE", None)
+        monkeypatch.setattr(attention, "SINK_QUERY_BLOCK", 3)
+    assert torch.allclose(attention.sink_attention(q, k, v, mask, 0.3, sinks), whole, atol=1e-5)

@@ -335,16 +335,37 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     denominator; on CPU torch's flash kernel returns it beside its output, so the sink costs a
     scaling of that output (8.6x faster than writing the softmax out, and no [Lq, L] scores held:
     bfloat16, 64 query and 8 KV heads, 512 queries over 2,048 keys, 77 against 665 ms on two
-    threads). Elsewhere the softmax is written out, scores in float32, as transformers computes it."""
-    batch, num_heads, queries, dim = q.shape
-    num_kv_heads, length = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads  # query heads per KV head, each KV head's together
+    threads). Elsewhere the softmax is written out, scores in float32, as transformers computes it,
+    `SINK_QUERY_BLOCK` queries at a time."""
+    num_heads, queries = q.shape[1], q.shape[2]
+    group = num_heads // k.shape[1]  # query heads per KV head, each KV head's together
     if q.device.type == "cpu" and _FLASH_WITH_LSE is not None:
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out, lse = _FLASH_WITH_LSE(q, k, v, 0.0, False, attn_mask=mask.to(q.dtype), scale=scale)
         kept = torch.sigmoid(lse - sinks.float().view(1, num_heads, 1)).unsqueeze(-1)
         return (out.float() * kept).to(q.dtype)
+    if queries <= SINK_QUERY_BLOCK:
+        return _written_out_sink_attention(q, k, v, mask, scale, sinks)
+    return torch.cat([_written_out_sink_attention(q[:, :, start:start + SINK_QUERY_BLOCK], k, v,
+                                                  mask if mask.shape[-2] == 1 else
+                                                  mask[..., start:start + SINK_QUERY_BLOCK, :], scale, sinks)
+                      for start in range(0, queries, SINK_QUERY_BLOCK)], dim=2)
+
+
+# Queries whose softmax is written out at once (`sink_attention` off the CPU): bounds the float32
+# scores held to heads x this x keys (64 heads over 8,192 keys: 1 GiB, where a whole 8,192-token
+# prompt at once would hold 16).
+SINK_QUERY_BLOCK = 512
+
+
+def _written_out_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                                sinks: torch.Tensor) -> torch.Tensor:
+    """`sink_attention` as transformers computes it: scores in float32, the sink concatenated, the
+    softmax, the sink's column dropped."""
+    batch, num_heads, queries, dim = q.shape
+    num_kv_heads, length = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads  # query heads per KV head, each KV head's together
     q_grouped = q.reshape(batch, num_kv_heads, group * queries, dim)
     scores = (q_grouped @ k.transpose(-1, -2)).float().view(batch, num_heads, queries, length) * scale + mask
     sink = sinks.float().view(1, num_heads, 1, 1).expand(batch, num_heads, queries, 1)
