@@ -189,3 +189,12 @@ async def test_lora_is_refused_by_name_not_failed_inside(deepseek):
         async with open_engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True,
                                             enable_lora=True)):
             pass  # pragma: no cover - never reached
+
+
+async def test_two_pipeline_stages_give_transformers_greedy_tokens(deepseek):
+    """Each stage holds its own layers' latent caches (the dense first layer on one stage, the MoE
+    layers split)."""
+    path, hf_model = deepseek
+    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2,
+                          enforce_eager=True)
+    assert await engine_greedy(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
