@@ -78,6 +78,11 @@ def test_the_config_reads_every_feature_and_refuses_what_it_does_not_implement(g
     assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
     assert cfg.moe is not None and (cfg.moe.router_bias, cfg.moe.expert_bias, cfg.moe.activation) == \
         (True, True, "swigluoai")
+    unnamed = parse_decoder_config({k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")})
+    default = GptOssConfig().rope_parameters  # what transformers gives a config that names no scaling
+    assert unnamed.rope_scaling is not None and all(unnamed.rope_scaling[key] == default[key] for key in
+                                                    ("rope_type", "factor", "beta_fast", "beta_slow", "truncate",
+                                                     "original_max_position_embeddings"))
     with pytest.raises(ModelLoadError, match="quantization_config 'bitsandbytes': not implemented for GptOss"):
         parse_decoder_config({**raw, "quantization_config": {"quant_method": "bitsandbytes"}})
 

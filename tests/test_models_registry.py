@@ -58,15 +58,16 @@ async def test_quantization_on_a_model_that_does_not_quantize_is_refused_not_ign
             pass  # pragma: no cover - never reached
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma3", "gpt_oss"])
 def test_make_models_new_architectures_are_what_transformers_loads(tmp_path, arch):
-    """`make-model --arch mistral|gemma3` (the benchmarks' checkpoints): transformers reads the same
-    architecture from them, and our logits equal its, past the window."""
+    """`make-model --arch mistral|gemma3|gpt_oss` (the benchmarks' checkpoints): transformers reads the
+    same architecture from them, and our logits equal its, past the window."""
     spec = TinyModelSpec(arch=arch, layers=7, hidden=64, heads=4, kv_heads=1, head_dim=32, intermediate=128,
-                         vocab=512, sliding_window=8)
+                         vocab=512, sliding_window=8, experts=4)
     path = make_model(tmp_path / arch, spec)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert type(hf_model).__name__ == {"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]
+    assert type(hf_model).__name__ == {"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                       "gpt_oss": "GptOssForCausalLM"}[arch]
     ids = random.Random(0).choices(range(512), k=30)
     model = load_decoder(path, "float32")
     cfg, size = model.config, 4

@@ -260,6 +260,11 @@ def _gemma3(raw: dict[str, Any], arch: str) -> DecoderConfig:
         final_logit_softcapping=raw.get("final_logit_softcapping"))
 
 
+# The rope scaling transformers gives a gpt-oss config.json that names none (GptOssConfig's default)
+GPT_OSS_DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096}
+
+
 def _gpt_oss(raw: dict[str, Any], arch: str) -> DecoderConfig:
     """OpenAI's gpt-oss (transformers' GptOssForCausalLM): sliding and full layers alternating,
     attention sinks, biases on q/k/v/o, YaRN, and MoE in every layer with a biased router (softmax
@@ -277,6 +282,8 @@ def _gpt_oss(raw: dict[str, Any], arch: str) -> DecoderConfig:
     if type(window) is not int or window < 1:
         raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
     theta, scaling = _rope(raw)
+    if scaling is None and not raw.get("rope_scaling") and "rope_type" not in (raw.get("rope_parameters") or {}):
+        scaling = dict(GPT_OSS_DEFAULT_YARN)  # transformers' GptOssConfig default, which a config without one gets
     moe = MoeConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
                     True, tuple(range(num_layers)), router_bias=True, expert_bias=True, activation="swigluoai",
                     swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),

@@ -41,6 +41,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "gemma3-270m": {"arch": "gemma3", "layers": 18, "hidden": 640, "heads": 4, "kv_heads": 1, "head_dim": 256,
                     "intermediate": 2048, "vocab": 262144, "max_positions": 32768, "rope_theta": 1000000.0,
                     "sliding_window": 512},
+    "gpt-oss-20b": {"arch": "gpt_oss", "layers": 24, "hidden": 2880, "heads": 64, "kv_heads": 8, "head_dim": 64,
+                    "intermediate": 2880, "vocab": 201088, "experts": 32, "top_k": 4, "max_positions": 131072,
+                    "rope_theta": 150000.0, "sliding_window": 128},
     "llama3-8b": {"arch": "llama", "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
                   "vocab": 128256, "max_positions": 8192, "rope_theta": 500000.0},
 }
@@ -116,6 +119,13 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int) -> dict[str, Any]
                                    for i in range(spec.layers)], rope_local_base_freq=10000.0)
     if spec.arch == "mixtral":
         config.update(num_local_experts=spec.experts, num_experts_per_tok=spec.top_k)
+    if spec.arch == "gpt_oss":  # sliding and full layers alternating, biases, sinks; its own LM head; YaRN x32
+        yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": max(1, spec.max_positions // 32)}
+        config.update(num_local_experts=spec.experts, num_experts_per_tok=spec.top_k, attention_bias=True,
+                      sliding_window=spec.sliding_window or 128, tie_word_embeddings=False, swiglu_limit=7.0,
+                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)],
+                      rope_scaling=yarn)
     if spec.arch == "qwen3_moe":
         config.update(num_experts=spec.experts, num_experts_per_tok=spec.top_k, norm_topk_prob=True,
                       moe_intermediate_size=spec.intermediate, decoder_sparse_step=1, mlp_only_layers=[])

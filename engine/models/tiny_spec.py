@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "llava": "LlavaForConditionalGeneration"}
 
 
@@ -26,7 +26,7 @@ class TinyModelSpec:
     experts: int = 8  # MoE architectures: experts per layer, each token routed to top_k of them
     top_k: int = 2
     rope_theta: float = 10000.0
-    sliding_window: int | None = None  # mistral, gemma3: each token attends to this many positions
+    sliding_window: int | None = None  # mistral, gemma3, gpt_oss: each token attends to this many positions
     head_dim: int | None = None  # default hidden // heads
 
     @property

@@ -11,6 +11,13 @@ from engine.models.tiny_spec import TinyModelSpec
 
 def _mlp_weights(spec: TinyModelSpec, prefix: str, normal: Any) -> dict[str, torch.Tensor]:
     """A dense SwiGLU MLP, or the router and experts in the checkpoint layout of the architecture."""
+    if spec.arch == "gpt_oss":  # stacked experts, gate and up interleaved, with biases; a biased router
+        block, experts = prefix + "mlp.", spec.experts
+        return {block + "router.weight": normal(experts, spec.hidden) * 20, block + "router.bias": normal(experts),
+                block + "experts.gate_up_proj": normal(experts, spec.hidden, 2 * spec.intermediate),
+                block + "experts.gate_up_proj_bias": normal(experts, 2 * spec.intermediate),
+                block + "experts.down_proj": normal(experts, spec.intermediate, spec.hidden),
+                block + "experts.down_proj_bias": normal(experts, spec.hidden)}
     if spec.arch not in ("mixtral", "qwen3_moe"):
         return {prefix + "mlp.gate_proj.weight": normal(spec.intermediate, spec.hidden),
                 prefix + "mlp.up_proj.weight": normal(spec.intermediate, spec.hidden),
@@ -37,6 +44,8 @@ def random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tens
 
     weights = {"model.embed_tokens.weight": normal(vocab_size, spec.hidden),
                "model.norm.weight": unit(spec.hidden, dtype=dtype)}
+    if spec.arch == "gpt_oss":  # an LM head of its own
+        weights["lm_head.weight"] = normal(vocab_size, spec.hidden)
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         weights.update({
@@ -51,9 +60,12 @@ def random_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tens
         if spec.arch == "gemma3":
             weights[p + "pre_feedforward_layernorm.weight"] = unit(spec.hidden, dtype=dtype)
             weights[p + "post_feedforward_layernorm.weight"] = unit(spec.hidden, dtype=dtype)
-        if spec.arch == "qwen2":
+        if spec.arch in ("qwen2", "gpt_oss"):
             for proj, size in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
                 weights[p + f"self_attn.{proj}_proj.bias"] = normal(size * head_dim)
+        if spec.arch == "gpt_oss":
+            weights[p + "self_attn.o_proj.bias"] = normal(spec.hidden)
+            weights[p + "self_attn.sinks"] = normal(spec.heads) * 20
         if spec.arch in ("qwen3", "qwen3_moe", "gemma3"):
             weights[p + "self_attn.q_norm.weight"] = unit(head_dim, dtype=dtype)
             weights[p + "self_attn.k_norm.weight"] = unit(head_dim, dtype=dtype)
