@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-import trio
 from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -22,7 +21,7 @@ from engine.models.hf_config import parse_decoder_config, read_config_json
 from engine.models.loader import load_decoder
 from engine.models.moe import ExpertLayout, swiglu_oai
 from engine.models.mxfp4 import dequantize_mxfp4
-from tests.helpers import final_output, greedy
+from tests.helpers import final_output, greedy, greedy_together
 from tests.model_helpers import decided_prefix, decoder_logits, save_hf_checkpoint, transformers_greedy
 from tests.test_compiled_decode import BF16_TIE, compiled_config
 from tests.test_compiled_decode import engine_greedy as compiled_greedy
@@ -57,16 +56,7 @@ def gpt_oss(tmp_path_factory):
 
 
 async def engine_greedy(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24) -> list[list[int]]:
-    got: dict[int, list[int]] = {}
-    async with open_engine(config) as engine:
-        async def run(i: int) -> None:
-            got[i] = list((await final_output(engine, prompts[i], greedy(max_tokens, ignore_eos=True))).outputs[0]
-                          .token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(run, i)
-    return [got[i] for i in range(len(prompts))]
+    return await greedy_together(config, prompts, max_tokens)
 
 
 def test_the_config_reads_every_feature_and_refuses_what_it_does_not_implement(gpt_oss):

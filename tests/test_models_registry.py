@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import trio
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, open_engine
@@ -20,7 +19,7 @@ from engine.models.loader import load_decoder
 from engine.models.registry import models_table, served_names
 from engine.models.tiny import make_model
 from engine.models.tiny_spec import TinyModelSpec
-from tests.helpers import final_output, greedy
+from tests.helpers import greedy_together
 from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
 
@@ -41,15 +40,7 @@ async def test_tensor_parallel_2_gives_transformers_greedy_tokens(family, tmp_pa
     expected = transformers_greedy(hf_model, prompts, 12)
     config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
                           enforce_eager=True)
-    got = {}
-    async with open_engine(config) as engine:
-        async def run(i: int) -> None:
-            got[i] = list((await final_output(engine, prompts[i], greedy(12, ignore_eos=True))).outputs[0].token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(run, i)
-    assert [got[i] for i in range(len(prompts))] == expected
+    assert await greedy_together(config, prompts, 12) == expected
 
 
 async def test_quantization_on_a_model_that_does_not_quantize_is_refused_not_ignored(minilm_dir):
