@@ -295,6 +295,11 @@ def _gpt_oss(raw: dict[str, Any], arch: str) -> DecoderConfig:
         sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"), attention_sinks=True)
 
 
+def yarn_mscale(factor: float, weight: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times (1 without stretching)."""
+    return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+
 def _deepseek_v3(raw: dict[str, Any], arch: str) -> DecoderConfig:
     """DeepSeek-V3 (and the models on its architecture: DeepSeek-R1, Kimi K2): multi-head latent
     attention, YaRN with its attention scale, the first layers dense and the rest MoE with shared
@@ -310,9 +315,8 @@ def _deepseek_v3(raw: dict[str, Any], arch: str) -> DecoderConfig:
                     int(raw["qk_rope_head_dim"]), int(raw["v_head_dim"]), bool(raw.get("rope_interleave", True)))
     theta, scaling = _rope(raw)
     scale = mla.qk_head_dim ** -0.5
-    if scaling is not None and scaling.get("mscale_all_dim"):
-        factor = float(scaling["factor"])  # the softmax scale grows with YaRN's mscale, squared
-        scale *= (0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
+    if scaling is not None and scaling.get("mscale_all_dim"):  # the softmax scale grows with YaRN's mscale, squared
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     first_dense = int(raw.get("first_k_dense_replace", 0))
     moe = MoeConfig(int(raw["n_routed_experts"]), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
                     bool(raw.get("norm_topk_prob", True)), tuple(range(first_dense, num_layers)),

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.models.hf_config import yarn_mscale
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """`head_dim`: the rotated dims (all of a head's, or its rotary part)."""
@@ -48,13 +50,12 @@ def _yarn(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch
     factor = scaling.get("factor") or int(scaling["max_position_embeddings"]) / original
     factor = float(factor)
 
-    def mscale(scale: float, weight: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
     attention = scaling.get("attention_factor")
     if attention is None:
         big, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention = mscale(factor, big) / mscale(factor, all_dims) if big and all_dims else mscale(factor)
+        attention = yarn_mscale(factor)
+        if big and all_dims:
+            attention = yarn_mscale(factor, big) / yarn_mscale(factor, all_dims)
 
     def correction_dim(rotations: float) -> float:
         return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
