@@ -61,8 +61,10 @@ def _bench_mla(args: argparse.Namespace) -> int:
 
 
 def _add_bench_sliding_window(bench: Subcommands) -> None:
-    sw = bench.add_parser("sliding-window", help="KV blocks one long sequence holds with a sliding window on every "
-                                                 "layer against full attention, the same model otherwise")
+    sw = bench.add_parser("sliding-window", help="the KV cache one long sequence holds on a model with sliding "
+                                                 "layers against full attention, the same model otherwise")
+    sw.add_argument("--arch", choices=("mistral", "gemma3", "gpt_oss"), default="mistral",
+                    help="every layer sliding (mistral), or sliding beside full layers (gemma3 5:1, gpt_oss 1:1)")
     sw.add_argument("--length", type=int, default=4096, help="the sequence's tokens, prompt and generated")
     sw.add_argument("--prompt-len", type=int, default=3968)
     sw.add_argument("--window", type=int, default=512)
@@ -72,7 +74,7 @@ def _add_bench_sliding_window(bench: Subcommands) -> None:
 
 def _bench_sliding_window(args: argparse.Namespace) -> int:
     from bench import sliding_window
-    print(trio.run(sliding_window.run, args.length, args.window, args.block_size, args.prompt_len))
+    print(trio.run(sliding_window.run, args.arch, args.length, args.window, args.block_size, args.prompt_len))
     return 0
 
 

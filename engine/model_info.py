@@ -43,9 +43,9 @@ class ModelInfo:
     num_logical_experts: int = 0
     num_physical_experts: int = 0
     num_expert_ranks: int = 1
-    # Every layer attends within this many positions (Mistral): the KV blocks behind the window are
-    # released while a request runs. None when any layer attends to everything (Gemma 3's global ones).
-    kv_sliding_window: int | None = None
+    # Each KV cache group's attention window (None: full attention; engine/kv_groups.py). In a
+    # sliding group the blocks behind the window are released while a request runs.
+    kv_group_windows: tuple[int | None, ...] = (None,)
     # Vision-language models (LLaVA): the image placeholder token and the rows each image fills.
     image_token_id: int | None = None
     image_rows: int = 0

@@ -38,14 +38,29 @@ def transformers_greedy(model, prompts: list[list[int]], max_tokens: int) -> lis
     return out
 
 
+def paged_logits(model, inputs: torch.Tensor | list[int], chunks: list[tuple[int, int]], block_table: list[int],
+                 block_size: int = 4) -> torch.Tensor:
+    """Our logits [T, V] over `inputs` (token ids, or input embeddings [T, H]), run in the
+    (start, end) `chunks` over a paged KV cache read through `block_table`; each KV cache group of
+    a hybrid model gets the table shifted onto blocks of its own, as the scheduler would give it."""
+    num_blocks, groups = len(block_table), model.kv_layout.num_groups
+    keys, values = model.kv_cache_shapes(groups * num_blocks * block_size)
+    kv = [(torch.zeros(keys), torch.zeros(values)) for _ in range(model.num_kv_caches)]
+    tables = [[b + g * num_blocks for b in block_table] for g in range(groups)]
+    inputs = torch.as_tensor(inputs)
+    out = []
+    with torch.no_grad():
+        for start, end in chunks:
+            per_group = [[SequenceChunk(start, end - start, table)] for table in tables]
+            meta = build_metadata(per_group[0], block_size, torch.device("cpu"), other_kv_groups=per_group[1:])
+            rows = model.embed(inputs[start:end]) if inputs.dim() == 1 else inputs[start:end]
+            out.append(model.compute_logits(model(rows, torch.arange(start, end), kv, meta)))
+    return torch.cat(out)
+
+
 def decoder_logits(decoder, hidden: torch.Tensor) -> torch.Tensor:
     """Logits [T, V] of `decoder` for input embeddings `hidden` [T, H] at positions 0..T-1."""
-    c, length = decoder.config, hidden.shape[0]
-    keys, values = decoder.kv_cache_shapes(64)
-    kv = [(torch.zeros(keys), torch.zeros(values)) for _ in range(c.num_layers)]
-    meta = build_metadata([SequenceChunk(0, length, list(range(4)))], 16, torch.device("cpu"))
-    with torch.no_grad():
-        return decoder.compute_logits(decoder(hidden, torch.arange(length), kv, meta))
+    return paged_logits(decoder, hidden, [(0, hidden.shape[0])], list(range(4)), 16)
 
 
 def decided_prefix(model, prompt: list[int], tokens: list[int], margin: float) -> int:

@@ -11,7 +11,7 @@ def make_request(rid: str, tokens: list[int], cache_key=None) -> Request:
 
 def compute_all(kv: KVBlockManager, req: Request) -> None:
     cached = kv.find_cached_prefix(req)
-    assert kv.allocate_slots(req, req.num_tokens - len(cached) * kv.block_size, cached)
+    assert kv.allocate_slots(req, req.num_tokens - cached.num_blocks * kv.block_size, cached)
     req.num_computed_tokens = req.num_tokens
     kv.cache_computed_blocks(req)
 
@@ -54,12 +54,12 @@ def test_shared_prefix_is_computed_once_and_reference_counted():
     compute_all(kv, a)
     b = make_request("b", system + [3, 4, 5])
     hits = kv.find_cached_prefix(b)
-    assert [blk.block_id for blk in hits] == kv.block_ids("a")[:3]
+    assert hits.block_ids() == kv.block_ids("a")[:3]
     assert kv.allocate_slots(b, b.num_tokens - 12, hits)
     assert kv.block_ids("b")[:3] == kv.block_ids("a")[:3]
-    assert all(blk.ref_cnt == 2 for blk in hits)
+    assert all(blk.ref_cnt == 2 for blk in hits.tables[0])
     kv.free(a)
-    assert all(blk.ref_cnt == 1 for blk in hits)
+    assert all(blk.ref_cnt == 1 for blk in hits.tables[0])
     kv.free(b)
     assert kv.num_free_blocks == 16
 
@@ -71,11 +71,11 @@ def test_cached_blocks_survive_free_until_reused():
     kv.free(a)
     assert kv.usage == 0.0  # blocks kept only by the prefix cache count as free
     again = make_request("again", list(range(9)))
-    assert len(kv.find_cached_prefix(again)) == 2
+    assert kv.find_cached_prefix(again).num_blocks == 2
     # Filling the cache with other tokens evicts them.
     other = make_request("other", list(range(50, 66)))
     assert kv.allocate_slots(other, 16)
-    assert kv.find_cached_prefix(make_request("late", list(range(9)))) == []
+    assert kv.find_cached_prefix(make_request("late", list(range(9)))).num_blocks == 0
 
 
 def test_full_prompt_hit_leaves_the_last_token_to_compute():
@@ -83,27 +83,27 @@ def test_full_prompt_hit_leaves_the_last_token_to_compute():
     a = make_request("a", list(range(8)))
     compute_all(kv, a)
     b = make_request("b", list(range(8)))
-    assert len(kv.find_cached_prefix(b)) == 1  # 7 of 8 tokens at most: one full block
+    assert kv.find_cached_prefix(b).num_blocks == 1  # 7 of 8 tokens at most: one full block
 
 
 def test_cache_key_separates_namespaces():
     kv = KVBlockManager(num_blocks=8, block_size=4)
     compute_all(kv, make_request("a", list(range(9))))
-    assert kv.find_cached_prefix(make_request("b", list(range(9)), cache_key="embeds")) == []
-    assert len(kv.find_cached_prefix(make_request("c", list(range(9))))) == 2
+    assert kv.find_cached_prefix(make_request("b", list(range(9)), cache_key="embeds")).num_blocks == 0
+    assert kv.find_cached_prefix(make_request("c", list(range(9)))).num_blocks == 2
 
 
 def test_prefix_caching_disabled_never_hits():
     kv = KVBlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     compute_all(kv, make_request("a", list(range(9))))
-    assert kv.find_cached_prefix(make_request("b", list(range(9)))) == []
+    assert kv.find_cached_prefix(make_request("b", list(range(9)))).num_blocks == 0
 
 
 def test_with_a_sliding_window_a_long_sequence_holds_a_windows_worth_of_blocks():
     """Window 6, blocks of 4: the token at position p attends to p - 5 .. p, so once a request has
     computed n tokens its blocks wholly before n - 5 are released; their ids stay in its table (the
     worker masks them), another request may reuse them, and freeing the request frees the rest."""
-    kv = KVBlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True, sliding_window=6)
+    kv = KVBlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True, group_windows=(6,))
     req = make_request("a", list(range(8)))
     assert kv.allocate_slots(req, 8)
     req.num_computed_tokens = 8

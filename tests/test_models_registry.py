@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, open_engine
 from engine.errors import ModelLoadError
-from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.bert import ENCODER_ARCHITECTURES
 from engine.models.hf_config import DECODER_ARCHITECTURES
 from engine.models.loader import load_decoder
@@ -20,7 +19,7 @@ from engine.models.registry import models_table, served_names
 from engine.models.tiny import make_model
 from engine.models.tiny_spec import TinyModelSpec
 from tests.helpers import greedy_together
-from tests.model_helpers import save_hf_checkpoint, transformers_greedy
+from tests.model_helpers import paged_logits, save_hf_checkpoint, transformers_greedy
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -60,13 +59,7 @@ def test_make_models_new_architectures_are_what_transformers_loads(tmp_path, arc
     assert type(hf_model).__name__ == {"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM",
                                        "gpt_oss": "GptOssForCausalLM"}[arch]
     ids = random.Random(0).choices(range(512), k=30)
-    model = load_decoder(path, "float32")
-    cfg, size = model.config, 4
-    kv = [(torch.zeros(64 * size, cfg.num_kv_heads, cfg.head_dim), torch.zeros(64 * size, cfg.num_kv_heads,
-                                                                                cfg.head_dim))
-          for _ in range(cfg.num_layers)]
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0]
-        meta = build_metadata([SequenceChunk(0, 30, list(range(64)))], size, torch.device("cpu"))
-        ours = model.compute_logits(model(model.embed(torch.tensor(ids)), torch.arange(30), kv, meta))
+    ours = paged_logits(load_decoder(path, "float32"), ids, [(0, 30)], list(range(64)))
     assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4), (ours - expected).abs().max()

@@ -21,12 +21,11 @@ from engine import EngineConfig, open_engine
 from engine import testing as probes
 from engine.config import EplbConfig
 from engine.eplb.maps import initial_phy2log
-from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.loader import load_decoder
 from engine.models.moe import ExpertLayout
 from engine.models.tiny import TinyModelSpec, make_model
 from tests.helpers import final_output, greedy
-from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
+from tests.model_helpers import decoder_logits, paged_logits, save_hf_checkpoint, transformers_greedy
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -89,16 +88,7 @@ def moe_logits(path, token_ids: list[int], layout: ExpertLayout):
     """Our logits [T, V] over `token_ids` in chunks (a chunked prefill, a decode, the rest) with
     the experts held as `layout` says, and the model (its expert load counted)."""
     model = load_decoder(path, "float32", experts=layout)
-    cfg, block_size = model.config, 4
-    keys, values = model.kv_cache_shapes(64 * block_size)
-    kv = [(torch.zeros(keys), torch.zeros(values)) for _ in range(cfg.num_layers)]
-    ids, logits = torch.tensor(token_ids), []
-    with torch.no_grad():
-        for start, end in [(0, 13), (13, 14), (14, len(token_ids))]:
-            meta = build_metadata([SequenceChunk(start, end - start, list(range(64)))], block_size,
-                                  torch.device("cpu"))
-            logits.append(model.compute_logits(model(model.embed(ids[start:end]), torch.arange(start, end), kv, meta)))
-    return torch.cat(logits), model
+    return paged_logits(model, token_ids, [(0, 13), (13, 14), (14, len(token_ids))], list(range(64))), model
 
 
 @pytest.mark.parametrize("slots", [4, 6])

@@ -51,9 +51,9 @@ def test_a_forced_hash_collision_never_shares_blocks():
     first.num_computed_tokens = first.num_tokens
     kv.cache_computed_blocks(first)
     other = _request("other", [10, 11, 12, 13, 14, 15, 16, 17, 18])
-    assert kv.find_cached_prefix(other) == [] and kv.num_collisions == 1
+    assert kv.find_cached_prefix(other).num_blocks == 0 and kv.num_collisions == 1
     same = _request("same", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    assert len(kv.find_cached_prefix(same)) == 1  # a true hit still hits (the second block's parent differs)
+    assert kv.find_cached_prefix(same).num_blocks == 1  # a true hit still hits (the second block's parent differs)
 
 
 @pytest.fixture

@@ -23,10 +23,9 @@ from transformers import (
 )
 
 from engine import EngineConfig, open_engine
-from engine.models.attention import SequenceChunk, build_metadata
 from engine.models.loader import load_decoder
 from tests.helpers import final_output, greedy
-from tests.model_helpers import save_hf_checkpoint
+from tests.model_helpers import paged_logits, save_hf_checkpoint
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -63,20 +62,8 @@ def hf_checkpoint(request, tmp_path_factory):
 
 def _our_logits(model_dir, token_ids: list[int], chunks: list[tuple[int, int]]) -> torch.Tensor:
     """Run our model over the paged cache in the given (start, end) chunks; returns logits [T, V]."""
-    model = load_decoder(model_dir, "float32")
-    cfg, block_size = model.config, 4
-    shape = (64 * block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape))
-          for _ in range(cfg.num_layers)]
     blocks = random.Random(0).sample(range(64), 64)  # scattered block table
-    ids = torch.tensor(token_ids)
-    out = []
-    with torch.no_grad():
-        for start, end in chunks:
-            meta = build_metadata([SequenceChunk(start, end - start, blocks)], block_size, torch.device("cpu"))
-            hidden = model(model.embed(ids[start:end]), torch.arange(start, end), kv, meta)
-            out.append(model.compute_logits(hidden))
-    return torch.cat(out)
+    return paged_logits(load_decoder(model_dir, "float32"), token_ids, chunks, blocks)
 
 
 def test_logits_match_transformers_over_chunked_prefill_and_decode(hf_checkpoint):

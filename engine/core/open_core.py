@@ -21,6 +21,7 @@ from engine.ec.connector import ECConnectorGate, Loader, SharedStorageConnector
 from engine.errors import ModelLoadError
 from engine.executor import Executor, create_executor
 from engine.hub import resolve_model_files
+from engine.kv_groups import sequence_blocks
 from engine.model_info import ModelInfo
 from engine.models.hf_config import read_generation_defaults
 from engine.models.moe import check_expert_options
@@ -43,10 +44,12 @@ async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Toke
                          f"least max_model_len ({max_model_len}), or long prompts could never be scheduled")
     budget = await _kv_cache_bytes(config, executor) if config.num_kv_blocks is None else 0
     num_blocks = config.num_kv_blocks or budget // model_info.kv_bytes_per_block
-    if num_blocks * config.block_size < max_model_len and config.num_kv_blocks is None:
+    needed = sequence_blocks(model_info.kv_group_windows, max_model_len, config.block_size, config.token_budget)
+    if num_blocks < needed and config.num_kv_blocks is None:
         raise ModelLoadError(
-            f"the KV cache budget ({budget} bytes) holds {num_blocks * config.block_size} tokens, fewer than "
-            f"max_model_len ({max_model_len}); raise {_budget_flag(config)} or lower max_model_len")
+            f"the KV cache budget ({budget} bytes) holds {num_blocks} blocks of {config.block_size} tokens, fewer "
+            f"than one sequence of max_model_len ({max_model_len}) needs ({needed}); raise {_budget_flag(config)} "
+            f"or lower max_model_len")
     served_pooling_tasks(config, model_info)  # a --runner or --pooler-config task the model cannot serve
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + model_info.eos_token_ids))
     return replace(model_info, num_kv_blocks=num_blocks, max_model_len=max_model_len, eos_token_ids=eos)
@@ -82,7 +85,7 @@ def build_scheduler(config: EngineConfig, info: ModelInfo, connector: SharedStor
     namespace = f"{config.model}\0{info.architecture}\0{info.dtype}".encode()
     hasher = PrefixHasher(config.prefix_caching_hash_algo, namespace)
     blocks = KVBlockManager(info.num_kv_blocks, config.block_size, config.enable_prefix_caching, hasher,
-                            info.kv_sliding_window)
+                            info.kv_group_windows)
     if connector is None or not connector.consumer:
         return Scheduler(sched_config, blocks)
     scheduler = Scheduler(sched_config, blocks, [ECConnectorGate(connector, ec_blocking)], external=connector)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,14 @@ class AttentionMetadata:
     device: torch.device
     dtype: torch.dtype
     _groups: dict[int | None, list[AttentionGroup]] = field(default_factory=dict)
+    # KV cache groups 1.. of a hybrid layout (engine/kv_groups.py): the same step over their block
+    # tables. This metadata is group 0's; with none, it serves every layer (one group, or a profile
+    # run whose every token writes one scratch block).
+    other_kv_groups: Sequence[AttentionMetadata] = ()
+
+    def of_group(self, kv_group: int) -> AttentionMetadata:
+        """The step over KV cache group `kv_group`'s block tables."""
+        return self.other_kv_groups[kv_group - 1] if kv_group and self.other_kv_groups else self
 
     def groups_for(self, sliding_window: int | None) -> list[AttentionGroup]:
         """The step's groups with each query attending to every position before it (None) or to
@@ -93,15 +101,26 @@ class AttentionMetadata:
         return self.groups_for(None)
 
 
+# One KV cache group's part of a decode batch: each sequence's new-token slot and its block table.
+GroupTables = tuple[Sequence[int], Sequence[Sequence[int]]]
+
+
 @dataclass
 class DecodeMetadata:
     """A batch of decodes (one new token per sequence), in the fixed shapes a compiled graph
     takes: rows past the real ones are padding whose slot and blocks are a scratch block."""
 
+    # With several KV cache groups (engine/kv_groups.py) these two have a leading group dimension.
     slot_mapping: torch.Tensor  # [B] cache slot of each new token
     block_table: torch.Tensor  # [B, nb] block ids per sequence, padded with the scratch block
     seq_lens: torch.Tensor  # [B] tokens each sequence attends to (its cached ones plus the new one)
     block_size: int
+
+    def of_group(self, kv_group: int) -> DecodeMetadata:
+        """The batch over KV cache group `kv_group`'s block tables."""
+        if self.slot_mapping.dim() == 1:
+            return self
+        return type(self)(self.slot_mapping[kv_group], self.block_table[kv_group], self.seq_lens, self.block_size)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,20 +174,22 @@ def attention_step(meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tens
 
 
 @torch.library.custom_op("trio_llm::step_attention", mutates_args=())
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: int, kv_group: int, scale: float,
                    sliding_window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Layer `layer`'s attention for the step `attention_step` set: writes this step's keys and
-    values to that layer's cache, then attends (`paged_attention`; `sliding_window` 0: none). The
-    cache is state outside the graph, which is why the graph never sees it."""
+    """A layer's attention for the step `attention_step` set: writes this step's keys and values
+    to the layer's cache (pair `kv_index`, in KV cache group `kv_group`), then attends
+    (`paged_attention`; `sliding_window` 0: none). The cache is state outside the graph, which is
+    why the graph never sees it."""
     step = _current.get()
-    k_cache, v_cache = step.kv_caches[layer]
-    write_kv(k_cache, v_cache, step.meta.slot_mapping, k, v)
-    return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, sliding_window or None, sinks).contiguous()
+    k_cache, v_cache = step.kv_caches[kv_index]
+    meta = step.meta.of_group(kv_group)
+    write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window or None, sinks).contiguous()
 
 
 @step_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int,
-      sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: int, kv_group: int, scale: float,
+      sliding_window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -182,11 +203,16 @@ class SequenceChunk:
 
 
 def build_metadata(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
+                   dtype: torch.dtype = torch.float32,
+                   other_kv_groups: Sequence[Sequence[SequenceChunk]] = ()) -> AttentionMetadata:
     """Metadata for a flat batch whose sequences are laid out in `chunks` order, decodes first.
+    `other_kv_groups`: the same chunks over the block tables of KV cache groups 1.., if any.
 
     `dtype` is the model's: the mask is additive in that dtype, which CPU SDPA
     runs about twice as fast as a boolean mask."""
+    if other_kv_groups:
+        others = [build_metadata(group, block_size, device, dtype) for group in other_kv_groups]
+        return replace(build_metadata(chunks, block_size, device, dtype), other_kv_groups=others)
     slots: list[int] = []
     for c in chunks:
         for pos in range(c.start_position, c.start_position + c.num_tokens):

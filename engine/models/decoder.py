@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.kv_groups import KVLayout
 from engine.models.attention import (
     AttentionMetadata,
     DecodeMetadata,
@@ -80,6 +81,9 @@ class DecoderLayer(nn.Module):
             self.k_norm = norm(cfg.head_dim)
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.sliding_window = cfg.window_of(index)
+        # Its KV cache group (engine/kv_groups.py) and its cache pair on this rank: set by the model.
+        self.kv_group = 0
+        self.kv_index = index
         # gpt-oss: each head's learned logit in its softmax's denominator (attention.sink_attention)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory), requires_grad=False) \
             if cfg.attention_sinks else None
@@ -108,8 +112,10 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.rotate(positions, q, k)
         if isinstance(meta, GraphedAttention):  # a compiled step graph: attention is opaque to it
-            out = step_attention(q, k, v, self.index, self.scale, self.sliding_window or 0, self.sinks)
+            out = step_attention(q, k, v, self.kv_index, self.kv_group, self.scale, self.sliding_window or 0,
+                                 self.sinks)
             return self.o_proj(out.reshape(T, -1))
+        meta = meta.of_group(self.kv_group)
         write_kv(kv_cache[0], kv_cache[1], meta.slot_mapping, k, v)
         if isinstance(meta, DecodeMetadata):  # a compiled decode graph or a captured CUDA graph
             out = meta.attend(q, kv_cache[0], kv_cache[1], self.scale, self.sliding_window, self.sinks)
@@ -141,6 +147,13 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **factory) \
             if keeps_embedding else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, experts, **factory) for i in self.layer_range)
+        # MLA's cache rows have no sliding kind: one group. Otherwise sliding and full layers (Gemma 3,
+        # gpt-oss) get groups of their own, whose blocks behind the window are released.
+        self.kv_layout = KVLayout.of([None if cfg.mla else cfg.window_of(i) for i in range(cfg.num_layers)])
+        self.kv_indices = self.kv_layout.local_slots(self.layer_range)  # each layer's cache pair here
+        for layer, i, kv_index in zip(self.layers, self.layer_range, self.kv_indices, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            layer.kv_group, layer.kv_index = self.kv_layout.layer_group[i], kv_index
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, **factory) \
             if stage.is_last else None
         vocab_rows = tp.split(cfg.vocab_size, "vocab_size")  # this rank's rows, as the embedding's
@@ -184,8 +197,8 @@ class DecoderForCausalLM(nn.Module):
         """hidden: input embeddings [T, H] of the flat batch -> final hidden states [T, H].
         With `DecodeMetadata` (one token per sequence) it is the decode graph `torch.compile`
         takes; with `GRAPHED`, the step graph's (attention read from `attention_step`)."""
-        for layer, rope, kv_cache in zip(self.layers, self._ropes(), kv_caches, strict=True):
-            hidden = layer(hidden, positions, rope, kv_cache, meta)
+        for layer, rope, kv_index in zip(self.layers, self._ropes(), self.kv_indices, strict=True):
+            hidden = layer(hidden, positions, rope, kv_caches[kv_index], meta)
         # A pipeline stage before the last passes its layers' output on, unnormalised.
         return self.norm(hidden) if self.norm is not None else hidden
 
@@ -203,6 +216,12 @@ class DecoderForCausalLM(nn.Module):
     def take_expert_load(self) -> torch.Tensor:
         """[MoE layers, physical experts]: tokens routed to each slot since the last call."""
         return torch.stack([experts.take_step_load() for experts in self.moe_layers]).cpu()
+
+    @property
+    def num_kv_caches(self) -> int:
+        """The key and value cache pairs this rank holds: one per layer, or with several KV cache
+        groups one per position in a group (`engine.kv_groups`)."""
+        return max(self.kv_indices, default=-1) + 1
 
     @property
     def num_local_kv_heads(self) -> int:

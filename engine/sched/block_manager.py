@@ -8,11 +8,15 @@ same prefix share the same blocks. When a request finishes, its blocks return
 to the free list but keep their hash: until the block is reused for something
 else, a later request with the same prefix still hits it.
 
-With a sliding window on every layer (Mistral; `sliding_window`), a block none
-of a request's later tokens can attend to is released while the request runs
-(vLLM's sliding-window manager): a long sequence holds about a window's worth of
-blocks. Its id stays in the request's block table, where attention masks it
-out, so the table keeps its shape and positions; another request may reuse it.
+A request has one block table per KV cache group (engine/kv_groups.py): one for
+most models, several for one that mixes sliding and full layers, all drawing on
+one pool of ids. In a group with a sliding window (Mistral's every layer, Gemma 3's
+and gpt-oss's sliding ones), a block none of a request's later tokens can attend
+to is released while the request runs (vLLM's sliding-window manager): a long
+sequence holds about a window's worth of blocks there. Its id stays in the table,
+where attention masks it out, so the table keeps its shape and positions; another
+request may reuse it. A prefix hit in such a group needs only the window's blocks
+before the hit; the positions before it hold a placeholder id, masked the same way.
 """
 
 from __future__ import annotations
@@ -33,30 +37,52 @@ class KVBlock:
     # What the hash stands for, checked on every hit: a hash collision must never share KV.
     parent_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()
+    group: int = 0  # the KV cache group whose prefix cache holds it (while it has a hash)
+
+
+# A sliding group's table entry before the window of a prefix hit: never read unmasked, never
+# written (new tokens go after the hit), never referenced or freed.
+OUTSIDE_WINDOW = KVBlock(0)
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A request's first `num_blocks` blocks found in the prefix cache, in every group's table."""
+
+    tables: tuple[list[KVBlock], ...]  # per group; a sliding group's starts with OUTSIDE_WINDOW entries
+    num_blocks: int
+
+    def block_ids(self, group: int = 0) -> list[int]:
+        return [b.block_id for b in self.tables[group]]
 
 
 class KVBlockManager:
     """Allocates KV blocks to requests. Plain Python; owned by the scheduler."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hasher: PrefixHasher | None = None, sliding_window: int | None = None) -> None:
+                 hasher: PrefixHasher | None = None, group_windows: Sequence[int | None] = (None,)) -> None:
+        """`group_windows`: each KV cache group's attention window (None: full), one group by default."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.sliding_window = sliding_window
-        self._released: dict[str, int] = {}  # request id -> its leading blocks released (outside the window)
+        self.group_windows = tuple(group_windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher or PrefixHasher()
         self.num_collisions = 0  # hits whose tokens or parent differed: refused (counted for tests and logs)
         self._blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front first). Cached blocks stay hashed while free.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self._blocks)
-        self._cached: dict[BlockHash, KVBlock] = {}
-        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._cached: list[dict[BlockHash, KVBlock]] = [{} for _ in self.group_windows]
+        self._req_blocks: dict[str, list[list[KVBlock]]] = {}  # request id -> its table in each group
+        self._released: dict[str, list[int]] = {}  # request id -> each table's leading entries released
         self._num_hashed_blocks: dict[str, int] = {}
 
     # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
@@ -70,11 +96,27 @@ class KVBlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        tables = self._req_blocks.get(request_id)
+        return [b.block_id for b in tables[group]] if tables else []
+
+    def block_tables(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in every group, as the worker takes them."""
+        return tuple(self.block_ids(request_id, g) for g in range(self.num_groups))
+
+    def blocks_held(self, request_id: str) -> int:
+        """Blocks the request references now, over all its tables (released ones not counted)."""
+        tables, released = self._req_blocks.get(request_id, []), self._released.get(request_id, [])
+        return sum(len(table) - start for table, start in zip(tables, released, strict=True))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _first_needed(self, group: int, num_computed: int) -> int:
+        """The first block of the group's table that the token after `num_computed` ones, and so
+        every later one, still attends to: past num_computed - window (0 without a window)."""
+        window = self.group_windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
 
     # ---- prefix caching ------------------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
@@ -87,26 +129,54 @@ class KVBlockManager:
             parent = hashes[-1] if hashes else self.hasher.request_root(request.cache_key)
             hashes.append(self.hasher.block(parent, tokens[start:start + size]))
 
-    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
-        """Blocks already holding a prefix of the request's tokens.
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest prefix of whole blocks every group holds: all of a full group's blocks, a
+        sliding group's within the window before the prefix's end.
 
         At least one token is always left to compute, because the step that
         computes it produces the logits the next token is sampled from.
         """
         if not self.enable_prefix_caching:
-            return []
+            return CachedPrefix(tuple([] for _ in self.group_windows), 0)
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
+        hits = [self._hits(request, g, max_blocks) for g in range(self.num_groups)]
+        n = min((len(_leading_hits(h)) for g, h in enumerate(hits) if self.group_windows[g] is None),
+                default=max_blocks)
+        while True:  # each sliding group may shorten it; a shorter prefix needs other blocks: again
+            shortest = min(self._longest_windowed(g, hits[g], n) for g in range(self.num_groups))
+            if shortest == n:
+                break
+            n = shortest
+        tables = []
+        for g, group_hits in enumerate(hits):
+            start = self._first_needed(g, n * self.block_size)
+            tables.append([OUTSIDE_WINDOW] * start + [b for b in group_hits[start:n] if b is not None])
+        return CachedPrefix(tuple(tables), n)
+
+    def _hits(self, request: Request, group: int, max_blocks: int) -> list[KVBlock | None]:
+        """The group's cached block for each of the request's first blocks (None: a miss)."""
+        cached = self._cached[group]
+        hits: list[KVBlock | None] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block = self._cached.get(block_hash)
-            if block is None:
-                break
-            if block.parent_hash != self._parent_hash(request, i) or block.token_ids != self._block_tokens(request, i):
+            block = cached.get(block_hash)
+            if block is not None and (block.parent_hash != self._parent_hash(request, i)
+                                      or block.token_ids != self._block_tokens(request, i)):
                 self.num_collisions += 1  # same hash, other content: never share it
-                break
+                block = None
+            if block is None and self.group_windows[group] is None:
+                break  # a full group's hits end at its first miss
             hits.append(block)
         return hits
+
+    def _longest_windowed(self, group: int, hits: list[KVBlock | None], limit: int) -> int:
+        """The longest prefix up to `limit` blocks whose window the group holds whole."""
+        if self.group_windows[group] is None:
+            return limit
+        n = min(limit, len(hits))
+        while n and not all(b is not None for b in hits[self._first_needed(group, n * self.block_size):n]):
+            n -= 1
+        return n
 
     def _parent_hash(self, request: Request, index: int) -> BlockHash:
         return request.block_hashes[index - 1] if index else self.hasher.request_root(request.cache_key)
@@ -115,43 +185,53 @@ class KVBlockManager:
         return tuple(request.all_token_ids[index * self.block_size:(index + 1) * self.block_size])
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_prefix: Sequence[KVBlock] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
 
-        Returns False, changing nothing, when there are not enough free blocks.
+        Returns False, changing nothing but releasing blocks outside a window, when there are not
+        enough free blocks.
         """
-        held = self._req_blocks.setdefault(request.request_id, [])
-        self._release_outside_window(request, held)
-        num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_tokens) - len(held) - len(cached_prefix)
-        revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)  # free now, taken by this request
-        if num_new_blocks + revived > len(self._free):
-            if not held:
-                del self._req_blocks[request.request_id]
+        rid = request.request_id
+        tables = self._req_blocks.get(rid)
+        if tables is not None:
+            self._release_outside_window(request, tables)
+        held = len(tables[0]) if tables else 0
+        prefix = cached.num_blocks if cached else 0
+        num_tokens = request.num_computed_tokens + prefix * self.block_size + num_new_tokens
+        num_new_blocks = max(self.blocks_needed(num_tokens) - held - prefix, 0)
+        hits = [table[self._first_needed(g, prefix * self.block_size):] for g, table in enumerate(cached.tables)] \
+            if cached else []
+        revived = sum(1 for table in hits for b in table if b.ref_cnt == 0)  # free now, taken by this request
+        if num_new_blocks * self.num_groups + revived > len(self._free):
             return False
-        for block in cached_prefix:
+        if tables is None:
+            tables = self._req_blocks[rid] = [[] for _ in self.group_windows]
+            self._released[rid] = [0] * self.num_groups
+        for g, table in enumerate(tables):
+            if cached:
+                self._take_hits(hits[g])
+                table.extend(cached.tables[g])
+                self._released[rid][g] = len(cached.tables[g]) - len(hits[g])
+            table.extend(self._take_free_block() for _ in range(num_new_blocks))
+        if cached:
+            self._num_hashed_blocks[rid] = prefix
+        return True
+
+    def _take_hits(self, blocks: list[KVBlock]) -> None:
+        for block in blocks:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
-        held.extend(cached_prefix)
-        held.extend(self._take_free_block() for _ in range(max(num_new_blocks, 0)))
-        if cached_prefix:
-            self._num_hashed_blocks[request.request_id] = len(held) - max(num_new_blocks, 0)
-        return True
 
-    def _release_outside_window(self, request: Request, held: list[KVBlock]) -> None:
-        """With a sliding window: release the leading blocks that the request's next token, and so
-        every later one, no longer attends to (it sees positions past num_computed - window)."""
-        if self.sliding_window is None or not held:
-            return
-        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1)
-        keep_from = min(first_needed // self.block_size, len(held))
-        start = self._released.get(request.request_id, 0)
-        for block in held[start:keep_from]:
-            self._unref(block)
-        if keep_from > start:
-            self._released[request.request_id] = keep_from
+    def _release_outside_window(self, request: Request, tables: list[list[KVBlock]]) -> None:
+        """In each sliding group: release the leading blocks that the request's next token, and so
+        every later one, no longer attends to."""
+        released = self._released[request.request_id]
+        for g, table in enumerate(tables):
+            keep_from = min(self._first_needed(g, request.num_computed_tokens), len(table))
+            for block in table[released[g]:keep_from]:
+                self._unref(block)
+            released[g] = max(released[g], keep_from)
 
     def _unref(self, block: KVBlock) -> None:
         block.ref_cnt -= 1
@@ -161,8 +241,9 @@ class KVBlockManager:
     def _take_free_block(self) -> KVBlock:
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
-            if self._cached.get(block.block_hash) is block:
-                del self._cached[block.block_hash]
+            cached = self._cached[block.group]
+            if cached.get(block.block_hash) is block:
+                del cached[block.block_hash]
             block.block_hash = None
         block.ref_cnt = 1
         return block
@@ -172,28 +253,45 @@ class KVBlockManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        blocks = self._req_blocks.get(rid)
-        if not blocks:
+        tables = self._req_blocks.get(rid)
+        if not tables or not tables[0]:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        num_full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         start = self._num_hashed_blocks.get(rid, 0)
         if num_full <= start:
             return
         self.update_block_hashes(request)
-        for i in range(start, num_full):
-            block = blocks[i]
-            block_hash = request.block_hashes[i]
-            if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash = block_hash
-                block.parent_hash = self._parent_hash(request, i)
-                block.token_ids = self._block_tokens(request, i)
-                self._cached[block_hash] = block
+        for g, table in enumerate(tables):
+            # A released block may already hold another request's tokens: never hash it.
+            for i in range(max(start, self._released[rid][g]), num_full):
+                self._register(table[i], g, request, i)
         self._num_hashed_blocks[rid] = num_full
+
+    def _register(self, block: KVBlock, group: int, request: Request, index: int) -> None:
+        block_hash = request.block_hashes[index]
+        if block.block_hash is None and block_hash not in self._cached[group]:
+            block.block_hash = block_hash
+            block.parent_hash = self._parent_hash(request, index)
+            block.token_ids = self._block_tokens(request, index)
+            block.group = group
+            self._cached[group][block_hash] = block
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Last blocks first, so they are evicted first."""
         rid = request.request_id
         self._num_hashed_blocks.pop(rid, None)
-        released = self._released.pop(rid, 0)
-        for block in reversed(self._req_blocks.pop(rid, [])[released:]):
-            self._unref(block)
+        released = self._released.pop(rid, None)
+        tables = self._req_blocks.pop(rid, None)
+        if tables is None or released is None:
+            return
+        for table, start in zip(tables, released, strict=True):
+            for block in reversed(table[start:]):
+                self._unref(block)
+
+
+def _leading_hits(hits: list[KVBlock | None]) -> list[KVBlock | None]:
+    """The hits before the first miss."""
+    for i, block in enumerate(hits):
+        if block is None:
+            return hits[:i]
+    return hits

@@ -39,7 +39,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     start_position: int
-    block_ids: list[int]
+    block_tables: tuple[list[int], ...]  # its block ids in each KV cache group (engine/kv_groups.py)
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
 
     @property

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.sched.block_manager import KVBlock, KVBlockManager
+from engine.sched.block_manager import CachedPrefix, KVBlockManager
 from engine.sched.encoder_cache import EncoderCacheManager
 from engine.sched.output import (
     PLACEHOLDER_TOKEN,
@@ -278,7 +278,7 @@ class Scheduler:
                 self.step_skipped_waiting.append(self.waiting.pop())
                 continue
             cached = self._cached_prefix(request)
-            num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
+            num_computed = request.num_computed_tokens + (cached.num_blocks * self.kv.block_size if cached else 0)
             num_new = request.num_tokens - num_computed
             # A pooling request is never chunked: its whole prompt is pooled in one step.
             if num_new > budget and (not self.config.enable_chunked_prefill or request.pooling_params is not None):
@@ -354,11 +354,11 @@ class Scheduler:
             self.num_encoder_runs += 1
             self._encoder_inputs.setdefault(request.request_id, []).append(index)
 
-    def _cached_prefix(self, request: Request) -> list[KVBlock]:
+    def _cached_prefix(self, request: Request) -> CachedPrefix | None:
         # Prompt logprobs and pooling need every prompt position computed.
         if (request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None
                 or request.pooling_params is not None):
-            return []
+            return None
         return self.kv.find_cached_prefix(request)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledRequest:
@@ -368,7 +368,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_position=start,
-            block_ids=self.kv.block_ids(request.request_id),
+            block_tables=self.kv.block_tables(request.request_id),
             sample=end == request.num_tokens,
         )
 
@@ -386,7 +386,7 @@ class Scheduler:
     def _decode_ahead(self, request: Request, ahead: int) -> ScheduledRequest:
         """One decode after the tokens in flight, its input the token the step in flight samples."""
         return ScheduledRequest(request.request_id, [PLACEHOLDER_TOKEN], request.num_computed_tokens + ahead,
-                                self.kv.block_ids(request.request_id), sample=True)
+                                self.kv.block_tables(request.request_id), sample=True)
 
     def _ask_gates(self, request: Request) -> tuple[Admission, AdmissionGate | None]:
         for gate in self.gates:

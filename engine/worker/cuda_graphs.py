@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.models.attention import GatheredDecodeMetadata
+from engine.models.attention import GatheredDecodeMetadata, GroupTables
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.worker.decode_graphs import batch_sizes
 
@@ -116,9 +116,10 @@ class CapturedDecode:
         device, largest, widest = model.device, self.sizes[-1], self.widths[-1]
         self._hidden = torch.zeros(largest, model.config.hidden_size, dtype=model.dtype, device=device)
         self._positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self._slots = torch.zeros(largest, dtype=torch.long, device=device)
+        groups = model.kv_layout.num_groups  # each KV cache group has its slots and tables (engine/kv_groups.py)
+        self._slots = torch.zeros(groups, largest, dtype=torch.long, device=device)
         self._seq_lens = torch.ones(largest, dtype=torch.long, device=device)
-        self._tables = torch.full((largest, widest), scratch_block, dtype=torch.long, device=device)
+        self._tables = torch.full((groups, largest, widest), scratch_block, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self.steps_run = 0  # decode steps served by a graph (tests, metrics)
 
@@ -165,41 +166,47 @@ class CapturedDecode:
 
     def _forward(self, size: int, width: int) -> Callable[[], torch.Tensor]:
         """The model's decode over the first `size` rows and `width` table columns of the buffers."""
-        meta = GatheredDecodeMetadata(self._slots[:size], self._tables[:size, :width], self._seq_lens[:size],
-                                      self.block_size)
+        slots, tables = self._slots[:, :size], self._tables[:, :size, :width]
+        if slots.shape[0] == 1:  # one group: the shapes every model without one has
+            slots, tables = slots[0], tables[0]
+        meta = GatheredDecodeMetadata(slots, tables, self._seq_lens[:size], self.block_size)
         hidden, positions = self._hidden[:size], self._positions[:size]
         return lambda: self.model(hidden, positions, self.kv_caches, meta)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, slots: Sequence[int], seq_lens: Sequence[int],
-            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+            block_tables: Sequence[Sequence[int]], other_groups: Sequence[GroupTables] | None = None) -> torch.Tensor:
         """One decode step of `len(slots)` sequences (as `DecodeGraphs.run`): the inputs copied into
         the buffers, padding rows pointed at the scratch block, the graph replayed. Returns the real
         rows' final hidden states (a view of the graph's output: read it before the next step)."""
         count = len(slots)
-        shape = self.shape_for(count, max(len(t) for t in block_tables))
+        groups = [(slots, block_tables),
+                  *([(slots, block_tables)] * (self._slots.shape[0] - 1) if other_groups is None else other_groups)]
+        shape = self.shape_for(count, max(len(t) for _, tables in groups for t in tables))
         assert shape is not None, "no graph for this step: the caller checks takes() first"
         size, width = shape
         self._hidden[:count].copy_(hidden[:count])
         self._positions[:count].copy_(positions[:count])
-        self._fill_metadata(slots, seq_lens, block_tables, size, width)
+        self._fill_metadata(groups, seq_lens, size, width)
         out = self._graphs[shape]()
         self.steps_run += 1
         return out[:count]
 
-    def _fill_metadata(self, slots: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
-                       size: int, width: int) -> None:
+    def _fill_metadata(self, groups: Sequence[GroupTables], seq_lens: Sequence[int], size: int, width: int) -> None:
         """Slots, lengths and tables of the real rows, the scratch block for the rest: one host
         tensor each, copied in without waiting for the device."""
-        count, scratch = len(slots), self.scratch_block
+        count, scratch = len(seq_lens), self.scratch_block
         pad = size - count
-        table = torch.full((size, width), scratch, dtype=torch.long)
-        for row, blocks in enumerate(block_tables):
-            table[row, :len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
+        slots = torch.tensor([[*group_slots, *[scratch * self.block_size] * pad] for group_slots, _ in groups],
+                             dtype=torch.long)
+        table = torch.full((len(groups), size, width), scratch, dtype=torch.long)
+        for g, (_, tables) in enumerate(groups):
+            for row, blocks in enumerate(tables):
+                table[g, row, :len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
         pinned = torch.cuda.is_available() and self._slots.is_cuda
-        for buffer, values in ((self._slots, [*slots, *[scratch * self.block_size] * pad]),
-                               (self._seq_lens, [*seq_lens, *[1] * pad])):
-            buffer[:size].copy_(torch.tensor(values, dtype=torch.long, pin_memory=pinned), non_blocking=pinned)
-        self._tables[:size, :width].copy_(table.pin_memory() if pinned else table, non_blocking=pinned)
+        lengths = torch.tensor([*seq_lens, *[1] * pad], dtype=torch.long)
+        for buffer, values in ((self._slots[:, :size], slots), (self._seq_lens[:size], lengths),
+                               (self._tables[:, :size, :width], table)):
+            buffer.copy_(values.pin_memory() if pinned else values, non_blocking=pinned)
         self._hidden[count:size].zero_()
         self._positions[count:size].zero_()
 

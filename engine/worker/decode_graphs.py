@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.attention import DecodeMetadata
+from engine.models.attention import DecodeMetadata, GroupTables
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.packed_linear import register_inductor_lowering
 from engine.paths import default_compile_cache
@@ -155,6 +155,7 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.capture_sizes = batch_sizes(capture_sizes)
         self.cache_dir = cache_dir
+        self.num_kv_groups = model.kv_layout.num_groups
         device = model.device
         self.device = device
         for experts in model.moe_layers:
@@ -325,11 +326,14 @@ class DecodeGraphs:
         return hidden, positions, [], [], [], width
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, slots: Sequence[int],
-            seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], padded_width: int = 2) -> torch.Tensor:
+            seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], padded_width: int = 2,
+            other_groups: Sequence[GroupTables] | None = None) -> torch.Tensor:
         """One decode step of `len(slots)` sequences: `hidden` [n, H] their input embeddings,
         `positions` [n], each one's new slot, length (with the new token) and block table.
-        `hidden` and `positions` may carry more rows than sequences (all padding). Returns the
-        final hidden states of the real rows. The caller checks `max_batch` first."""
+        `other_groups`: each further KV cache group's slots and block tables (None: the same as
+        the first group's). `hidden` and `positions` may carry more rows than sequences (all
+        padding). Returns the final hidden states of the real rows. The caller checks
+        `max_batch` first."""
         count = len(slots)
         rows = max(hidden.shape[0], count, self.min_rows)
         assert count <= self.max_batch, "batch above the largest size: the caller runs eagerly"
@@ -337,7 +341,7 @@ class DecodeGraphs:
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
             positions = torch.cat([positions, positions.new_zeros(pad)])
-        meta = self._metadata(rows, slots, seq_lens, block_tables, padded_width)
+        meta = self._metadata(rows, slots, seq_lens, block_tables, padded_width, other_groups)
         if self._step is not None:
             out = self._step(hidden, positions, self.kv_caches, meta)
         else:
@@ -349,20 +353,31 @@ class DecodeGraphs:
 
     def _run_dynamo(self, hidden: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
         assert self._dynamo is not None, "compile_all() first"
-        for batched in (hidden, positions, meta.slot_mapping, meta.block_table, meta.seq_lens):
+        for batched in (hidden, positions, meta.seq_lens):
             torch._dynamo.maybe_mark_dynamic(batched, 0)
-        torch._dynamo.maybe_mark_dynamic(meta.block_table, 1)
+        groups = meta.slot_mapping.dim() - 1  # a leading KV cache group dimension, or none
+        torch._dynamo.maybe_mark_dynamic(meta.slot_mapping, groups)
+        torch._dynamo.maybe_mark_dynamic(meta.block_table, groups)
+        torch._dynamo.maybe_mark_dynamic(meta.block_table, groups + 1)
         return self._dynamo(hidden, positions, self.kv_caches, meta)
 
     def _metadata(self, rows: int, slots: Sequence[int], seq_lens: Sequence[int],
-                  block_tables: Sequence[Sequence[int]], min_width: int) -> DecodeMetadata:
+                  block_tables: Sequence[Sequence[int]], min_width: int,
+                  other_groups: Sequence[GroupTables] | None = None) -> DecodeMetadata:
+        """`rows` rows, the real ones first; with several KV cache groups, slots and tables get a
+        leading group dimension (`other_groups` None: every group as the first)."""
+        others = [(slots, block_tables)] * (self.num_kv_groups - 1) if other_groups is None else other_groups
+        groups = [(slots, block_tables), *others]
         # Width at least 2: dynamo specialises a dimension of size 1, which would compile again.
-        width = max([min_width, *(len(t) for t in block_tables)])
+        width = max([min_width, *(len(t) for _, tables in groups for t in tables)])
         scratch, pad = self.scratch_block, rows - len(slots)
-        table = [list(t) + [scratch] * (width - len(t)) for t in block_tables] + [[scratch] * width] * pad
         scratch_slot = scratch * self.block_size
+        slot_rows = [[*group_slots, *[scratch_slot] * pad] for group_slots, _ in groups]
+        table_rows = [[list(t) + [scratch] * (width - len(t)) for t in tables] + [[scratch] * width] * pad
+                      for _, tables in groups]
+        one = len(groups) == 1
         return DecodeMetadata(
-            torch.tensor([*slots, *[scratch_slot] * pad], dtype=torch.long, device=self.device),
-            torch.tensor(table, dtype=torch.long, device=self.device),
+            torch.tensor(slot_rows[0] if one else slot_rows, dtype=torch.long, device=self.device),
+            torch.tensor(table_rows[0] if one else table_rows, dtype=torch.long, device=self.device),
             torch.tensor([*seq_lens, *[1] * pad], dtype=torch.long, device=self.device),
             self.block_size)

@@ -360,8 +360,9 @@ class ModelRunner:
 
     def _forward_eager(self, batch: list[ScheduledRequest], embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Any batch, on the step graph if there is one (attention eager inside it), else eager."""
-        chunks = [SequenceChunk(s.start_position, s.num_tokens, s.block_ids) for s in batch]
-        meta = build_metadata(chunks, self.block_size, self.device, self.model.dtype)
+        groups = [[SequenceChunk(s.start_position, s.num_tokens, s.block_tables[g]) for s in batch]
+                  for g in range(len(batch[0].block_tables))]  # per KV cache group (engine/kv_groups.py)
+        meta = build_metadata(groups[0], self.block_size, self.device, self.model.dtype, groups[1:])
         with self._adapters(batch):
             if self.step_graph is not None and self.step_graph.takes(embeds.shape[0]):
                 return self.step_graph.run(embeds, pos, meta)
@@ -372,13 +373,17 @@ class ModelRunner:
                          embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The step's decodes on the compiled graph."""
         size = self.block_size
-        slots, lengths, tables = [], [], []
-        for s in batch:
-            p = s.start_position
-            slots.append(s.block_ids[p // size] * size + p % size)
-            lengths.append(p + 1)
-            tables.append(s.block_ids[:p // size + 1])
-        return graphs.run(embeds, pos, slots, lengths, tables)
+        lengths = [s.start_position + 1 for s in batch]
+        groups: list[tuple[list[int], list[list[int]]]] = []  # per KV cache group: slots and tables
+        for g in range(len(batch[0].block_tables)):
+            slots, tables = [], []
+            for s in batch:
+                p, ids = s.start_position, s.block_tables[g]
+                slots.append(ids[p // size] * size + p % size)
+                tables.append(ids[:p // size + 1])
+            groups.append((slots, tables))
+        (slots, tables), *others = groups
+        return graphs.run(embeds, pos, slots, lengths, tables, other_groups=others)
 
     def _embed(self, batch: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings for the flat batch, with prompt-embeddings rows written over the

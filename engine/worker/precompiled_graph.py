@@ -181,6 +181,7 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
     # Export, unlike dynamo, takes a batch of one in the same graph (traced at more rows): one row is
     # then not padded to two, and int8 layers can run their one-row kernel (quantized_linear.py).
     batch = torch.export.Dim("batch", min=1, max=MAX_ROWS)
+    groups = meta.slot_mapping.dim() - 1  # a leading KV cache group dimension (engine/kv_groups.py), or none
     width = torch.export.Dim("table_width", min=2, max=MAX_TABLE_WIDTH)
     packed = [linear.packed for _, linear in model.packed_linears]
     lora, lora_shapes = _lora_example(model, min_rows=1)
@@ -188,8 +189,8 @@ def compile_and_save(path: Path | None, model: DecoderForCausalLM, example: tupl
     program = torch.export.export(
         _FlatDecodeStep(model, meta.block_size),
         (hidden, positions, kv_caches, meta.slot_mapping, meta.block_table, meta.seq_lens, packed, lora),
-        dynamic_shapes=({0: batch}, {0: batch}, [(None, None)] * len(kv_caches), {0: batch},
-                        {0: batch, 1: width}, {0: batch}, [None] * len(packed), lora_shapes),
+        dynamic_shapes=({0: batch}, {0: batch}, [(None, None)] * len(kv_caches), {groups: batch},
+                        {groups: batch, groups + 1: width}, {0: batch}, [None] * len(packed), lora_shapes),
         strict=False)
     step: DecodeStep = _package_and_load(program, path, model, "decode")
     return step
@@ -334,7 +335,7 @@ class _FlatGraphedStep(nn.Module):
         super().__init__()
         self.model = model
         nothing = torch.empty(0)
-        self.no_caches = [(nothing, nothing)] * len(model.layers)  # the graphed layers read none
+        self.no_caches = [(nothing, nothing)] * model.num_kv_caches  # the graphed layers read none
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, packed: list[torch.Tensor],
                 lora: list[torch.Tensor]) -> torch.Tensor:

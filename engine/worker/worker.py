@@ -184,14 +184,14 @@ class Worker:
         element_size = torch.empty((), dtype=self.model.dtype).element_size()
         # This rank's share: the cache budget applies per rank, as each holds its own heads (and,
         # under pipeline parallelism, its own layers).
-        per_block = len(self.model.layers) * element_size * sum(
+        per_block = self.model.num_kv_caches * element_size * sum(
             math.prod(shape) for shape in self.model.kv_cache_shapes(self.config.block_size))
         quantized = [m for m in self.model.modules() if isinstance(m, Linear) and m.qweight is not None]
         quantization = quantized[0].qmethod if quantized else None
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes,
-                         kv_sliding_window=cfg.sliding_window if cfg.sliding_layers is None else None)
+                         kv_group_windows=self.model.kv_layout.group_windows)
 
     def _load_encoder(self, raw: dict[str, Any]) -> ModelInfo:
         if self.tp.size > 1:
@@ -255,11 +255,13 @@ class Worker:
         return self._kv_caches(self.config.block_size)
 
     def _kv_caches(self, slots: int) -> list[KVCache]:
-        """Each layer's key and value caches of `slots` token slots, zeroed."""
+        """The key and value cache pairs of `slots` token slots, zeroed: one per layer, or one per
+        position in a KV cache group (engine/kv_groups.py)."""
         assert isinstance(self.model, DecoderForCausalLM)
         keys, values = self.model.kv_cache_shapes(slots)
         return [(torch.zeros(keys, dtype=self.model.dtype, device=self.device),
-                 torch.zeros(values, dtype=self.model.dtype, device=self.device)) for _ in self.model.layers]
+                 torch.zeros(values, dtype=self.model.dtype, device=self.device))
+                for _ in range(self.model.num_kv_caches)]
 
     def _profile_step(self) -> None:
         """The largest step the scheduler sends: one fresh prompt of the whole token budget, and the
