@@ -9,11 +9,13 @@ import json
 import random
 
 import pytest
+import torch
 import trio
 
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig
 from engine.kv_groups import KVLayout, sequence_blocks
+from engine.models.attention import SequenceChunk, build_metadata
 from engine.sampling_params import SamplingParams
 from engine.sched.block_manager import OUTSIDE_WINDOW, KVBlockManager
 from engine.sched.request import Request
@@ -53,6 +55,20 @@ def test_a_long_sequence_holds_its_full_groups_blocks_and_a_window_in_each_slidi
     blocks = sequence_blocks(layout.group_windows, 4096, 16, step_tokens=0)
     assert blocks == 256 + 5 * 33
     assert blocks * layout.group_size < 0.3 * 256 * len(GEMMA3_270M)
+
+
+def test_each_groups_metadata_reads_its_own_tables_and_shares_the_masks_built_for_its_window():
+    chunks = [[SequenceChunk(9, 1, [0, 1, 2]), SequenceChunk(4, 6, [3, 4, 5])],  # a decode and a prompt chunk
+              [SequenceChunk(9, 1, [6, 7, 8]), SequenceChunk(4, 6, [9, 10, 11])]]
+    meta = build_metadata(chunks[0], 4, torch.device("cpu"), other_kv_groups=chunks[1:])
+    other = meta.of_group(1)
+    # position 9 in block 2 of [6, 7, 8]; positions 4..9 in blocks 1 and 2 of [9, 10, 11]
+    assert other.slot_mapping.tolist() == [8 * 4 + 1, *(4 * (10 if p < 8 else 11) + p % 4 for p in range(4, 10))]
+    for window in (None, 4):
+        for mine, theirs in zip(meta.groups_for(window), other.groups_for(window), strict=True):
+            assert theirs.mask is mine.mask and theirs.block_table is not None
+            assert theirs.block_table.tolist() == [b + 6 for b in mine.block_table.tolist()]
+    assert not torch.equal(meta.groups_for(None)[1].mask, meta.groups_for(4)[1].mask)
 
 
 def request(rid: str, tokens: list[int]) -> Request:

@@ -81,6 +81,9 @@ class AttentionMetadata:
     # tables. This metadata is group 0's; with none, it serves every layer (one group, or a profile
     # run whose every token writes one scratch block).
     other_kv_groups: Sequence[AttentionMetadata] = ()
+    # Per window, the groups first built by any KV cache group of the step: their masks and query
+    # indices depend on positions only, so the other KV cache groups take them with their own tables.
+    _built: dict[int | None, list[AttentionGroup]] = field(default_factory=dict)
 
     def of_group(self, kv_group: int) -> AttentionMetadata:
         """The step over KV cache group `kv_group`'s block tables."""
@@ -91,8 +94,13 @@ class AttentionMetadata:
         itself and the `sliding_window - 1` positions before it."""
         groups = self._groups.get(sliding_window)
         if groups is None:
-            groups = self._groups[sliding_window] = _groups(self.chunks, self.block_size, self.device, self.dtype,
-                                                            sliding_window)
+            built = self._built.get(sliding_window)
+            if built is None:
+                groups = self._built[sliding_window] = _groups(self.chunks, self.block_size, self.device, self.dtype,
+                                                               sliding_window)
+            else:
+                groups = _over_tables(built, self.chunks, self.block_size, self.device)
+            self._groups[sliding_window] = groups
         return groups
 
     @property
@@ -211,8 +219,10 @@ def build_metadata(chunks: Sequence[SequenceChunk], block_size: int, device: tor
     `dtype` is the model's: the mask is additive in that dtype, which CPU SDPA
     runs about twice as fast as a boolean mask."""
     if other_kv_groups:
-        others = [build_metadata(group, block_size, device, dtype) for group in other_kv_groups]
-        return replace(build_metadata(chunks, block_size, device, dtype), other_kv_groups=others)
+        first = build_metadata(chunks, block_size, device, dtype)
+        others = [replace(build_metadata(group, block_size, device, dtype), _built=first._built)
+                  for group in other_kv_groups]
+        return replace(first, other_kv_groups=others)
     slots: list[int] = []
     for c in chunks:
         for pos in range(c.start_position, c.start_position + c.num_tokens):
@@ -245,10 +255,8 @@ def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int, d
     if fresh:
         pos = torch.arange(max_len)
     else:
-        num_table_blocks = -(-max_len // block_size)
-        tables = torch.tensor([_padded(c.block_ids, num_table_blocks) for c in chunks], dtype=torch.long)
-        block_table = tables.view(-1).to(device)
-        pos = torch.arange(num_table_blocks * block_size)
+        block_table = _block_table(chunks, block_size, device)
+        pos = torch.arange(block_table.shape[0] // len(chunks) * block_size)
     max_q = max(c.num_tokens for c in chunks)
     q_offsets = torch.arange(max_q)
     counts = torch.tensor([c.num_tokens for c in chunks])
@@ -268,6 +276,25 @@ def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int, d
         q_valid = q_valid.to(device)
     return AttentionGroup(token_start, token_end, q_index, None if single_query else q_valid,
                           block_table, len(chunks), mask.to(device), chunks, windowed=windowed)
+
+
+def _block_table(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device) -> torch.Tensor:
+    """[B * nb]: each chunk's blocks up to the longest one's end, 0-padded, flattened."""
+    num_table_blocks = -(-max(c.start_position + c.num_tokens for c in chunks) // block_size)
+    tables = torch.tensor([_padded(c.block_ids, num_table_blocks) for c in chunks], dtype=torch.long)
+    return tables.view(-1).to(device)
+
+
+def _over_tables(built: list[AttentionGroup], chunks: Sequence[SequenceChunk], block_size: int,
+                 device: torch.device) -> list[AttentionGroup]:
+    """`built`'s groups (another KV cache group's, the same step) over `chunks`' block tables."""
+    groups, first = [], 0
+    for group in built:
+        own = chunks[first:first + group.num_seqs]
+        first += group.num_seqs
+        table = None if group.block_table is None else _block_table(own, block_size, device)
+        groups.append(replace(group, block_table=table, chunks=own, kernel_rows=None, seq_lens=None))
+    return groups
 
 
 def _padded(block_ids: Sequence[int], length: int) -> list[int]:
