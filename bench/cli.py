@@ -22,6 +22,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_roofline(bench)
     _add_bench_kernels(bench)
     _add_bench_quantized(bench)
+    _add_bench_gguf_fidelity(bench)
     _add_bench_serve(bench)
     _add_bench_neighbour(bench)
     _add_bench_loop_lag(bench)
@@ -321,7 +322,7 @@ def _add_bench_forward(bench: Subcommands) -> None:
 
 
 def _add_bench_quantized(bench: Subcommands) -> None:
-    qz = bench.add_parser("quantized", help="decode tok/s of float32, bfloat16, int8, w8a8 and int4 against "
+    qz = bench.add_parser("quantized", help="decode tok/s of float32, bfloat16, int8, w8a8, int4 and q8_0 against "
                                             "llama.cpp's F32 and Q8_0 on the same weights, and the bandwidth floor")
     qz.add_argument("--model", default=None, help="an HF decoder directory (e.g. make-model --shape qwen2.5-0.5b)")
     qz.add_argument("--input-len", type=int, default=32)
@@ -339,6 +340,29 @@ def _bench_quantized(args: argparse.Namespace) -> int:
     sides, bandwidth, settings = quantized.run(model_dir(args.model), streams, args.input_len, args.output_len,
                                                args.repeats, args.threads, not args.no_llama_cpp)
     print(quantized.report(sides, bandwidth, settings, streams))
+    return 0
+
+
+def _add_bench_gguf_fidelity(bench: Subcommands) -> None:
+    gf = bench.add_parser("gguf-fidelity", help="greedy tokens of the float model kept on one Q8_0 file (made by "
+                                                "llama.cpp's converter): llama-server against trio-llm's q8_0 and int8")
+    gf.add_argument("--model", default=None, help="an HF decoder directory (e.g. make-model --shape qwen2.5-0.5b)")
+    gf.add_argument("--llama-cpp", default=os.path.expanduser("~/.cache/llama-cpp"),
+                    help="where ../shared/tools/llama-server built llama.cpp (its sources and build/bin)")
+    gf.add_argument("--prompts", type=int, default=5)
+    gf.add_argument("--prompt-len", type=int, default=32)
+    gf.add_argument("--tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    gf.add_argument("--threads", type=int, default=2, help="threads on both sides")
+    gf.add_argument("--port", type=int, default=8012, help="llama-server's port")
+    gf.set_defaults(run=_bench_gguf_fidelity)
+
+
+def _bench_gguf_fidelity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bench import gguf_fidelity
+    print(gguf_fidelity.run(model_dir(args.model), Path(args.llama_cpp), args.prompts, args.prompt_len, args.tokens,
+                            args.threads, args.port))
     return 0
 
 

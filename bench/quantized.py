@@ -1,4 +1,4 @@
-"""`trio-llm bench quantized`: decode tok/s of float32, bfloat16, int8 (weight-only), w8a8 and int4 against
+"""`trio-llm bench quantized`: decode tok/s of float32, bfloat16, int8 (weight-only), w8a8, int4 and q8_0 against
 llama.cpp (llama-cpp-python's `Llama`) on the same weights as GGUF F32 and Q8_0, and against the
 memory-bandwidth floor, in one run.
 
@@ -42,7 +42,7 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.worker import Worker
 
 OURS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
-        "w8a8": ("float32", "w8a8"), "int4": ("float32", "int4")}
+        "w8a8": ("float32", "w8a8"), "int4": ("float32", "int4"), "q8_0": ("float32", "q8_0")}
 LLAMA_CPP = ("F32", "Q8_0")
 
 

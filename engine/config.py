@@ -20,7 +20,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spelli
 _POLICIES = ("fcfs", "priority")
 _EXECUTORS = ("inproc", "mp", "ray")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.prefix_hash.HASH_ALGOS
-QUANTIZATIONS = ("int8", "w8a8", "int4")
+QUANTIZATIONS = ("int8", "w8a8", "int4", "q8_0")
 TRUST_REMOTE_CODE_REFUSED = ("trust_remote_code: trio-llm runs no code from model directories; it loads the "
                              "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
                              "LLaVA, BERT and its cross-encoders, ColBERT) from their weights")
@@ -562,13 +562,15 @@ class EngineConfig:
         choices=["mp", "ray", "uni", "inproc"],
         from_cli=_executor_from_cli)
     # Quantized linear layers, quantized at load (vLLM's --quantization): "int8" (weight-only), "w8a8"
-    # (activations quantized per row too) or "int4" (weight-only, groups of 32); None: as stored (a
-    # GGUF file of quantized tensors runs as int8 unless this says otherwise).
+    # (activations quantized per row too), "int4" (weight-only, groups of 32) or "q8_0" (int8 with a
+    # scale per block of 32, GGUF's Q8_0); None: as stored (a Q8_0 GGUF file keeps its blocks as
+    # q8_0, a file of other block formats runs as int8 unless this says otherwise).
     # engine/models/quantized_linear.py.
     quantization: str | None = flag(
         "quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
-        "activations quantized per row at run time too, or int4 weight-only in groups of 32 "
-        "(default: as stored; a GGUF file of quantized tensors runs as int8)",
+        "activations quantized per row at run time too, int4 weight-only in groups of 32, or q8_0: "
+        "int8 with a scale per block of 32 (default: as stored; a Q8_0 GGUF file keeps its blocks as "
+        "q8_0, other block formats run as int8)",
         default=None,
         names=("--quantization", "-q",),
         metavar="{" + ",".join(QUANTIZATIONS) + "}")
@@ -672,7 +674,8 @@ class EngineConfig:
         if self.pooling_type is not None and self.pooler_config.pooling_type is None:
             object.__setattr__(self, "pooler_config", replace(self.pooler_config, pooling_type=self.pooling_type))
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be int8, w8a8 or int4 (or unset), got {self.quantization!r}")
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got "
+                             f"{self.quantization!r}")
         if self.quantization is not None and self.enable_eplb:
             raise ValueError("--enable-eplb moves float expert weights between ranks; it cannot run with "
                              "--quantization (the experts are quantized)")

@@ -1,21 +1,31 @@
 """Quantized weights: weight-only int8 against the float model on transformers-made checkpoints,
-GGUF files made from them (F32 exact, Q8_0 within tolerance), and hostile GGUF files refused in
-one line."""
+GGUF files made from them (F32 exact, Q8_0's blocks kept as the file has them), and hostile GGUF
+files refused in one line."""
 
 from __future__ import annotations
 
+import shutil
 import struct
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from bench.gguf_export import export_gguf
 from engine import EngineConfig, ModelLoadError, open_engine
 from engine.config import CompilationConfig
+from engine.models.gguf_file import gguf_config, gguf_weights
+from engine.models.layers import Linear
 from engine.models.loader import load_decoder
-from engine.models.quantized_linear import int8_pack_mm, int8_row_times, quantize_weight
+from engine.models.quantized_linear import (
+    int8_pack_mm,
+    int8_row_times,
+    q8_0_dequantized_mm,
+    q8_0_row_times,
+    quantize_weight,
+)
 from tests.conftest import engine_config
 from tests.helpers import final_output, greedy
 from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
@@ -44,7 +54,8 @@ def logits(decoder, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("method", "tolerance", "share"), [
-    ("int8", INT8_TOLERANCE, 0.35), ("w8a8", INT8_TOLERANCE, 0.35), ("int4", INT4_TOLERANCE, 0.25)])
+    ("int8", INT8_TOLERANCE, 0.35), ("w8a8", INT8_TOLERANCE, 0.35), ("int4", INT4_TOLERANCE, 0.25),
+    ("q8_0", INT8_TOLERANCE, 0.35)])
 def test_quantized_logits_stay_within_tolerance_of_the_float_model(reference, method, tolerance, share):
     path, _ = reference
     float_model, quantized = load_decoder(path, "float32"), load_decoder(path, "float32", quantization=method)
@@ -76,15 +87,51 @@ async def test_a_gguf_file_generates_what_its_checkpoint_does(reference, tmp_pat
         assert engine.info.quantization is None
         for prompt, tokens in zip(PROMPTS, expected, strict=True):
             assert (await final_output(engine, prompt, greedy(12))).outputs[0].token_ids == tokens
-    q8 = load_decoder(export_gguf(path, tmp_path / "model-q8.gguf", "Q8_0"), "float32")
+    q8_file = export_gguf(path, tmp_path / "model-q8.gguf", "Q8_0")
+    q8, requantized = load_decoder(q8_file, "float32"), load_decoder(q8_file, "float32", quantization="int8")
     exact = load_decoder(path, "float32")
-    assert any(m.qweight is not None for m in q8.modules() if hasattr(m, "qweight"))  # Q8_0 runs as int8
+    assert {m.qmethod for m in q8.modules() if isinstance(m, Linear) and m.qweight is not None} == {"q8_0"}
+    # The file's blocks kept: the steps and scales llama.cpp's Q8_0 stored, not rounded again.
+    down = q8.layers[0].mlp.down_proj
+    blocks = _q8_0_blocks(q8_file, "blk.0.ffn_down.weight")
+    assert torch.equal(down.qweight, blocks[0]) and torch.equal(down.qscales, blocks[1])
+    # What the file means, in float32: its weights dequantized, as a checkpoint of their own.
+    as_stored = tmp_path / "as-stored"
+    as_stored.mkdir()
+    shutil.copy(path / "config.json", as_stored)
+    save_file({name: t.contiguous() for name, t in gguf_weights(q8_file, gguf_config(q8_file))},
+              str(as_stored / "model.safetensors"))
+    file_model = load_decoder(as_stored, "float32")
     for prompt in PROMPTS:
-        assert (logits(q8, prompt) - logits(exact, prompt)).abs().max() <= INT8_TOLERANCE * logits(
-            exact, prompt).abs().max()
+        want, near = logits(file_model, prompt), logits(exact, prompt)
+        assert (logits(q8, prompt) - near).abs().max() <= INT8_TOLERANCE * near.abs().max()
+        kept, rounded_again = (logits(q8, prompt) - want).abs().max(), (logits(requantized, prompt) - want).abs().max()
+        assert kept <= 1e-5 * want.abs().max() < rounded_again  # the file's weights, not rounded again
 
 
-@pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])
+def _q8_0_blocks(path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 steps [rows, features], float32 scales [rows, features / 32]) of a Q8_0 tensor as the
+    file stores them: per block, a float16 scale then 32 int8 steps."""
+    from engine.models.gguf_file import gguf_reader
+
+    tensor = next(t for t in gguf_reader(str(path)).tensors if t.name == name)
+    raw = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, 34)
+    scales = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    steps = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).reshape(raw.shape[0], -1)
+    return steps, scales
+
+
+def test_the_q8_0_one_row_form_computes_what_the_dequantized_weight_does():
+    generator = torch.Generator().manual_seed(0)
+    qweight, scales = quantize_weight(torch.randn(48, 96, generator=generator), "q8_0")
+    assert scales.shape == (48, 3)
+    row = torch.randn(1, 96, generator=generator)
+    ours, dequantized = q8_0_row_times(row, qweight, scales), q8_0_dequantized_mm(row, qweight, scales)
+    torch.testing.assert_close(ours, dequantized, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(q8_0_row_times(row, qweight, scales.flip(1)), ours)  # each block has its own scale
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8", "int4", "q8_0"])
 async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_factory, method):
     path, _ = save_hf_checkpoint(tmp_path_factory, f"compiled-{method}", LlamaConfig, LlamaForCausalLM, COMMON)
     compilation = CompilationConfig(cudagraph_capture_sizes=(4,), compile_prompts=False)

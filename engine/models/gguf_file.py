@@ -2,10 +2,11 @@
 file's metadata, and its tensors under HF names, dequantized to float32 (`trio-llm serve
 model.gguf --tokenizer HF_DIR`, as vLLM takes them).
 
-Quantized tensors (Q8_0, Q4_0, Q4_K, Q6_K, ...) are not run in their block formats: they are
-dequantized once at load, and the engine runs the model as float or, by default for a quantized
-file, as int8 weight-only (engine/models/quantized_linear.py), whose kernel is the fast one here
-(docs/decisions.md, "Quantized weights"). llama.cpp stores the Llama family's Q and K rows
+Quantized tensors are dequantized once at load. A Q8_0 file's tensors are then quantized back to
+their blocks (`q8_0`: int8 with a scale per 32 weights, which reproduces the file's exactly); other
+block formats (Q4_0, Q4_K, Q6_K, ...) run by default as int8 weight-only, one scale per row
+(engine/models/quantized_linear.py; docs/decisions.md, "Quantized weights"), which the start-up log
+says, since that rounds the file's weights again. llama.cpp stores the Llama family's Q and K rows
 permuted for its rotary layout; they are put back in HF order. Anything malformed (a truncated
 file, an unknown quantization type, a tensor of the wrong shape, a header claiming absurd
 counts) is a `ModelLoadError` of one line.
@@ -134,9 +135,16 @@ def quantization_types(path: str | Path) -> set[str]:
     return types
 
 
-def is_quantized(path: str | Path) -> bool:
-    """Whether any tensor is stored in a block format (not F32, F16 or BF16)."""
-    return bool(quantization_types(path) - {"F32", "F16", "BF16"})
+def block_formats(path: str | Path) -> dict[str, str]:
+    """HF weight name -> GGML type of each tensor the file holds in a block format."""
+    quantization_types(path)
+    found = {}
+    for name, tensor in _tensors(gguf_reader(str(path))).items():
+        kind = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+        hf_name = hf_tensor_name(name)
+        if kind not in ("F32", "F16", "BF16") and hf_name is not None:
+            found[hf_name] = kind
+    return found
 
 
 def gguf_weights(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +16,7 @@ from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
 from engine.models.compressed_tensors import dequantized, read_scheme
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.gguf_file import gguf_weights, is_gguf, is_quantized
+from engine.models.gguf_file import block_formats, gguf_weights, is_gguf
 from engine.models.hf_config import (
     DecoderConfig,
     LlavaConfig,
@@ -28,6 +29,8 @@ from engine.models.moe import ExpertLayout
 from engine.models.mxfp4 import mxfp4_dequantized
 from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.vision import LlavaVision, VisionConfig
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,6 +105,8 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
         model = DecoderForCausalLM(cfg, torch_dtype, device, tp, experts, stage)  # uninitialised: weights next
     except ValueError as exc:  # a dimension tensor parallelism cannot split
         raise ModelLoadError(str(exc)) from None
+    if is_gguf(model_dir) and quantization is None:
+        quantized = set(block_formats(model_dir))  # only what the file quantized: its float tensors stay float
     with torch.no_grad():
         model.load_weights(weights)
         method = resolve_quantization(quantization, model_dir, scheme.method if scheme else None)
@@ -112,16 +117,21 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
 
 
 def resolve_quantization(requested: str | None, model_dir: Path, stored: str | None) -> str | None:
-    """The int8 quantization to run: `requested` (--quantization), else the checkpoint's own
-    (`stored`: a compressed-tensors scheme), else int8 for a GGUF file of quantized tensors (they
-    were dequantized at load), else none."""
+    """The quantization to run: `requested` (--quantization), else the checkpoint's own (`stored`:
+    a compressed-tensors scheme), else for a GGUF file of quantized tensors (dequantized at load)
+    q8_0 when they are all Q8_0 (its blocks kept) and int8 otherwise, else none. Running a GGUF
+    file's blocks as one scale per row rounds its weights again: the log says so."""
     if requested not in (None, *QUANTIZATIONS):
         raise ModelLoadError(f"unsupported quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
     if requested is None and stored is not None:
         return stored
-    if requested is None and is_gguf(model_dir) and is_quantized(model_dir):
-        return "int8"
-    return requested
+    formats = set(block_formats(model_dir).values()) if is_gguf(model_dir) else set()
+    method = requested or (("q8_0" if formats == {"Q8_0"} else "int8") if formats else None)
+    if formats and method not in ("q8_0", "int4"):
+        logger.info("the GGUF file's %s blocks are requantized as %s, one scale per weight row: rounded again, "
+                    "less faithful than the file%s", "/".join(sorted(formats)), method,
+                    " (--quantization q8_0 keeps its blocks)" if formats == {"Q8_0"} else "")
+    return method
 
 
 def weight_scales(files: list[Path]) -> dict[str, torch.Tensor]:

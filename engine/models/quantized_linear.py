@@ -21,6 +21,14 @@ That kernel is compute-bound beyond a row or two (16 rows of the 0.5B shape's LM
 against 26 for float32 and 14 for an int8 x int8 matmul), so `w8a8` exists for batched serving:
 activations quantized per row at run time, as llama.cpp's Q8_0 does, and `torch._int_mm`.
 
+`q8_0` keeps a scale per block of 32 weights of a row, as GGUF's Q8_0 stores them: a Q8_0 file's
+blocks come back exactly (its dequantized weights quantize to the same steps and scales), where one
+scale per row would round them again, coarsely (a row's largest weight sets its step). It is the
+default for a Q8_0 GGUF file. Activations stay in the model's dtype (llama.cpp rounds them to int8
+per block too: this rounds less). One row (a decode at batch 1) is `q8_0_row_times`, the blockwise
+form of `int8_row_times`, fused by inductor in the compiled decode graph; more rows dequantize the
+weight to the model's dtype and multiply, which prompts (many rows) amortise.
+
 `int4` halves the bytes again: each group of 32 weights of a row as 4-bit steps between its
 minimum and maximum, run by `aten._weight_int4pack_mm_for_cpu` (bfloat16 activations). It is the
 fastest at one row (the 0.5B shape's LM head: 3.8 ms against 8.2 for int8) and slower than w8a8
@@ -33,6 +41,7 @@ import torch
 
 INT4_GROUP = 32  # weights per scale and zero point in int4 (the kernel takes 32, 64, 128 or 256)
 INT4_ROW_BLOCK = 16  # the int4 kernel packs output rows in blocks of 16
+Q8_0_BLOCK = 32  # weights per scale in q8_0 (GGUF's Q8_0 block)
 # The kernel's bfloat16 path reads the input features in blocks of 16: any other count gives wrong
 # sums without an error (measured: 24 or 40 features), so such a layer stays float.
 FEATURE_BLOCK = 16
@@ -91,6 +100,49 @@ def int8_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return one.unsqueeze(0).expand(rows.shape[0], -1).contiguous()
 
 
+def quantize_per_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight [N, K], float32 scales [N, K / 32]): symmetric, one scale per block of 32
+    features of a row, `max |w| / 127` (llama.cpp's Q8_0, which it reproduces from Q8_0's own
+    dequantized weights: each block's largest step is 127)."""
+    rows, features = weight.shape
+    blocks = weight.detach().float().reshape(rows, features // Q8_0_BLOCK, Q8_0_BLOCK)
+    scales = (blocks.abs().amax(dim=-1) / 127.0).clamp(min=1e-12)
+    q = torch.round(blocks / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(rows, features).contiguous(), scales.contiguous()
+
+
+def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` with W in `quantize_per_block`'s layout, in x's dtype. One row takes
+    `q8_0_row_times` (in an exported graph, by a `torch.cond` on the row count); more rows
+    `q8_0_dequantized_mm`."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if torch.compiler.is_exporting():
+        y = torch.cond(rows.shape[0] == 1, q8_0_row_times, q8_0_dequantized_mm, (rows, qweight, scales))
+    else:
+        y = q8_0_dequantized_mm(rows, qweight, scales)
+    y = y.reshape(*x.shape[:-1], qweight.shape[0])
+    return y if bias is None else y + bias
+
+
+def q8_0_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One row times the blockwise weight, written as products and sums for inductor to fuse (as
+    `int8_row_times`): each block's 32 products summed, times the block's scale, then the blocks
+    summed; every weight read once, in float32. Eagerly it would materialise the products."""
+    count, features = qweight.shape
+    blocks = features // Q8_0_BLOCK
+    products = rows[0].float().reshape(blocks, Q8_0_BLOCK) * qweight.float().reshape(count, blocks, Q8_0_BLOCK)
+    one = (products.sum(-1) * scales).sum(-1).to(rows.dtype)
+    return one.unsqueeze(0).expand(rows.shape[0], -1).contiguous()
+
+
+def q8_0_dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weight dequantized to the rows' dtype, then one matmul."""
+    count, features = qweight.shape
+    weight = (qweight.reshape(count, -1, Q8_0_BLOCK).float() * scales[..., None]).reshape(count, features)
+    return rows @ weight.to(rows.dtype).t()
+
+
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """`--quantization w8a8`: the int8 rows times each activation row quantized to int8 with its
@@ -110,6 +162,8 @@ def can_quantize(weight: torch.Tensor, method: str = "int8") -> bool:
     groups of 32 features and rows in blocks of 16)."""
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % FEATURE_BLOCK:
         return False
+    if method == "q8_0":
+        return weight.shape[1] % Q8_0_BLOCK == 0
     return method != "int4" or (weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % INT4_ROW_BLOCK == 0)
 
 
@@ -136,14 +190,16 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return y if bias is None else y + bias
 
 
-QUANTIZED_MATMULS = {"int8": int8_linear, "w8a8": w8a8_linear, "int4": int4_linear}
+QUANTIZED_MATMULS = {"int8": int8_linear, "w8a8": w8a8_linear, "int4": int4_linear, "q8_0": q8_0_linear}
 
 
 def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, scales) of `weight` [N, K] as `QUANTIZED_MATMULS[method]` takes them: int8 rows with
-    float32 scales (w8a8) or scales in the kernel's dtype (int8); packed 4-bit groups with their
-    scales and zero points (int4)."""
+    float32 scales (w8a8) or scales in the kernel's dtype (int8); int8 rows with a float32 scale per
+    block of 32 (q8_0); packed 4-bit groups with their scales and zero points (int4)."""
     if method == "int4":
         return quantize_int4(weight)
+    if method == "q8_0":
+        return quantize_per_block(weight)
     rows, scales = quantize_per_channel(weight)
     return rows, scales if method == "w8a8" else scales.to(kernel_dtype(weight.dtype))

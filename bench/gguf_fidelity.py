@@ -1,0 +1,141 @@
+"""`trio-llm bench gguf-fidelity`: how faithfully each side runs one Q8_0 GGUF file, as the greedy
+tokens of the float model they keep.
+
+One HF checkpoint; its Q8_0 file made by llama.cpp's own converter (`convert_hf_to_gguf.py`, from
+the sources `../shared/tools/llama-server` builds); the reference is transformers' float32 greedy
+continuation of each prompt from the checkpoint. Each side then runs the file on the same prompts
+(token ids, so no tokenizer stands between them) for the same number of greedy tokens, and a
+prompt's figure is how many leading tokens equal the reference's (past the first difference the
+sequences part, whatever follows). Sides: llama.cpp's own server (`llama-server`, which computes
+Q8_0 x Q8_0: activations rounded to int8 per block of 32), trio-llm's default for the file (`q8_0`:
+the file's blocks, activations in float32) and trio-llm's `--quantization int8` (the blocks
+requantized to one scale per row). Greedy decoding is deterministic, so one run is the figure; the
+prompts are passages of the engine's corpus (engine/data/corpus.txt).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import trio
+
+from bench import http
+from bench.side_by_side import served
+from engine import EngineConfig, open_engine
+from engine.sampling_params import SamplingParams
+
+CORPUS = Path(__file__).resolve().parent.parent / "engine" / "data" / "corpus.txt"
+# llama.cpp's converter refuses a tokenizer whose pre-tokenizer hash it does not list (a local one);
+# the token ids are what this bench compares, so any pre-tokenizer name it knows serves. For Qwen2 it
+# first looks for a SentencePiece model, which needs the sentencepiece package just to find none:
+# the checkpoints here have a tokenizer.json only, so it is told there is none.
+CONVERT = """
+import sys
+sys.path[:0] = [{gguf_py!r}, {converter_dir!r}]
+import convert_hf_to_gguf as convert
+from conversion.base import TextModel
+def no_sentencepiece_model(self):
+    raise FileNotFoundError("tokenizer.model")
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+TextModel._set_vocab_sentencepiece = no_sentencepiece_model
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", "q8_0"]
+convert.main()
+"""
+
+
+def convert_q8_0(model_dir: str, out: Path, llama_dir: Path) -> Path:
+    """The checkpoint as a Q8_0 GGUF file, by llama.cpp's converter."""
+    vendored = llama_dir / "src" / "vendor" / "llama.cpp"
+    script = CONVERT.format(gguf_py=str(vendored / "gguf-py"), converter_dir=str(vendored), model=model_dir,
+                            out=str(out))
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    return out
+
+
+def corpus_prompts(model_dir: str, count: int, length: int) -> list[list[int]]:
+    """`count` passages of the corpus, `length` tokens each, in the checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(CORPUS.read_text())["input_ids"]
+    stride = max(length, (len(ids) - length) // count)
+    return [ids[i * stride:i * stride + length] for i in range(count)]
+
+
+def reference(model_dir: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """transformers' float32 greedy continuation of each prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            full = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=tokens,
+                                  min_new_tokens=tokens, pad_token_id=0)
+            out.append(full[0, len(prompt):].tolist())
+    return out
+
+
+async def ours(gguf: Path, tokenizer: str, prompts: list[list[int]], tokens: int, quantization: str | None,
+               threads: int) -> list[list[int]]:
+    """trio-llm's greedy tokens on the file, every prompt at once, float32 activations, eager."""
+    torch.set_num_threads(threads)
+    config = EngineConfig(model=str(gguf), tokenizer=tokenizer, dtype="float32", quantization=quantization,
+                          enforce_eager=True, executor="inproc", num_kv_blocks=len(prompts) * 16 + 16)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    got: dict[int, list[int]] = {}
+    async with open_engine(config) as engine:
+        async def one(i: int) -> None:
+            async for output in engine.generate(prompts[i], params):
+                got[i] = list(output.outputs[0].token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+    return [got[i] for i in range(len(prompts))]
+
+
+async def llama_cpp(gguf: Path, server: Path, prompts: list[list[int]], tokens: int, threads: int,
+                    port: int) -> list[list[int]]:
+    """llama-server's greedy tokens on the file (one slot per prompt)."""
+    command = [str(server), "-m", str(gguf), "-np", str(len(prompts)), "-c", str(len(prompts) * 512), "-t",
+               str(threads), "--host", "127.0.0.1", "--port", str(port)]
+    out = []
+    with tempfile.NamedTemporaryFile(suffix=".log", delete=False) as log:
+        async with served("llama-server", command, port, log.name) as (url, _):
+            for prompt in prompts:
+                body = {"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                        "cache_prompt": False, "return_tokens": True}
+                response = await http.request(url, "POST", "/completion", body)
+                out.append(list(response.json()["tokens"]))
+    return out
+
+
+def kept(reference_tokens: list[int], tokens: list[int]) -> int:
+    """Leading tokens equal to the reference's."""
+    return next((i for i, (a, b) in enumerate(zip(reference_tokens, tokens, strict=False)) if a != b),
+                min(len(reference_tokens), len(tokens)))
+
+
+def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: int, threads: int, port: int) -> str:
+    workdir = Path(tempfile.mkdtemp(prefix="trio-llm-fidelity-"))
+    gguf = convert_q8_0(model_dir, workdir / "model-q8_0.gguf", llama_dir)
+    texts = corpus_prompts(model_dir, prompts, prompt_len)
+    want = reference(model_dir, texts, tokens)
+    sides = {
+        "llama.cpp llama-server (Q8_0 x Q8_0)": trio.run(llama_cpp, gguf, llama_dir / "build" / "bin" / "llama-server",
+                                                          texts, tokens, threads, port),
+        "trio-llm default (q8_0: the file's blocks)": trio.run(ours, gguf, model_dir, texts, tokens, None, threads),
+        "trio-llm --quantization int8 (per row)": trio.run(ours, gguf, model_dir, texts, tokens, "int8", threads),
+    }
+    lines = [f"{Path(model_dir).name}: Q8_0 file by llama.cpp's convert_hf_to_gguf.py; {prompts} corpus prompts of "
+             f"{prompt_len} tokens; greedy tokens of transformers' float32 model kept, of {tokens}; threads={threads} "
+             f"both sides; trio-llm float32 activations, eager",
+             f"{'side':<44}{'kept per prompt':>28}{'mean':>7}"]
+    for name, got in sides.items():
+        each = [kept(w, g) for w, g in zip(want, got, strict=True)]
+        lines.append(f"{name:<44}{', '.join(map(str, each)):>28}{sum(each) / len(each):>7.1f}")
+    return "\n".join(lines)
