@@ -24,10 +24,11 @@ activations quantized per row at run time, as llama.cpp's Q8_0 does, and `torch.
 `q8_0` keeps a scale per block of 32 weights of a row, as GGUF's Q8_0 stores them: a Q8_0 file's
 blocks come back exactly (its dequantized weights quantize to the same steps and scales), where one
 scale per row would round them again, coarsely (a row's largest weight sets its step). It is the
-default for a Q8_0 GGUF file. Activations stay in the model's dtype (llama.cpp rounds them to int8
-per block too: this rounds less). One row (a decode at batch 1) is `q8_0_row_times`, the blockwise
-form of `int8_row_times`, fused by inductor in the compiled decode graph; more rows dequantize the
-weight to the model's dtype and multiply, which prompts (many rows) amortise.
+default for a Q8_0 GGUF file. One row (a decode at batch 1) is `q8_0_row_times`, the blockwise form
+of `int8_row_times`, fused by inductor in the compiled decode graph (and the LM head's graph),
+activations in float32 (llama.cpp rounds them to int8 per block: this rounds less). More rows
+dequantize the weight to bfloat16 and multiply in bfloat16 (as `int8` runs its kernel), which
+prompts (many rows) amortise and a batch of decodes pays each step.
 
 `int4` halves the bytes again: each group of 32 weights of a row as 4-bit steps between its
 minimum and maximum, run by `aten._weight_int4pack_mm_for_cpu` (bfloat16 activations). It is the
@@ -137,10 +138,13 @@ def q8_0_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 def q8_0_dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The weight dequantized to the rows' dtype, then one matmul."""
+    """The weight dequantized to the kernel's dtype (bfloat16 for a float32 model, as `int8_linear`
+    runs its kernel), then one matmul: each step writes and reads the whole weight again, so half
+    float32's bytes is most of this path's time at a few rows (a batch of decodes)."""
     count, features = qweight.shape
-    weight = (qweight.reshape(count, -1, Q8_0_BLOCK).float() * scales[..., None]).reshape(count, features)
-    return rows @ weight.to(rows.dtype).t()
+    dtype = kernel_dtype(rows.dtype)
+    weight = (qweight.reshape(count, -1, Q8_0_BLOCK).float() * scales[..., None]).to(dtype).reshape(count, features)
+    return (rows.to(dtype) @ weight.t()).to(rows.dtype)
 
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

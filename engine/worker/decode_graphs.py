@@ -260,10 +260,11 @@ class DecodeGraphs:
 
     def _head_wants_compiling(self) -> bool:
         """An int8 LM head (the largest layer of a small model) at one row runs twice as fast
-        compiled as torch's kernel runs it (quantized_linear.py, `int8_row_times`); float heads
-        are as fast eagerly (oneDNN's packed weights)."""
+        compiled as torch's kernel runs it (quantized_linear.py, `int8_row_times`); a q8_0 head has
+        no eager kernel at all for one row (eagerly it dequantizes the whole table each step); float
+        heads are as fast eagerly (oneDNN's packed weights)."""
         head = self.model.lm_head
-        return head is not None and head.qmethod == "int8" and head.lora is None
+        return head is not None and head.qmethod in ("int8", "q8_0") and head.lora is None
 
     def _precompiled_head(self) -> HeadStep | None:
         """The LM head's graph: saved, or exported, compiled and saved (a few seconds); None when
