@@ -91,6 +91,7 @@ async def test_a_gguf_file_generates_what_its_checkpoint_does(reference, tmp_pat
     q8, requantized = load_decoder(q8_file, "float32"), load_decoder(q8_file, "float32", quantization="int8")
     exact = load_decoder(path, "float32")
     assert {m.qmethod for m in q8.modules() if isinstance(m, Linear) and m.qweight is not None} == {"q8_0"}
+    assert q8.lm_head.qmethod == "q8_0"  # qwen2's is tied: the file's quantized table is its weight
     # The file's blocks kept: the steps and scales llama.cpp's Q8_0 stored, not rounded again.
     down = q8.layers[0].mlp.down_proj
     blocks = _q8_0_blocks(q8_file, "blk.0.ffn_down.weight")

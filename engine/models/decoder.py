@@ -276,9 +276,12 @@ class DecoderForCausalLM(nn.Module):
 
     def linears_of(self, hf_names: set[str]) -> set[str]:
         """Our linear layers that hold the checkpoint weights `hf_names` (a fused layer is named once
-        any of its parts is)."""
+        any of its parts is; a tied LM head by its embedding table, the weight it multiplies by)."""
         mapped = (self._map_name(name) for name in hf_names)
-        return {param.removesuffix(".weight") for param, _ in filter(None, mapped)}
+        names = {param.removesuffix(".weight") for param, _ in filter(None, mapped)}
+        if self.config.tie_word_embeddings and self.lm_head is not None and "model.embed_tokens.weight" in hf_names:
+            names.add("lm_head")
+        return names
 
     @property
     def weight_bytes(self) -> int:
