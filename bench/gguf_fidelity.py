@@ -8,9 +8,10 @@ continuation of each prompt from the checkpoint. Each side then runs the file on
 prompt's figure is how many leading tokens equal the reference's (past the first difference the
 sequences part, whatever follows). Sides: llama.cpp's own server (`llama-server`, which computes
 Q8_0 x Q8_0: activations rounded to int8 per block of 32), trio-llm's default for the file (`q8_0`:
-the file's blocks, activations in float32) and trio-llm's `--quantization int8` (the blocks
-requantized to one scale per row). Greedy decoding is deterministic, so one run is the figure; the
-prompts are passages of the engine's corpus (engine/data/corpus.txt).
+the file's blocks; run eagerly with the prompts together, its products are the many-row path's,
+in bfloat16) and trio-llm's `--quantization int8` (the blocks requantized to one scale per row).
+Greedy decoding is deterministic, so one run is the figure; the prompts are passages of the
+engine's corpus (engine/data/corpus.txt).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import trio
 
 from bench import http
 from bench.side_by_side import served
+from bench.together import tokens_together
 from engine import EngineConfig, open_engine
 from engine.sampling_params import SamplingParams
 
@@ -86,16 +88,8 @@ async def ours(gguf: Path, tokenizer: str, prompts: list[list[int]], tokens: int
     config = EngineConfig(model=str(gguf), tokenizer=tokenizer, dtype="float32", quantization=quantization,
                           enforce_eager=True, executor="inproc", num_kv_blocks=len(prompts) * 16 + 16)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    got: dict[int, list[int]] = {}
     async with open_engine(config) as engine:
-        async def one(i: int) -> None:
-            async for output in engine.generate(prompts[i], params):
-                got[i] = list(output.outputs[0].token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
-    return [got[i] for i in range(len(prompts))]
+        return await tokens_together(engine, prompts, params)
 
 
 async def llama_cpp(gguf: Path, server: Path, prompts: list[list[int]], tokens: int, threads: int,
@@ -133,7 +127,7 @@ def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: 
     }
     lines = [f"{Path(model_dir).name}: Q8_0 file by llama.cpp's convert_hf_to_gguf.py; {prompts} corpus prompts of "
              f"{prompt_len} tokens; greedy tokens of transformers' float32 model kept, of {tokens}; threads={threads} "
-             f"both sides; trio-llm float32 activations, eager",
+             f"both sides; trio-llm a float32 model, eager, prompts together",
              f"{'side':<44}{'kept per prompt':>28}{'mean':>7}"]
     for name, got in sides.items():
         each = [kept(w, g) for w, g in zip(want, got, strict=True)]

@@ -39,6 +39,7 @@ import trio
 from bench.serve import LevelResult, _percentile, run_level
 from bench.side_by_side import SERVED_NAME, requests_for, served, warm_up
 from bench.throughput import BenchSpec, make_prompts, transformers_tokens_per_s
+from bench.together import tokens_together
 from engine.api.open import open_engine
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -81,20 +82,13 @@ def timing(label: str) -> Iterator[None]:
 def _ours(model: str, device: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=PARITY_TOKENS, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    got: dict[int, list[int]] = {}
 
-    async def main() -> None:
+    async def main() -> list[list[int]]:
         config = EngineConfig(model=model, device=device, dtype=dtype, enforce_eager=False,
                               kv_cache_memory_bytes=256 << 20, executor="inproc")
         async with open_engine(config) as engine:
-            async def one(i: int) -> None:
-                async for out in engine.generate(prompts[i], params):
-                    got[i] = list(out.outputs[0].token_ids)
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
-    trio.run(main)
-    return [got[i] for i in range(len(prompts))]
+            return await tokens_together(engine, prompts, params)
+    return trio.run(main)
 
 
 def _theirs(model: str, device: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:

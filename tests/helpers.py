@@ -2,8 +2,7 @@
 
 import subprocess
 
-import trio
-
+from bench.together import tokens_together
 from engine import SamplingParams, open_engine
 from engine.outputs import RequestOutput
 
@@ -20,16 +19,8 @@ def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
 
 async def greedy_together(config, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy tokens (EOS ignored) of every prompt, run together on one engine of `config`."""
-    got: dict[int, list[int]] = {}
     async with open_engine(config) as engine:
-        async def run(i: int) -> None:
-            output = await final_output(engine, prompts[i], greedy(max_tokens, ignore_eos=True))
-            got[i] = list(output.outputs[0].token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(run, i)
-    return [got[i] for i in range(len(prompts))]
+        return await tokens_together(engine, prompts, greedy(max_tokens, ignore_eos=True))
 
 
 def sse_events(body: bytes) -> list[str]:

@@ -53,10 +53,6 @@ def deepseek(tmp_path_factory):
     return save_deepseek(tmp_path_factory)
 
 
-async def engine_greedy(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24) -> list[list[int]]:
-    return await greedy_together(config, prompts, max_tokens)
-
-
 def test_the_cache_holds_the_latent_not_per_head_keys_and_values(deepseek):
     path, _ = deepseek
     cfg = parse_decoder_config(read_config_json(path))
@@ -94,7 +90,7 @@ async def test_greedy_tokens_eager_and_compiled_chunked_and_prefix_cached_equal_
     expected = transformers_greedy(hf_model, PROMPTS, 24)
     base = dict(model=str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
                 enable_prefix_caching=True)
-    assert await engine_greedy(EngineConfig(**base, enforce_eager=True), PROMPTS + PROMPTS) == expected + expected
+    assert await greedy_together(EngineConfig(**base, enforce_eager=True), PROMPTS + PROMPTS, 24) == expected + expected
     compiled, steps = await compiled_greedy(compiled_config(path, max_num_batched_tokens=16), PROMPTS, 24)
     assert compiled == expected and steps >= 20  # the decodes ran on the compiled graph
 
@@ -104,7 +100,7 @@ async def test_tensor_parallel_2_gives_transformers_greedy_tokens(deepseek):
     path, hf_model = deepseek
     config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
                           enforce_eager=True)
-    assert await engine_greedy(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
+    assert await greedy_together(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
 
 
 async def test_rebalancing_changes_no_token(deepseek):
@@ -130,8 +126,8 @@ async def test_bfloat16_tokens_agree_with_transformers_bfloat16_up_to_its_first_
     expected = transformers_greedy(hf_model, PROMPTS, 16)
     decided = [decided_prefix(hf_model, p, e, BF16_TIE) for p, e in zip(PROMPTS, expected, strict=True)]
     assert sum(decided) >= 8
-    got = await engine_greedy(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, enforce_eager=True),
-                              max_tokens=16)
+    got = await greedy_together(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, enforce_eager=True),
+                                PROMPTS, 16)
     assert [g[:n] for g, n in zip(got, decided, strict=True)] == [e[:n] for e, n in zip(expected, decided, strict=True)]
 
 
@@ -187,4 +183,4 @@ async def test_two_pipeline_stages_give_transformers_greedy_tokens(deepseek):
     path, hf_model = deepseek
     config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2,
                           enforce_eager=True)
-    assert await engine_greedy(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
+    assert await greedy_together(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)

@@ -55,10 +55,6 @@ def gpt_oss(tmp_path_factory):
     return save_gpt_oss(tmp_path_factory)
 
 
-async def engine_greedy(config: EngineConfig, prompts=PROMPTS, max_tokens: int = 24) -> list[list[int]]:
-    return await greedy_together(config, prompts, max_tokens)
-
-
 def test_the_config_reads_every_feature_and_refuses_what_it_does_not_implement(gpt_oss):
     path, _ = gpt_oss
     raw = read_config_json(path)
@@ -102,7 +98,7 @@ async def test_greedy_tokens_eager_and_compiled_chunked_and_prefix_cached_equal_
     # chunks of 16 tokens cut the 40-token prompt; the prompts run twice, the second time from the prefix cache
     base = dict(model=str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
                 enable_prefix_caching=True)
-    assert await engine_greedy(EngineConfig(**base, enforce_eager=True), PROMPTS + PROMPTS) == expected + expected
+    assert await greedy_together(EngineConfig(**base, enforce_eager=True), PROMPTS + PROMPTS, 24) == expected + expected
     compiled, steps = await compiled_greedy(compiled_config(path, max_num_batched_tokens=16), PROMPTS, 24)
     assert compiled == expected and steps >= 20  # the decodes ran on the compiled graph
 
@@ -113,7 +109,7 @@ async def test_tensor_parallel_2_gives_transformers_greedy_tokens(gpt_oss):
     path, hf_model = gpt_oss
     config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
                           enforce_eager=True)
-    assert await engine_greedy(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
+    assert await greedy_together(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
 
 
 async def test_bfloat16_tokens_agree_with_transformers_bfloat16_up_to_its_first_near_tie(tmp_path_factory):
@@ -124,8 +120,8 @@ async def test_bfloat16_tokens_agree_with_transformers_bfloat16_up_to_its_first_
     expected = transformers_greedy(hf_model, PROMPTS, 16)
     decided = [decided_prefix(hf_model, p, e, BF16_TIE) for p, e in zip(PROMPTS, expected, strict=True)]
     assert sum(decided) >= 16 * len(PROMPTS) // 3
-    got = await engine_greedy(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, enforce_eager=True),
-                              max_tokens=16)
+    got = await greedy_together(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, enforce_eager=True),
+                                PROMPTS, 16)
     assert [g[:n] for g, n in zip(got, decided, strict=True)] == [e[:n] for e, n in zip(expected, decided, strict=True)]
 
 
@@ -206,7 +202,7 @@ async def test_an_mxfp4_checkpoint_loads_the_experts_transformers_dequantizes(mx
     for mine, theirs in zip(ours.moe_layers, reference.moe_layers, strict=True):
         assert torch.equal(mine.w13, theirs.w13) and torch.equal(mine.w2, theirs.w2)
     config = EngineConfig(model=str(mxfp4_dir), dtype="float32", num_kv_blocks=64, enforce_eager=True)
-    assert await engine_greedy(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
+    assert await greedy_together(config, PROMPTS[1:], 12) == transformers_greedy(hf_model, PROMPTS[1:], 12)
     stored = json.loads((mxfp4_dir / "config.json").read_text())
     llama = {**{key: value for key, value in stored.items() if key != "sliding_window"},
              "architectures": ["LlamaForCausalLM"], "model_type": "llama"}

@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
-import trio
 
+from bench.together import tokens_together
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig
 from engine.kv_groups import KVLayout, sequence_blocks
@@ -22,7 +22,7 @@ from engine.sched.request import Request
 from engine.worker import worker
 from engine.worker.cuda_graphs import CallThrough, CapturedDecode
 from engine.worker.worker import Worker
-from tests.helpers import final_output, greedy
+from tests.helpers import greedy
 from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
 
@@ -150,17 +150,9 @@ def hybrid_config(path, **options) -> EngineConfig:
 
 async def run_together(config: EngineConfig) -> tuple[list[list[int]], int]:
     """Every prompt's greedy tokens, run together, and the preemptions it took."""
-    got: dict[int, list[int]] = {}
     async with open_engine(config) as engine:
-        async def run(i: int) -> None:
-            output = await final_output(engine, PROMPTS[i], greedy(LENGTH - 30, ignore_eos=True))
-            got[i] = list(output.outputs[0].token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(PROMPTS)):
-                nursery.start_soon(run, i)
-        preemptions = engine.stats().num_preemptions
-    return [got[i] for i in range(len(PROMPTS))], preemptions
+        tokens = await tokens_together(engine, PROMPTS, greedy(LENGTH - 30, ignore_eos=True))
+        return tokens, engine.stats().num_preemptions
 
 
 async def test_gemma3_in_less_cache_than_one_table_needs_gives_transformers_tokens_without_preempting(
