@@ -3,7 +3,8 @@
 
 On a small machine the HTTP server, the scheduler and the model's intra-op threads compete for
 the same cores; vLLM-CPU reserves one CPU for its API server and binds its compute threads to
-the rest. `auto` does that here (on one CPU nothing is bound), `none` binds nothing and leaves
+the rest. `auto` does that here (on one CPU nothing is bound), and lends the reserved CPU to the
+forward pass whenever steps measure faster with it (`CpuLayout.borrow`), `none` binds nothing and leaves
 torch its default thread count, and a list (`"1"`, `"0-2,5"`) names the compute CPUs; the event
 loop gets the others (all of them when the list takes every CPU).
 
@@ -22,11 +23,30 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CpuLayout:
+    """Which CPUs compute and which serve.
+
+    `borrow`: server CPUs a step may also compute on, one more intra-op thread for each, when
+    the thread tuner (engine/worker/thread_tuner.py) measures steps faster so. A model step that
+    takes tens of milliseconds leaves the HTTP server's CPU idle for most of it (it formats a few
+    hundred bytes a token); when the server is busy, or a neighbour is, the probe loses and the
+    step stays on `compute` alone, the quiet layout."""
+
     compute: tuple[int, ...]  # CPUs of the forward pass; torch uses one intra-op thread per CPU
     server: tuple[int, ...]  # CPUs of the event loop (HTTP, scheduler, rendering threads)
+    borrow: tuple[int, ...] = ()  # server CPUs the forward pass may take while that measures faster
 
     def describe(self) -> str:
         return f"compute threads on CPUs {_ranges(self.compute)}, event loop on CPUs {_ranges(self.server)}"
+
+    @property
+    def most_threads(self) -> int:
+        """The most intra-op threads a step may run: one per compute CPU and per borrowable one."""
+        return len(self.compute) + len(self.borrow)
+
+    def cpus_for(self, threads: int) -> tuple[int, ...]:
+        """The CPUs of a step on `threads` intra-op threads: the compute CPUs, and one borrowed
+        CPU for each thread beyond them."""
+        return self.compute + self.borrow[:max(0, threads - len(self.compute))]
 
 
 def available_cpus() -> tuple[int, ...]:
@@ -42,7 +62,7 @@ def parse_cpu_threads_bind(value: str, available: Sequence[int]) -> CpuLayout | 
     if value == "auto":
         if len(available) < 2:
             return None
-        return CpuLayout(tuple(available[1:]), tuple(available[:1]))
+        return CpuLayout(tuple(available[1:]), tuple(available[:1]), borrow=tuple(available[:1]))
     compute = _parse_list(value)
     outside = sorted(set(compute) - set(available))
     if outside:
@@ -92,9 +112,11 @@ def bound_to(cpus: Sequence[int] | None) -> Iterator[None]:
 def split_layout(layout: CpuLayout | None, parts: int) -> list[CpuLayout | None]:
     """`layout`'s compute CPUs in `parts` contiguous groups, as even as they go (the server CPUs
     unchanged); with fewer CPUs than parts, part i takes CPU i modulo their number. For processes
-    that share the compute CPUs: data-parallel engines, the ranks of one engine."""
-    if layout is None:
-        return [None] * parts
+    that share the compute CPUs: data-parallel engines, the ranks of one engine. Parts never
+    borrow the server's CPUs: a step's thread count is chosen per process, and two processes that
+    each measured the borrowed CPU as free would both take it."""
+    if layout is None or parts == 1:
+        return [layout] * parts
     cpus = layout.compute
     if len(cpus) < parts:
         return [CpuLayout((cpus[i % len(cpus)],), layout.server) for i in range(parts)]

@@ -10,7 +10,7 @@ import pytest
 
 from engine.cpu_binding import parse_cpu_threads_bind
 from engine.worker.thread_tuner import ThreadTuner
-from engine.worker.worker import max_compute_threads
+from engine.worker.worker import thread_tuner_for
 
 
 def run_steps(tuner: ThreadTuner, steps: int, seconds: Callable[[int], float], shape: int = 16) -> list[int]:
@@ -83,18 +83,31 @@ def test_one_thread_is_never_probed_against_another():
         ThreadTuner(0)
 
 
-@pytest.mark.parametrize(("bind", "cpus", "torch_threads", "expected"), [
-    ("none", (0, 1), 2, 2),  # unbound: torch's default count
-    ("none", tuple(range(16)), 16, 16),
-    ("auto", (0, 1), 2, 1),  # CPU 0 kept for the server, one compute CPU
-    ("auto", tuple(range(16)), 16, 15),
-    ("auto", (0,), 1, 1),  # one CPU: nothing bound
-    ("2-3,7", tuple(range(8)), 8, 3),  # a list: one thread per listed CPU
-    ("none", (0, 1, 2, 3), 3, 3),  # OMP_NUM_THREADS=3 (torch's count) on four CPUs
+@pytest.mark.parametrize(("bind", "cpus", "torch_threads", "start", "most"), [
+    ("none", (0, 1), 2, 2, 2),  # unbound: torch's default count
+    ("none", tuple(range(16)), 16, 16, 16),
+    ("auto", (0, 1), 2, 1, 2),  # CPU 0 kept for the server, one compute CPU; CPU 0 borrowable
+    ("auto", tuple(range(16)), 16, 15, 16),
+    ("auto", (0,), 1, 1, 1),  # one CPU: nothing bound
+    ("2-3,7", tuple(range(8)), 8, 3, 3),  # a list: one thread per listed CPU, nothing borrowed
+    ("none", (0, 1, 2, 3), 3, 3, 3),  # OMP_NUM_THREADS=3 (torch's count) on four CPUs
 ])
-def test_the_most_threads_a_step_may_use_on_each_layout(bind, cpus, torch_threads, expected):
-    layout = parse_cpu_threads_bind(bind, cpus)
-    assert max_compute_threads(layout, torch_threads) == expected
+def test_the_threads_a_step_starts_on_and_may_use_on_each_layout(bind, cpus, torch_threads, start, most):
+    tuner = thread_tuner_for(parse_cpu_threads_bind(bind, cpus), torch_threads)
+    assert (tuner.threads, tuner.max_threads) == (start, most)
+
+
+def test_from_the_quiet_layout_long_steps_take_the_borrowable_cpu_and_a_busy_server_keeps_it():
+    """`auto` starts on the compute CPUs alone (one here) and probes one thread more: the server's
+    CPU, idle through a long step, is taken; while the server keeps it busy, it is not."""
+    borrowing = ThreadTuner(2, start=1)
+    used = run_steps(borrowing, 40, quiet)
+    assert used[0] == 1 and borrowing.threads == 2
+    kept = ThreadTuner(2, start=1)
+    run_steps(kept, 200, busy)
+    assert kept.threads == 1 and kept.switches == 0
+    with pytest.raises(ValueError, match="start must be between 1 and max_threads"):
+        ThreadTuner(2, start=3)
 
 
 def test_a_hopeless_probe_ends_after_one_step_and_the_next_waits_until_its_cost_is_small():
@@ -130,7 +143,10 @@ def test_a_neighbour_arriving_after_a_long_quiet_spell_is_answered_within_a_few_
 @pytest.mark.parametrize(("options", "line"), [
     ({"cpu_layout": parse_cpu_threads_bind("1-2", (0, 1, 2))},
      "compute threads on CPUs 1,2, event loop on CPUs 0; each step 1-2 compute threads, whichever steps fastest"),
-    ({"cpu_layout": parse_cpu_threads_bind("auto", (0, 1))},  # one compute CPU: nothing to choose
+    ({"cpu_layout": parse_cpu_threads_bind("auto", (0, 1))},  # one compute CPU, and the server's lent
+     "compute threads on CPUs 1, event loop on CPUs 0; each step 1-2 compute threads, whichever steps fastest, "
+     "the last on CPUs 0 of the event loop's, lent while that is faster"),
+    ({"cpu_layout": parse_cpu_threads_bind("auto", (0, 1)), "adaptive_cpu_threads": False},  # nothing lent
      "compute threads on CPUs 1, event loop on CPUs 0, 1 compute threads (one per compute CPU)"),
     ({"adaptive_cpu_threads": False}, "not bound (--cpu-threads-bind none), N compute threads (torch's default)"),
 ])

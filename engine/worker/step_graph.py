@@ -81,8 +81,7 @@ class StepGraph:
         if step is not None:
             self.loaded_from_disk = True
             return step
-        if self.cache_dir is not None:
-            prepare_inductor(self.cache_dir)
+        prepare_inductor()
         progress("compiling the step graph with AOTInductor (the first start of this model here only)")
         device = self.model.device
         hidden = torch.zeros(TRACE_TOKENS, self.model.config.hidden_size, dtype=self.model.dtype, device=device)

@@ -36,11 +36,13 @@ class ThreadTuner:
     torch's default); it starts there."""
 
     def __init__(self, max_threads: int, probe_steps: int = 4, min_interval: int = 32, max_interval: int = 256,
-                 margin: float = 0.05, probe_budget: float = 0.02) -> None:
+                 margin: float = 0.05, probe_budget: float = 0.02, start: int | None = None) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be at least 1, got {max_threads}")
+        if start is not None and not 1 <= start <= max_threads:
+            raise ValueError(f"start must be between 1 and max_threads ({max_threads}), got {start}")
         self.max_threads = max_threads
-        self.threads = max_threads  # the current count
+        self.threads = start or max_threads  # the current count
         self.probe_steps = probe_steps
         self.min_interval = min_interval
         self.max_interval = max_interval
@@ -49,7 +51,7 @@ class ThreadTuner:
         self.interval = min_interval
         self.switches = 0  # how often the current count changed (logged, tests)
         self.steps = 0  # steps recorded
-        self.last_probe: tuple[int, float | None] = (max_threads, None)  # (count, its time / the current's)
+        self.last_probe: tuple[int, float | None] = (self.threads, None)  # (count, its time / the current's)
         self._until_probe = min_interval
         self._probing: int | None = None  # the count being probed
         self._probe_times: dict[int, list[float]] = {}

@@ -52,10 +52,13 @@ from engine.worker.thread_tuner import ThreadTuner
 logger = logging.getLogger(__name__)
 
 
-def max_compute_threads(layout: CpuLayout | None, torch_threads: int) -> int:
-    """The most intra-op threads a step may use: one per compute CPU of the layout, or torch's
-    own count (its default, or OMP_NUM_THREADS) when nothing is bound."""
-    return len(layout.compute) if layout is not None else torch_threads
+def thread_tuner_for(layout: CpuLayout | None, torch_threads: int) -> ThreadTuner:
+    """The tuner of a worker's steps: from one thread to one per compute CPU and per borrowable
+    server CPU, starting with the compute CPUs alone (the quiet layout); with nothing bound, up to
+    torch's own count (its default, or OMP_NUM_THREADS), starting there."""
+    if layout is None:
+        return ThreadTuner(torch_threads)
+    return ThreadTuner(layout.most_threads, start=len(layout.compute))
 
 
 class Worker:
@@ -75,13 +78,14 @@ class Worker:
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         # --cpu-threads-bind: one intra-op thread per compute CPU; calls below run bound to them.
-        self.compute_cpus = config.cpu_layout.compute if config.cpu_layout is not None else None
+        self.layout = config.cpu_layout
+        self.compute_cpus = self.layout.compute if self.layout is not None else None
         if self.compute_cpus is not None:
             torch.set_num_threads(len(self.compute_cpus))
         # Each step's thread count, measured (EngineConfig.tunes_cpu_threads says where).
         self.thread_tuner: ThreadTuner | None = None
         if config.tunes_cpu_threads:
-            self.thread_tuner = ThreadTuner(max_compute_threads(config.cpu_layout, torch.get_num_threads()))
+            self.thread_tuner = thread_tuner_for(self.layout, torch.get_num_threads())
         if world_size > 1:
             if distributed_init_method is None:
                 raise ValueError("tensor parallelism needs a distributed_init_method")
@@ -116,7 +120,7 @@ class Worker:
                                   layout, self.stage, self.config.quantization)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
-        if self._most_compute_threads() == 1:
+        if self._starting_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
         causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
         self._warn_if_reduced_precision_is_slower()
@@ -127,9 +131,10 @@ class Worker:
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
 
-    def _most_compute_threads(self) -> int:
-        """The most intra-op threads a step may run on (the tuner moves within 1..this)."""
-        return self.thread_tuner.max_threads if self.thread_tuner is not None else torch.get_num_threads()
+    def _starting_compute_threads(self) -> int:
+        """The intra-op threads steps start on: the tuner's first count (it moves within 1 and its
+        `max_threads`, one more for a borrowable CPU), or torch's count."""
+        return self.thread_tuner.threads if self.thread_tuner is not None else torch.get_num_threads()
 
     def _load_lora_adapters(self) -> None:
         """Read and check every configured adapter (a bad one fails start-up, naming it)."""
@@ -332,17 +337,26 @@ class Worker:
         """The step, its sample possibly still on its way to the host: `output.pending`, whose
         `stream` a `DeviceEvent` is recorded on before `output.resolve()` (the step queue's way)."""
         assert self.runner is not None, "initialize_kv_cache() first"
-        with bound_to(self.compute_cpus):  # a syscall or two per step
+        tuner = self.thread_tuner
+        threads = tuner.next_threads() if tuner is not None else None
+        with bound_to(self._cpus_for(threads)):  # a syscall or two per step
             if sched_out.eplb_commit is not None:
                 self.eplb_commit_layer(sched_out.eplb_commit)
-            if self.thread_tuner is None:
+            if tuner is None or threads is None:
                 return self.runner.execute(sched_out)
-            return self._execute_tuned(sched_out, self.thread_tuner)
+            return self._execute_tuned(sched_out, tuner, threads)
 
-    def _execute_tuned(self, sched_out: SchedulerOutput, tuner: ThreadTuner) -> ModelRunnerOutput:
-        """The step on the thread count the tuner picks, timed for it."""
+    def _cpus_for(self, threads: int | None) -> tuple[int, ...] | None:
+        """The CPUs a step on `threads` runs on (None: unbound). A borrowed CPU joins only for
+        the steps that run a thread on it. (OpenMP's threads keep the CPUs of the thread that
+        started them, so the extra one, started on a step that borrows, may run there.)"""
+        if self.layout is None or threads is None:
+            return self.compute_cpus
+        return self.layout.cpus_for(threads)
+
+    def _execute_tuned(self, sched_out: SchedulerOutput, tuner: ThreadTuner, threads: int) -> ModelRunnerOutput:
+        """The step on `threads`, the count the tuner picked, timed for it."""
         assert self.runner is not None
-        threads = tuner.next_threads()
         if torch.get_num_threads() != threads:  # per thread: a pool may hand us another one
             torch.set_num_threads(threads)
         started = time.perf_counter()

@@ -116,6 +116,10 @@ def _cpus_line(config: EngineConfig) -> str:
     threads = len(layout.compute) if layout is not None else _default_threads()
     where = layout.describe() if layout is not None else "not bound (--cpu-threads-bind none)"
     source = "one per compute CPU" if layout is not None else "torch's default"
+    if config.tunes_cpu_threads and layout is not None and layout.borrow:
+        return (f"{where}; each step 1-{layout.most_threads} compute threads, whichever steps fastest, "
+                f"the last on CPUs {','.join(map(str, layout.borrow))} of the event loop's, lent while "
+                "that is faster (--adaptive-cpu-threads)")
     if threads > 1 and config.tunes_cpu_threads:
         return f"{where}; each step 1-{threads} compute threads, whichever steps fastest (--adaptive-cpu-threads)"
     return f"{where}, {threads} compute threads ({source})"
