@@ -78,9 +78,15 @@ def check_same_dtype(dtype: str, trio_llm_args: list[str]) -> None:
                              "across dtypes is not like for like (set --dtype for both)")
 
 
+# trio-llm is measured on its compiled graphs: a first start compiles before it reports healthy
+# (counted in "start-up to healthy") rather than serving eagerly meanwhile, `serve`'s default.
+COMPILED_BEFORE_SERVING = ("--no-compile-in-background",)
+
+
 def trio_llm_command(model: str, port: int, dtype: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "web.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", SERVED_NAME, "--max-num-seqs", "64", "--dtype", dtype, *split_dtype(extra)[1]]
+            "--served-model-name", SERVED_NAME, "--max-num-seqs", "64", "--dtype", dtype, *COMPILED_BEFORE_SERVING,
+            *split_dtype(extra)[1]]
 
 
 def vllm_command(python: str, model: str, port: int, dtype: str) -> list[str]:
@@ -230,7 +236,8 @@ async def run_against_llama_server(model: str, gguf: str, binary: str, levels: l
     """trio-llm and llama-server on one GGUF file (trio-llm with `model`'s tokenizer), `repeats`
     rounds alternating which goes first."""
     ours = [sys.executable, "-m", "web.cli", "serve", gguf, "--tokenizer", model, "--host", "127.0.0.1", "--port",
-            str(port), "--served-model-name", SERVED_NAME, "--max-num-seqs", "64", *trio_llm_args]
+            str(port), "--served-model-name", SERVED_NAME, "--max-num-seqs", "64", *COMPILED_BEFORE_SERVING,
+            *trio_llm_args]
     theirs_command = llama_server_command(binary, gguf, port + 1, max(levels))
     sides = [("trio-llm", ours, port), ("llama-server", theirs_command, port + 1)]
     mine, theirs = await alternating_rounds(sides, repeats, levels, num_requests, input_len, output_len, vocab)

@@ -476,6 +476,17 @@ class EngineConfig:
         "start-up, by AOTInductor for dense models and torch.compile for MoE ones, cached on disk)",
         default=None,
         action="store_true")
+    # A first start compiles for minutes (decode_graphs.compile_estimate). True: the engine serves
+    # at once, eagerly, while a child process compiles and saves the graphs; the worker adopts them
+    # between two steps (engine/core/background_compile.py). Later starts load them either way. One
+    # worker of a dense model on a CPU; elsewhere start-up compiles as with False.
+    compile_in_background: bool = flag(
+        "on a first start, serve at once on the eager model while a child process compiles the "
+        "graphs, and switch to them when they are ready (`serve`'s default; "
+        "--no-compile-in-background compiles before serving, as the library does)",
+        default=False,
+        cli_default=True,
+        action=BooleanOptionalAction)
     compilation_config: CompilationConfig = flag(
         'compiled decode graphs, a JSON object: {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, '
         '64], "cache_dir": "~/.cache/trio-llm/torch_compile"} (the cache follows XDG_CACHE_HOME)',

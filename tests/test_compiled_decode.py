@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 import trio
 from torch._dynamo.utils import counters
 
+from bench.together import tokens_together
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig
 from engine.cpu_binding import CpuLayout, available_cpus
@@ -35,7 +37,7 @@ from engine.models.attention import (
     paged_decode_attention,
 )
 from engine.worker import precompiled_graph
-from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs, compile_estimate, keep_headers_in
+from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs, compile_estimate, keep_headers_in, use_compile_cache
 from engine.worker.step_graph import StepGraph
 from engine.worker.worker import Worker
 from tests.helpers import final_output, greedy
@@ -112,8 +114,8 @@ COMPILED_PACKED = [a for a in ARCHITECTURES if a not in ("llama", "mistral")]
 STEP_GRAPH_FAMILIES = ("gemma3", "qwen3", "mixtral")
 
 
-@pytest.mark.parametrize(("checkpoint", "weights"), [("llama", "stored"), *((a, "packed") for a in COMPILED_PACKED)],
-                         indirect=True)
+# (llama with its weights as stored is compiled by the background compile's test below)
+@pytest.mark.parametrize(("checkpoint", "weights"), [(a, "packed") for a in COMPILED_PACKED], indirect=True)
 async def test_compiled_and_eager_give_transformers_greedy_tokens(checkpoint, weights, request):
     """With every linear packed, as a real model's are, the prompts run on the step graph too
     (a dense model's: an MoE model's prompts stay eager)."""
@@ -131,6 +133,48 @@ async def test_compiled_and_eager_give_transformers_greedy_tokens(checkpoint, we
     assert compiled_steps >= 20 and eager_steps == 0  # the decode steps did run compiled
     dense = request.node.callspec.params["checkpoint"] != "mixtral"
     assert (prompt_steps[0] > 0) == (compile_prompts and dense)
+
+
+@pytest.fixture
+def fresh_package_dir(tmp_path, monkeypatch) -> Path:
+    """An empty directory for compiled packages (a rerun must compile again), whose inductor
+    headers and probe are the other tests' (a link: building them is ~28 s); inductor's own
+    directory is given back after the test (an engine's cache_dir becomes it)."""
+    shared = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(use_compile_cache(None))))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
+    (shared / "precompiled_headers").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "precompiled_headers").symlink_to(shared / "precompiled_headers")
+    for memo in shared.glob("vec-isa-probe-*"):
+        shutil.copy(memo, tmp_path / memo.name)
+    return tmp_path
+
+
+async def test_a_first_start_serves_on_the_eager_model_while_a_child_compiles_then_on_the_graphs(
+        tmp_path_factory, fresh_package_dir):
+    """`compile_in_background` (`serve`'s default): the engine serves once the model is loaded; a
+    child process compiles and saves the decode and step graphs meanwhile, and the worker switches
+    to them between two steps. The tokens are transformers' before and after the switch."""
+    config_cls, model_cls, extra = FAMILIES["llama"]
+    path, hf_model = save_hf_checkpoint(tmp_path_factory, "llama-stored", config_cls, model_cls, {**COMMON, **extra})
+    rng = random.Random(2)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (3, 11, 17, 29, 40)]
+    expected = transformers_greedy(hf_model, prompts, 24)
+    config = compiled_config(path, compile_prompts=True, compile_in_background=True)
+    config = replace(config, compilation_config=replace(config.compilation_config, cache_dir=str(fresh_package_dir)))
+    async with open_engine(config) as engine:
+        runner = engine.core.executor.worker.runner
+        assert (runner.decode_graphs, runner.step_graph) == (None, None)  # serving before any graph exists
+        assert not engine.core.graphs_settled.is_set()
+        eager = [(await final_output(engine, p, greedy(24, ignore_eos=True))).outputs[0].token_ids for p in prompts]
+        with trio.fail_after(600):
+            await engine.core.graphs_settled.wait()
+        graphs, step_graph = runner.decode_graphs, runner.step_graph
+        assert graphs is not None and step_graph is not None
+        assert graphs.loaded_from_disk and step_graph.loaded_from_disk  # the child's, loaded
+        compiled = await tokens_together(engine, prompts, greedy(24, ignore_eos=True))
+        assert graphs.steps_run >= 20 and step_graph.steps_run > 0
+    assert eager == expected
+    assert compiled == expected
 
 
 # Compiled in bfloat16: one dense architecture (qwen3, with the most ops: q/k norms) and the MoE one;

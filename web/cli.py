@@ -137,7 +137,7 @@ def _add_generate(sub: Subcommands) -> None:
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    options.add_engine_options(gen, seed=False)
+    options.add_engine_options(gen, seed=False, serves=False)
     gen.set_defaults(run=_generate, command_parser=gen)
 
 

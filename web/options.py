@@ -22,9 +22,11 @@ from web.http.settings import ServerSettings
 from web.vllm_flags import ENGINE_FLAGS, SERVER_FLAGS, add_foreign_flags, foreign_flag_notes, foreign_flag_refusals
 
 
-def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
+def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True, serves: bool = True) -> None:
     """The engine's options, one per `EngineConfig` field that declares a flag (`engine.config.flag`),
-    in field order; `seed=False` for a command whose --seed means something else."""
+    in field order; `seed=False` for a command whose --seed means something else; `serves=False`
+    for one that exits once it has its answers: it compiles before its first step (a compile left
+    to a child process would be killed at exit, never saved)."""
     for option, declared in _flagged_fields():
         if option.name == "seed" and not seed:
             continue
@@ -35,6 +37,8 @@ def add_engine_options(p: argparse.ArgumentParser, *, seed: bool = True) -> None
         default = option.default if declared.cli_default is SAME_AS_FIELD else declared.cli_default
         if default is MISSING:  # a field built by its factory: the flag's absence means its defaults
             default = None
+        if option.name == "compile_in_background" and not serves:
+            default = False
         p.add_argument(*names, dest=option.name, default=default, help=declared.help, **keywords)
     add_foreign_flags(p, ENGINE_FLAGS)
 

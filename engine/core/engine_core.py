@@ -158,6 +158,9 @@ class EngineCore:
         self._trackers: dict[str, RequestTracker] = {}
         self._streams: dict[str, OutputSender] = {}
         self._child_owner: dict[str, RequestTracker] = {}
+        # Set once the worker's graphs are what steps will run on for good: at once, unless they
+        # compile in a child process meanwhile (engine/core/background_compile.py).
+        self.graphs_settled = anyio.Event()
         self.dead = False
         # Steps started and not yet published, oldest first: at most the executor's
         # max_concurrent_batches (one per pipeline stage).

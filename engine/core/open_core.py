@@ -14,6 +14,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from engine.core.background_compile import compile_in_background
 from engine.core.engine_core import EngineCore
 from engine.core.eplb_driver import EplbDriver
 from engine.core.stats import StatsObserver
@@ -31,6 +32,7 @@ from engine.render.tokenizer import Tokenizer
 from engine.sched.block_manager import KVBlockManager
 from engine.sched.prefix_hash import PrefixHasher
 from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.worker.compile_child import CompileJob
 
 
 async def _size_engine(config: EngineConfig, executor: Executor, tokenizer: Tokenizer) -> ModelInfo:
@@ -127,6 +129,7 @@ async def open_core(config: EngineConfig, *, executor: Executor | None = None, t
         info = await _size_engine(config, executor, tokenizer)
         defaults = await anyio.to_thread.run_sync(read_generation_defaults, config.generation_config, config.model)
         await executor.initialize_kv_cache(info.num_kv_blocks)
+        job = await _background_compile_job(config, executor)
         eplb = EplbDriver(config.eplb_config, executor, info, observer) if config.enable_eplb else None
         connector = None
         if config.ec_transfer_config is not None and info.image_rows:
@@ -140,11 +143,23 @@ async def open_core(config: EngineConfig, *, executor: Executor | None = None, t
                 connector.wake = core.wake
                 await tg.start(connector.run)
             await tg.start(core.run)
+            if job is not None:
+                tg.start_soon(compile_in_background, job, executor, core.graphs_settled)
+            else:
+                core.graphs_settled.set()
             tg.start_soon(_stop_core_on_executor_failure, executor, core)
             try:
                 yield LoadedCore(core, info, tokenizer, defaults, tg, config)
             finally:
                 tg.cancel_scope.cancel()
+
+
+async def _background_compile_job(config: EngineConfig, executor: Executor) -> CompileJob | None:
+    """The graphs the worker left to a child process (`compile_in_background`), if any."""
+    if not config.compile_in_background:
+        return None
+    job: CompileJob | None = await executor.collective_rpc("background_compile_job", unique_reply_rank=0)
+    return job
 
 
 async def _stop_core_on_executor_failure(executor: Executor, core: EngineCore) -> None:

@@ -196,6 +196,15 @@ class DecodeGraphs:
         """Whether a step of `count` decodes runs on the graph (any table width does)."""
         return count <= self.max_batch
 
+    def saved_on_disk(self) -> bool:
+        """Whether a start would load this graph (and the LM head's, where it has one) rather than
+        compile it: packages filed under their names exist (a stale one is still caught at load)."""
+        if self.cache_dir is None or self.model.moe_layers:
+            return False  # MoE: torch.compile, which traces at each start
+        kinds = ("decode", "head") if self._head_wants_compiling() else ("decode",)
+        return all(precompiled_graph.artefact_path(self.cache_dir, self.model, self.kv_caches, self.block_size,
+                                                   TRACE_ROWS, kind).exists() for kind in kinds)
+
     @property
     def min_rows(self) -> int:
         """The fewest rows a step runs with: one on the exported graph, two on dynamo's."""

@@ -63,6 +63,11 @@ class StepGraph:
             progress(f"{how} the step graph (prompt chunks, any length) in {time.perf_counter() - start:.1f} s")
         return time.perf_counter() - start
 
+    def saved_on_disk(self) -> bool:
+        """Whether `compile` would load the graph rather than compile it (see DecodeGraphs')."""
+        return self.cache_dir is not None and precompiled_graph.artefact_path(
+            self.cache_dir, self.model, self.kv_caches, self.block_size, TRACE_TOKENS, "step").exists()
+
     def takes(self, num_tokens: int) -> bool:
         return self._step is not None and MIN_TOKENS <= num_tokens <= precompiled_graph.MAX_ROWS
 

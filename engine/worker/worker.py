@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -37,6 +37,7 @@ from engine.models.parallel import PipelineStage, TensorParallel, init_distribut
 from engine.models.pooler import read_pooler_config
 from engine.models.vision import LlavaVision
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.compile_child import CompileJob
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap
 from engine.worker.cuda_graphs import CallThrough, CapturedDecode, CudaGraphCapture, max_table_blocks
 from engine.worker.decode_graphs import DecodeGraphs, use_compile_cache
@@ -50,6 +51,15 @@ from engine.worker.step_graph import StepGraph
 from engine.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeferredGraphs:
+    """Graphs built over the worker's KV cache but not compiled: a child process compiles them."""
+
+    decode: DecodeGraphs
+    step: StepGraph | None
+    num_blocks: int
 
 
 def thread_tuner_for(layout: CpuLayout | None, torch_threads: int) -> ThreadTuner:
@@ -96,6 +106,8 @@ class Worker:
         self.mover: ExpertMover | None = None  # an MoE model's rebalancing hands
         self.vision: LlavaVision | None = None  # a vision-language model's tower and projector
         self.lora: LoRAServing | None = None  # the LoRA adapters served (--enable-lora)
+        self.deferred_graphs: DeferredGraphs | None = None  # compiling in a child (compile_in_background)
+        self.zeroed_caches = True  # False in a compile child: its caches are never read before written
 
     def load_model(self) -> ModelInfo:
         with bound_to(self.compute_cpus):
@@ -231,6 +243,13 @@ class Worker:
         self.runner = ModelRunner(self.model, caches, self.config.block_size, self.device, self.config.seed,
                                   num_blocks=num_blocks, role=RankRole(self.is_driver, self.stage, self.tp.rank),
                                   graphs=RunnerGraphs(graphs, step_graph), features=features)
+        if isinstance(graphs, DecodeGraphs) and self._defers_compiling(graphs, step_graph):
+            # Steps run eagerly until `adopt_compiled_graphs` (engine/core/background_compile.py).
+            self.runner.decode_graphs, self.runner.step_graph = None, None
+            self.deferred_graphs = DeferredGraphs(graphs, step_graph, num_blocks)
+            logger.info("serving on the eager model while a child process compiles the graphs "
+                        "(--no-compile-in-background waits for them)")
+            return
         with bound_to(self.compute_cpus), torch.inference_mode():
             if isinstance(graphs, CapturedDecode):
                 graphs.capture_all()
@@ -238,6 +257,43 @@ class Worker:
                 graphs.compile_all()
             if step_graph is not None:
                 step_graph.compile()
+
+    def _defers_compiling(self, graphs: DecodeGraphs, step_graph: StepGraph | None) -> bool:
+        """Whether the graphs compile in a child process while steps run eagerly: asked for
+        (`compile_in_background`), one worker (ranks would have to switch together), a dense model
+        (an MoE model's graphs go through torch.compile, which a child cannot save for us), and
+        something left to compile."""
+        return (self.config.compile_in_background and self.tp.size * self.stage.size == 1
+                and not graphs.model.moe_layers
+                and not (graphs.saved_on_disk() and (step_graph is None or step_graph.saved_on_disk())))
+
+    def background_compile_job(self) -> CompileJob | None:
+        """What a child process runs to compile and save this worker's deferred graphs (None:
+        nothing deferred). It computes on the CPUs the event loop keeps, which a step leaves
+        idle, rather than on the ones steps run on."""
+        if self.deferred_graphs is None:
+            return None
+        layout = self.layout
+        on = None if layout is None else CpuLayout(layout.server, layout.server)
+        config = replace(self.config, compile_in_background=False, cpu_layout=on, adaptive_cpu_threads=False)
+        return CompileJob(config, self.deferred_graphs.num_blocks)
+
+    def adopt_compiled_graphs(self) -> bool:
+        """Load the deferred graphs that a child saved, and run steps on them from the next step
+        on; False (logged) when they are not there (the child failed): steps stay eager."""
+        deferred, self.deferred_graphs = self.deferred_graphs, None
+        if deferred is None or not isinstance(self.runner, ModelRunner):
+            return False
+        graphs, step_graph = deferred.decode, deferred.step
+        if not graphs.saved_on_disk() or (step_graph is not None and not step_graph.saved_on_disk()):
+            logger.warning("the compiled graphs were not saved; steps stay on the eager model")
+            return False
+        with bound_to(self.compute_cpus), torch.inference_mode():
+            graphs.compile_all()  # loads them: a few seconds at most
+            if step_graph is not None:
+                step_graph.compile()
+        self.runner.decode_graphs, self.runner.step_graph = graphs, step_graph
+        return True
 
     def kv_cache_bytes_for(self, utilization: float) -> int:
         """The KV cache's bytes on this rank's GPU when the engine may use `utilization` of it
@@ -264,8 +320,9 @@ class Worker:
         position in a KV cache group (engine/kv_groups.py)."""
         assert isinstance(self.model, DecoderForCausalLM)
         keys, values = self.model.kv_cache_shapes(slots)
-        return [(torch.zeros(keys, dtype=self.model.dtype, device=self.device),
-                 torch.zeros(values, dtype=self.model.dtype, device=self.device))
+        allocate = torch.zeros if self.zeroed_caches else torch.empty  # empty: no memory until written
+        return [(allocate(keys, dtype=self.model.dtype, device=self.device),
+                 allocate(values, dtype=self.model.dtype, device=self.device))
                 for _ in range(self.model.num_kv_caches)]
 
     def _profile_step(self) -> None:
