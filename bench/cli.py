@@ -25,6 +25,7 @@ def add_bench_command(sub: Subcommands) -> None:
     _add_bench_gguf_fidelity(bench)
     _add_bench_serve(bench)
     _add_bench_neighbour(bench)
+    _add_bench_cold_start(bench)
     _add_bench_loop_lag(bench)
     _add_bench_rpc(bench)
     _add_bench_parallel(bench)
@@ -460,6 +461,24 @@ def _add_bench_serve(bench: Subcommands) -> None:
     sv.add_argument("--llama-server", default=os.path.expanduser("~/.cache/llama-cpp/build/bin/llama-server"),
                     help="--against llama-server: its binary (../shared/tools/llama-server builds it)")
     sv.set_defaults(run=_bench_serve)
+
+
+def _add_bench_cold_start(bench: Subcommands) -> None:
+    cs = bench.add_parser("cold-start", help="seconds to a healthy `trio-llm serve` on an empty compile cache and a "
+                                             "warm one, and one stream's tok/s while the graphs compile and after")
+    cs.add_argument("model", help="a model directory or GGUF file, as `trio-llm serve` takes it")
+    cs.add_argument("--trio-llm-args", default="", help="extra `trio-llm serve` options (e.g. --tokenizer DIR)")
+    cs.add_argument("--repeats", type=int, default=3, help="first starts and warm starts each; medians reported")
+    cs.add_argument("--output-len", type=int, default=64)
+    cs.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
+    cs.set_defaults(run=_bench_cold_start)
+
+
+def _bench_cold_start(args: argparse.Namespace) -> int:
+    from bench import cold_start
+    print(trio.run(cold_start.run, args.model, shlex.split(args.trio_llm_args), args.repeats, args.output_len,
+                   args.vocab))
+    return 0
 
 
 def _add_bench_neighbour(bench: Subcommands) -> None:
