@@ -136,6 +136,23 @@ def test_the_q8_0_one_row_form_computes_what_the_dequantized_weight_does():
     assert not torch.allclose(q8_0_row_times(row, qweight, scales.flip(1)), ours)  # each block has its own scale
 
 
+def test_eagerly_a_large_q8_0_weight_is_dequantized_a_slice_at_a_time_and_computes_the_same(monkeypatch):
+    """Outside a graph the weight is dequantized a slice of rows at a time (the whole 0.5B head at
+    once was 545 MB of temporaries a token); the slices' products are the whole one's."""
+    from engine.models import quantized_linear
+
+    generator = torch.Generator().manual_seed(1)
+    qweight, scales = quantize_weight(torch.randn(300, 96, generator=generator), "q8_0")
+    rows = torch.randn(3, 96, generator=generator)
+    whole = quantized_linear._dequantized_mm(rows, qweight, scales, torch.bfloat16)
+    calls = []
+    original = quantized_linear._dequantized_mm
+    monkeypatch.setattr(quantized_linear, "EAGER_SLICE_WEIGHTS", 64 * 96)
+    monkeypatch.setattr(quantized_linear, "_dequantized_mm", lambda *a: (calls.append(a[1].shape[0]), original(*a))[1])
+    assert torch.equal(q8_0_dequantized_mm(rows, qweight, scales), whole)
+    assert calls == [64, 64, 64, 64, 44]
+
+
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4", "q8_0"])
 async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_factory, method):
     path, _ = save_hf_checkpoint(tmp_path_factory, f"compiled-{method}", LlamaConfig, LlamaForCausalLM, COMMON)

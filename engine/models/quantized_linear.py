@@ -47,6 +47,7 @@ Q8_0_BLOCK = 32  # weights per scale in q8_0 (GGUF's Q8_0 block)
 # sums without an error (measured: 24 or 40 features), so such a layer stays float.
 FEATURE_BLOCK = 16
 INDUCTOR_PLAIN_SUM = 4096  # inductor sums up to this many floats plainly (see int8_row_times)
+EAGER_SLICE_WEIGHTS = 1 << 20  # q8_0 weights dequantized at a time outside a graph (4 MiB of float32)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,9 +144,27 @@ def q8_0_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 def q8_0_dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The weight dequantized to the kernel's dtype (bfloat16 for a float32 model, as `int8_linear`
     runs its kernel), then one matmul: each step writes and reads the whole weight again, so half
-    float32's bytes is most of this path's time at a few rows (a batch of decodes)."""
+    float32's bytes is most of this path's time at a few rows (a batch of decodes).
+
+    Outside a graph, a slice of the weight's rows at a time (`EAGER_SLICE_WEIGHTS`): dequantized
+    whole, the 0.5B shape's tied LM head was 545 MB of float32 temporaries written and read back
+    every token, and its eager steps (a first start's, while the graphs compile in the background)
+    ran 0.4 tokens a second. In a graph inductor fuses the dequantization into one pass."""
     count, features = qweight.shape
     dtype = kernel_dtype(rows.dtype)
+    step = max(1, EAGER_SLICE_WEIGHTS // features)
+    if torch.compiler.is_compiling() or count <= step:
+        return _dequantized_mm(rows, qweight, scales, dtype)
+    out = torch.empty(rows.shape[0], count, dtype=rows.dtype, device=rows.device)
+    for start in range(0, count, step):
+        part = slice(start, start + step)
+        out[:, part] = _dequantized_mm(rows, qweight[part], scales[part], dtype)
+    return out
+
+
+def _dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    count, features = qweight.shape
     weight = (qweight.reshape(count, -1, Q8_0_BLOCK).float() * scales[..., None]).to(dtype).reshape(count, features)
     return (rows.to(dtype) @ weight.t()).to(rows.dtype)
 
