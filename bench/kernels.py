@@ -12,7 +12,10 @@ beside the one it replaces, on `--threads` torch threads.
   a time (`attention.prompt_chunks_by_kernel`);
 - a group of decodes in an eager step: one masked SDPA call over gathered blocks against our
   decode kernel (`attention.decodes_by_kernel`), which reads each sequence's blocks in place;
-- greedy sampling: `max(dim)` against the sampler's chunked argmax.
+- greedy sampling: `max(dim)` against the sampler's chunked argmax;
+- one row times a `q8_0` weight outside a graph (a first start's eager steps): the weight
+  dequantized a slice at a time and multiplied, against our kernel over its int8 blocks
+  (`engine.kernels.q8_0_rows`), on the 0.5B shape's tied head and MLP weights.
 
 Each figure is the median of alternating rounds. Before each product the machine's caches are
 flushed by reading a 64 MB buffer, as a decode step's other weights would (the heads here are
@@ -33,8 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.causal_attention import causal_attention
+from engine.kernels.q8_0_rows import row_times as q8_0_kernel_row_times
 from engine.models import attention
 from engine.models.packed_linear import pack_weight, packed_linear
+from engine.models.quantized_linear import q8_0_dequantized_mm, q8_0_row_times, quantize_per_block
 from engine.worker.sampler import argmax_rows
 
 
@@ -194,6 +199,19 @@ def argmax_pair(rows: int, vocab: int, repeats: int) -> Pair:
                  ("chunked", lambda: argmax_rows(logits)), None, repeats)
 
 
+def q8_0_row_pair(out_features: int, in_features: int, flush: torch.Tensor, repeats: int) -> Pair:
+    qweight, scales = quantize_per_block(torch.randn(out_features, in_features))
+    x = torch.randn(1, in_features)
+    threads = torch.get_num_threads()
+    kernel = q8_0_kernel_row_times(x, qweight, scales, threads)
+    assert kernel is not None, "the q8_0 kernel is expected to build here"
+    torch.testing.assert_close(kernel, q8_0_row_times(x, qweight, scales), rtol=1e-4, atol=1e-3)
+    return _pair(f"q8_0 [{out_features}, {in_features}], 1 row, eager",
+                 ("dequantized slices, matmul", lambda: q8_0_dequantized_mm(x, qweight, scales)),
+                 ("our kernel on the blocks", lambda: q8_0_kernel_row_times(x, qweight, scales, threads)), flush,
+                 repeats)
+
+
 PROMPT_TOKENS = (256, 512, 1024)
 
 
@@ -203,7 +221,9 @@ def run(repeats: int = 20, vllm_python: str | None = None) -> list[Pair]:
              *(pair for tokens in PROMPT_TOKENS for pair in attention_pairs(tokens, repeats)),
              *(chunk_group_pair(what, chunks, repeats) for what, chunks in CHUNK_GROUPS),
              *(decode_group_pair(batch, 192, repeats) for batch in (16, 64)),
-             *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936)))]
+             *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936))),
+             *(q8_0_row_pair(out, features, flush, repeats) for out, features in ((151936, 896), (4864, 896),
+                                                                                 (896, 4864)))]
     if vllm_python is not None:
         pairs += vllm_attention_pairs(vllm_python, list(PROMPT_TOKENS), repeats)
     return pairs

@@ -136,6 +136,31 @@ def test_the_q8_0_one_row_form_computes_what_the_dequantized_weight_does():
     assert not torch.allclose(q8_0_row_times(row, qweight, scales.flip(1)), ours)  # each block has its own scale
 
 
+def test_eagerly_one_row_times_a_q8_0_weight_runs_our_kernel_on_the_blocks_as_they_are(monkeypatch):
+    """Outside a graph one row takes engine/kernels/q8_0_rows.c (the same float32 sum the compiled
+    graph's `q8_0_row_times` is), on one thread or split over several; more rows, or a bfloat16
+    row, keep the dequantized matmul."""
+    from engine.kernels import q8_0_rows
+    from engine.models import quantized_linear
+
+    generator = torch.Generator().manual_seed(2)
+    qweight, scales = quantize_weight(torch.randn(301, 128, generator=generator), "q8_0")
+    row = torch.randn(1, 128, generator=generator)
+    exact = q8_0_row_times(row, qweight, scales)
+    for threads in (1, 3):
+        ours = q8_0_rows.row_times(row, qweight, scales, threads)
+        assert ours is not None
+        torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)
+    calls = []
+    monkeypatch.setattr(quantized_linear, "q8_0_dequantized_mm",
+                        lambda rows, *_: (calls.append(tuple(rows.shape)), exact.expand(rows.shape[0], -1))[1])
+    torch.testing.assert_close(quantized_linear.q8_0_linear(row, qweight, scales, None), exact, rtol=1e-5, atol=1e-5)
+    assert calls == []  # the kernel took it
+    quantized_linear.q8_0_linear(row.repeat(2, 1), qweight, scales, None)
+    assert q8_0_rows.row_times(row.bfloat16(), qweight, scales, 1) is None
+    assert calls == [(2, 128)]
+
+
 def test_eagerly_a_large_q8_0_weight_is_dequantized_a_slice_at_a_time_and_computes_the_same(monkeypatch):
     """Outside a graph the weight is dequantized a slice of rows at a time (the whole 0.5B head at
     once was 545 MB of temporaries a token); the slices' products are the whole one's."""

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import q8_0_rows as q8_0_kernel
+
 INT4_GROUP = 32  # weights per scale and zero point in int4 (the kernel takes 32, 64, 128 or 256)
 INT4_ROW_BLOCK = 16  # the int4 kernel packs output rows in blocks of 16
 Q8_0_BLOCK = 32  # weights per scale in q8_0 (GGUF's Q8_0 block)
@@ -116,13 +118,15 @@ def quantize_per_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + bias` with W in `quantize_per_block`'s layout, in x's dtype. One row takes
-    `q8_0_row_times` (in an exported graph, by a `torch.cond` on the row count); more rows
-    `q8_0_dequantized_mm`."""
+    `q8_0_row_times` (in an exported graph, by a `torch.cond` on the row count; eagerly the same
+    sum in our C kernel, engine/kernels/q8_0_rows.c); more rows `q8_0_dequantized_mm`."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if torch.compiler.is_exporting():
         y = torch.cond(rows.shape[0] == 1, q8_0_row_times, q8_0_dequantized_mm, (rows, qweight, scales))
-    else:
-        y = q8_0_dequantized_mm(rows, qweight, scales)
+    else:  # eagerly one row runs our kernel over the blocks as they are, where it applies
+        one = None if torch.compiler.is_compiling() else q8_0_kernel.row_times(rows, qweight, scales,
+                                                                                torch.get_num_threads())
+        y = one if one is not None else q8_0_dequantized_mm(rows, qweight, scales)
     y = y.reshape(*x.shape[:-1], qweight.shape[0])
     return y if bias is None else y + bias
 
