@@ -268,7 +268,7 @@ def app_from_env() -> QuartTrio:
     async def stop_gracefully_on_sigterm() -> None:
         if threading.current_thread() is threading.main_thread() and \
                 signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL):
-            app.nursery.start_soon(_sigterm_as_sigint)
+            await app.nursery.start(_sigterm_as_sigint)  # installed before the first request
 
     return app
 
@@ -284,13 +284,16 @@ def _log_to_stderr(*names: str) -> None:
             named.propagate = False
 
 
-async def _sigterm_as_sigint() -> None:
+async def _sigterm_as_sigint(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """hypercorn's trio worker run in its own process (`-w 0`) stops gracefully on SIGINT, which
     trio raises in its main task as KeyboardInterrupt, and not at all on SIGTERM, whose default
     ends the process at once (exit 143, no grace period): turn the one into the other. (With a
     supervisor, `-w 1` and more, the workers ignore SIGINT and the supervisor handles SIGTERM: this
-    is not installed there.) Runs until the app nursery is cancelled."""
+    is not installed there.) Runs until the app nursery is cancelled; it reports started once
+    SIGTERM is ours, so serving begins only then (with `start_soon` nothing ensured it: two full
+    test runs saw a stream cut after SIGTERM with no line from here, cause not yet confirmed)."""
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        task_status.started()
         async for _ in signals:
             logger.info("received SIGTERM: shutting down gracefully")
             _interrupt_the_main_task()
