@@ -172,7 +172,11 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
     environment = {**os.environ, "TRIO_LLM_MODEL": tiny_model_dir}
     command = [sys.executable, "-m", "hypercorn", "-w", "0", "-k", "trio", "-b", "127.0.0.1:0", "--graceful-timeout",
                "30", "web.app:app_from_env()"]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environment)
+    # SIGINT as a shell gives a foreground command: an ignored SIGINT is inherited across exec, and
+    # some earlier test of a full run leaves the pytest worker ignoring it (then the server, rightly,
+    # cannot stop gracefully: exit -15, the stream cut; it warns at start-up).
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environment,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     try:
         log = log_until(server, "Running on")
         assert any("engine ready in" in line for line in log), log
@@ -195,6 +199,22 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
         assert first.startswith("data: {") and rest[-1] == "data: [DONE]" and len(rest) > 100
         assert server.wait(timeout=60) == 0
         assert server.stderr is not None and "received SIGTERM: shutting down gracefully" in server.stderr.read()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_under_hypercorn_with_sigint_ignored_the_server_warns_that_sigterm_stops_it_at_once(tiny_model_dir):
+    """`hypercorn ... &` from a script, or nohup: SIGINT ignored, so trio cannot deliver the
+    graceful stop SIGTERM is turned into; the server says so rather than seeming to promise it."""
+    environment = {**os.environ, "TRIO_LLM_MODEL": tiny_model_dir}
+    command = [sys.executable, "-m", "hypercorn", "-w", "0", "-k", "trio", "-b", "127.0.0.1:0",
+               "web.app:app_from_env()"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environment,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # noqa: PLW1509
+    try:
+        log = log_until(server, "Running on")
+        assert any("SIGTERM will stop the server at once" in line for line in log), log
     finally:
         server.kill()
         server.wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -266,9 +267,13 @@ def app_from_env() -> QuartTrio:
 
     @app.before_serving
     async def stop_gracefully_on_sigterm() -> None:
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL):
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL):
             await app.nursery.start(_sigterm_as_sigint)  # installed before the first request
+        elif multiprocessing.parent_process() is None:  # -w 0 (hypercorn's own workers are its children)
+            logger.warning("SIGINT is ignored in this process (started in the background by a shell, or by nohup?): "
+                           "SIGTERM will stop the server at once, without --graceful-timeout for open requests")
 
     return app
 
