@@ -19,10 +19,11 @@
  * rescaling), and the weighted sum of value rows. Written with GCC vector extensions, so the
  * compiler picks the machine's vector registers (-march=native); 16 lanes with AVX-512, else 8.
  */
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "split_threads.h"
 
 /* Register blocking: a block's scores keep RB x 2 vectors of sums in registers, its weighted
  * sum RB x DC. With AVX-512's 32 vector registers, 6 rows and 4 vectors (64 floats of a head) ran
@@ -261,8 +262,6 @@ static void *prompt_thread(void *job) {
     return NULL;
 }
 
-#define MAX_THREADS 64
-
 /* q: [queries, q_heads, dim], the queries of positions past .. past + queries - 1 of one sequence;
  * out: the same shape. k and v: rows of [kv_heads, dim], position p's in row kv_rows[p] (or row p
  * if kv_rows is NULL), for every position up to the last query's. Each tensor has its own stride
@@ -281,23 +280,12 @@ int causal_attention_f32(const float *q, const float *k, const float *v, float *
     threads = threads < 1 ? 1 : threads > q_heads ? q_heads : threads > MAX_THREADS ? MAX_THREADS : threads;
     long per_thread = causal_attention_scratch_floats(past + queries, dim);
     struct prompt_job jobs[MAX_THREADS];
-    pthread_t started[MAX_THREADS];
-    int running[MAX_THREADS] = {0};
-    for (long t = 0; t < threads; t++) {
+    for (long t = 0; t < threads; t++)
         jobs[t] = (struct prompt_job){q, k, v, out, queries, past, kv_rows, q_heads, kv_heads, dim,
                                       q_stride, k_stride, v_stride, out_stride, scale,
                                       scratch + t * per_thread, t * q_heads / threads,
                                       (t + 1) * q_heads / threads};
-        if (t > 0) /* a thread that cannot be started: its heads run on the calling thread below */
-            running[t] = pthread_create(&started[t], NULL, prompt_thread, &jobs[t]) == 0;
-    }
-    prompt_heads(&jobs[0]);
-    for (long t = 1; t < threads; t++) {
-        if (running[t])
-            pthread_join(started[t], NULL);
-        else
-            prompt_heads(&jobs[t]);
-    }
+    run_split(prompt_thread, jobs, sizeof jobs[0], threads);
     return 0;
 }
 

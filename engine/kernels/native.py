@@ -1,6 +1,7 @@
 """Build a C kernel of ours for this machine on first use, cache it, load it with ctypes.
 
-A kernel is one C file beside this module, with no dependency but the C library. It is built with
+A kernel is one C file beside this module, with no dependency but the C library and the headers
+beside it (`split_threads.h`: work split over threads), which are part of every kernel's build key. It is built with
 the system's C compiler (`$CC`, else `cc`: the one inductor's compiled graphs need too) for this
 CPU (`-march=native`) into `~/.cache/trio-llm/kernels/` (`engine.paths.cache_root`), under a name
 that hashes the source, the compiler's version, the flags and the CPU's features: a changed file,
@@ -61,7 +62,8 @@ def library_path(source: Path, compiler: str) -> Path:
     """Where `source` built by `compiler` for this machine lives in the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_features().encode()):
+    headers = b"".join(header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h")))  # what sources include
+    for part in (source.read_bytes(), headers, version.encode(), " ".join(FLAGS).encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -10,13 +10,13 @@
  * read once for all the input rows. Written with GCC vector extensions (see causal_attention.c):
  * the compiler picks the machine's vectors (-march=native).
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "split_threads.h"
+
 #define BLOCK 32
 #define MAX_ROWS 8 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
-#define MAX_THREADS 64
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int8_t v8b __attribute__((vector_size(8)));
@@ -100,19 +100,8 @@ int q8_0_rows_f32(const float *x, const int8_t *w, const float *scales, float *o
         return -1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads > n ? n : threads;
     struct rows_job jobs[MAX_THREADS];
-    pthread_t started[MAX_THREADS];
-    int running[MAX_THREADS] = {0};
-    for (long t = 0; t < threads; t++) {
+    for (long t = 0; t < threads; t++)
         jobs[t] = (struct rows_job){x, w, scales, out, rows, n, k, t * n / threads, (t + 1) * n / threads};
-        if (t > 0) /* a thread that cannot be started: its rows run on the calling thread below */
-            running[t] = pthread_create(&started[t], NULL, rows_thread, &jobs[t]) == 0;
-    }
-    rows_times(&jobs[0]);
-    for (long t = 1; t < threads; t++) {
-        if (running[t])
-            pthread_join(started[t], NULL);
-        else
-            rows_times(&jobs[t]);
-    }
+    run_split(rows_thread, jobs, sizeof jobs[0], threads);
     return 0;
 }

@@ -62,6 +62,11 @@ class DeferredGraphs:
     num_blocks: int
 
 
+def all_saved(graphs: DecodeGraphs, step_graph: StepGraph | None) -> bool:
+    """Whether a start would load these graphs rather than compile them."""
+    return graphs.saved_on_disk() and (step_graph is None or step_graph.saved_on_disk())
+
+
 def thread_tuner_for(layout: CpuLayout | None, torch_threads: int) -> ThreadTuner:
     """The tuner of a worker's steps: from one thread to one per compute CPU and per borrowable
     server CPU, starting with the compute CPUs alone (the quiet layout); with nothing bound, up to
@@ -265,7 +270,7 @@ class Worker:
         something left to compile."""
         return (self.config.compile_in_background and self.tp.size * self.stage.size == 1
                 and not graphs.model.moe_layers
-                and not (graphs.saved_on_disk() and (step_graph is None or step_graph.saved_on_disk())))
+                and not all_saved(graphs, step_graph))
 
     def background_compile_job(self) -> CompileJob | None:
         """What a child process runs to compile and save this worker's deferred graphs (None:
@@ -285,7 +290,7 @@ class Worker:
         if deferred is None or not isinstance(self.runner, ModelRunner):
             return False
         graphs, step_graph = deferred.decode, deferred.step
-        if not graphs.saved_on_disk() or (step_graph is not None and not step_graph.saved_on_disk()):
+        if not all_saved(graphs, step_graph):
             logger.warning("the compiled graphs were not saved; steps stay on the eager model")
             return False
         with bound_to(self.compute_cpus), torch.inference_mode():
