@@ -164,6 +164,15 @@ def floor_of(spec: TinyModelSpec, bw: float) -> Floor:
     return Floor(weights, 2 * spec.layers * spec.kv_heads * head_dim * width, bw)
 
 
+def release_device_memory(device: str) -> None:
+    """Hand an engine's memory (its KV cache, its model) back to the card once it is closed: the
+    server started next measures what this process still holds as taken outside torch, and finds
+    no room for its cache (the H200 run of 2026-11-27 failed so after the step gaps)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 # ---- 3. offline --------------------------------------------------------------------------------
 async def _engine_tokens_per_s(model: str, device: str, spec: BenchSpec) -> float:
     kv_bytes = None if device.startswith("cuda") else 1 << 30  # CUDA: what --gpu-memory-utilization leaves
@@ -196,11 +205,7 @@ def offline(model: str, device: str, spec: BenchSpec) -> None:
     transformers_tokens_per_s(hf, prompts[:batch.concurrency], batch)  # warm-up
     theirs = transformers_tokens_per_s(hf, prompts, batch)
     del hf
-    # The engine's KV cache and the model were this process's: hand their memory back to the card,
-    # or the server started next measures it as taken outside torch and finds no room for its cache.
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release_device_memory(device)
     say(f"offline {spec.num_prompts} prompts x {spec.input_len} in / {spec.output_len} out, bfloat16, {device}: "
         f"trio-llm {ours:,.0f} tok/s, transformers generate (batch {batch.concurrency}) {theirs:,.0f} tok/s, "
         f"ratio {ours / theirs:.2f}x")
@@ -251,6 +256,7 @@ def kernel_gaps(model: str, device: str, tokens: int) -> None:
         say("step gaps: no device kernels to time on the CPU")
         return
     kernels, steps = trio.run(_profiled_decode, model, device, tokens)
+    release_device_memory(device)
     gaps = step_gaps(kernels, steps)
     if not gaps:
         say(f"step gaps: {len(kernels)} kernels over {steps} steps, no gap to report")

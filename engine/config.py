@@ -220,14 +220,25 @@ class CompilationConfig:
     $XDG_CACHE_HOME/trio-llm/torch_compile, by default ~/.cache/trio-llm/torch_compile, or
     TORCHINDUCTOR_CACHE_DIR if set). `compile_prompts` (ours; default true): prompt chunks and
     the other steps the decode graph does not take run a compiled graph too, attention eager
-    inside it (engine/worker/step_graph.py); false keeps them eager."""
+    inside it (engine/worker/step_graph.py); false keeps them eager. `mode` (vLLM's: 0 none, 1-3
+    compiled; default 3): 0 compiles nothing, so on CUDA the captured graphs replay the eager
+    model's kernels and on CPU steps run eagerly; any other compiles as the default does."""
 
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_cudagraph_capture_size: int | None = None
     cache_dir: str | None = None
     compile_prompts: bool = True
+    mode: int | None = None
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the model is compiled (every `mode` but 0)."""
+        return self.mode != 0
 
     def __post_init__(self) -> None:
+        if self.mode is not None and (type(self.mode) is not int or not 0 <= self.mode <= 3):
+            raise ValueError(f"compilation_config.mode must be 0, 1, 2 or 3 (vLLM's compilation modes), "
+                             f"got {self.mode!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None:
             if not isinstance(sizes, (list, tuple)) or not sizes or \

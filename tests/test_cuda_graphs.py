@@ -41,15 +41,80 @@ def test_a_batch_is_padded_to_the_next_captured_size_and_a_table_to_the_next_wid
     assert table_widths(8, 16) == (8,)  # a model shorter than the first width: one width, all of it
 
 
-def _captured(model_dir: str, sizes=(1, 2, 4)) -> CapturedDecode:
+def _captured(model_dir: str, sizes=(1, 2, 4), compile_model: bool = False) -> CapturedDecode:
     """The tiny model's decode, captured (on CPU: called through) over a cache of 40 blocks plus
     the scratch block."""
     w = Worker(EngineConfig(model=model_dir, dtype="float32", enforce_eager=True, num_kv_blocks=40))
     w.load_model()
     w.initialize_kv_cache(41)
-    graphs = CapturedDecode(w.runner.model, w.runner.kv_caches, 16, 40, sizes, 32, CallThrough())
+    graphs = CapturedDecode(w.runner.model, w.runner.kv_caches, 16, 40, sizes, 32, CallThrough(), compile_model)
     graphs.capture_all(progress=lambda line: None)
     return graphs
+
+
+def _counting_compiler(compilations: list[int], *, corrupt: bool = False, fail: bool = False):
+    """A stand-in for `compiled_decoder`: dynamo traces as it does there (one graph, the same
+    dynamic marks), then the traced graph runs eagerly, counted; `corrupt` doubles its output
+    (a wrong graph), `fail` raises as a compiler that refuses the model would."""
+    def backend(graph_module, example_inputs):
+        if fail:
+            raise RuntimeError("this compiler refuses the model")
+        compilations.append(1)
+        return (lambda *args: [2 * out for out in graph_module(*args)]) if corrupt else graph_module
+
+    return lambda model: torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+
+
+def test_the_compiled_decoder_is_traced_once_for_every_size_and_width_and_one_row_runs_on_two(tiny_model_dir,
+                                                                                              monkeypatch):
+    """One compilation serves every captured batch size and table width (their dimensions are
+    dynamic; the tables' row stride is the same at every width); a batch of one pads to two."""
+    compilations: list[int] = []
+    monkeypatch.setattr(cuda_graphs, "compiled_decoder", _counting_compiler(compilations))
+    torch._dynamo.reset()
+    graphs = _captured(tiny_model_dir, sizes=(1, 2, 4, 8), compile_model=True)
+    assert graphs.compiled and graphs.sizes == (2, 4, 8)
+    assert graphs.shapes() == [(2, 16), (4, 16), (8, 16), (2, 32), (4, 32), (8, 32)]
+    assert compilations == [1]
+    assert graphs.shape_for(1, 3) == (2, 16)
+
+
+@pytest.mark.parametrize("how", ["fail", "corrupt"])
+def test_a_decoder_that_does_not_compile_or_disagrees_is_captured_eagerly(tiny_model_dir, monkeypatch, caplog, how):
+    monkeypatch.setattr(cuda_graphs, "compiled_decoder", _counting_compiler([], **{how: True}))
+    torch._dynamo.reset()
+    graphs = _captured(tiny_model_dir, sizes=(1, 2, 4), compile_model=True)
+    assert not graphs.compiled
+    assert "CUDA graphs capture the eager model" in caplog.text
+    torch.manual_seed(0)
+    hidden = torch.randn(2, graphs.model.config.hidden_size)
+    with torch.inference_mode():  # the graphs now replay the eager model: its output, not the wrong graph's
+        got = graphs.run(hidden, torch.tensor([0, 0]), [0, 16], [1, 1], [[0], [1]]).clone()
+        want = graphs.model(hidden, torch.tensor([0, 0]), graphs.kv_caches,
+                            build_metadata([SequenceChunk(0, 1, [0]), SequenceChunk(0, 1, [1])], 16,
+                                           torch.device("cpu"), torch.float32))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_compilation_mode_0_captures_the_eager_model_and_leaves_cpu_steps_eager(tiny_model_dir):
+    """vLLM's `--compilation-config '{"mode": 0}'`: nothing compiled; on CUDA the graphs capture the
+    eager model, on CPU the steps run eagerly."""
+    from engine.worker.graph_plan import DecodeRunner, GraphPlan
+    none = CompilationConfig.from_json('{"mode": 0}')
+    assert not none.compiles and CompilationConfig().compiles and CompilationConfig(mode=3).compiles
+    with pytest.raises(ValueError, match="compilation_config.mode must be 0, 1, 2 or 3"):
+        CompilationConfig.from_json('{"mode": 4}')
+    config = EngineConfig(model=tiny_model_dir, enforce_eager=False, compilation_config=none)
+    plan = GraphPlan.choose(config, parallel_ranks=1, moe=False, lora=False, on_cuda=False)
+    assert plan.decode is DecodeRunner.EAGER and "mode 0" in (plan.why_eager or "")
+    assert GraphPlan.choose(config, parallel_ranks=1, moe=False, lora=False, on_cuda=True).decode is \
+        DecodeRunner.CAPTURED
+    for compilation, compiles in ((none, False), (CompilationConfig(), True)):
+        w = Worker(EngineConfig(model=tiny_model_dir, dtype="float32", enforce_eager=True, num_kv_blocks=40,
+                                compilation_config=compilation))
+        w.load_model()
+        w.initialize_kv_cache(41)
+        assert w._captured_decode(w.runner.kv_caches, 40).compiled is compiles  # compiled at capture, if at all
 
 
 def test_a_padded_replay_equals_the_eager_step_and_padding_touches_only_the_scratch_block(tiny_model_dir):
@@ -125,3 +190,4 @@ async def test_an_engine_decoding_on_captured_graphs_gives_the_eager_engines_tok
     monkeypatch.setattr(worker, "CudaGraphCapture", CallThrough)
     assert await tokens(engine_config(tiny_model_dir, enforce_eager=False, **options)) == want
     assert len(captured) == 1 and captured[0].steps_run >= 10
+    assert captured[0].compiled, "the decoder was compiled (inductor) before capture, and agreed with the eager one"

@@ -37,6 +37,8 @@ class GraphPlan:
         MLA, which the step graph's opaque attention op does not take (its prompts run eagerly)."""
         if config.eager:
             return cls(DecodeRunner.EAGER, step_graph=False)
+        if not config.compilation_config.compiles and not on_cuda:
+            return cls(DecodeRunner.EAGER, False, "compilation_config mode 0 compiles nothing")
         if parallel_ranks > 1:
             return cls(DecodeRunner.EAGER, False, "tensor- and pipeline-parallel ranks run eagerly")
         if config.enable_eplb:

@@ -382,7 +382,8 @@ class Worker:
         assert isinstance(self.model, DecoderForCausalLM)
         max_len = self.model.rope.max_positions if self.model.rope is not None else self.config.block_size
         return CapturedDecode(self.model, caches, self.config.block_size, num_blocks, self.config.decode_batch_sizes,
-                              max_table_blocks(max_len, self.config.block_size), CudaGraphCapture())
+                              max_table_blocks(max_len, self.config.block_size), CudaGraphCapture(),
+                              compile_model=self.config.compilation_config.compiles)
 
     @property
     def is_driver(self) -> bool:
