@@ -392,7 +392,8 @@ def _dense(tmp_path_factory):
 @pytest.mark.parametrize(("text", "message"), [
     ('{"cudagraph_capture_sizes": []}', "non-empty list of positive integers"),
     ('{"cudagraph_capture_sizes": [0, 2]}', "non-empty list of positive integers"),
-    ('{"mode": 3}', "unknown key 'mode'"),
+    ('{"backend": "inductor"}', "unknown key 'backend'"),
+    ('{"mode": "max"}', "compilation_config.mode must be 0, 1, 2 or 3"),
     ("[1]", "must be a JSON object"),
 ])
 def test_bad_compilation_config_is_refused_naming_the_problem(text, message):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, open_engine
+from engine.config import CompilationConfig
 from engine.errors import ModelLoadError
 from engine.worker import worker
 from engine.worker.cuda_graphs import CallThrough
@@ -77,7 +78,9 @@ async def test_the_engine_sizes_its_kv_cache_by_the_utilization_after_a_profile_
     holds what 0.5 of the card leaves; --kv-cache-memory-bytes, given, wins without a profile."""
     card = FakeCard(total=64 << 20, weights=4 << 20, other=2 << 20, extra=[3 << 20, 1 << 20])
     on_a_fake_card.append(card)
-    config = engine_config(tiny_model_dir, num_kv_blocks=None, gpu_memory_utilization=0.5, enforce_eager=False)
+    # mode 0: the graphs capture the eager model (compiling it is tests/test_cuda_graphs.py's matter)
+    config = engine_config(tiny_model_dir, num_kv_blocks=None, gpu_memory_utilization=0.5, enforce_eager=False,
+                           compilation_config=CompilationConfig(mode=0))
     async with open_engine(config) as engine:
         expected = ((32 << 20) - (4 << 20) - (3 << 20) - (1 << 20) - (2 << 20)) // engine.info.kv_bytes_per_block
         assert card.runs == 2 and engine.info.num_kv_blocks == expected
