@@ -23,8 +23,10 @@ from engine.core.engine_core import EngineCore
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
-async def measure(model: str, device: str, dtype: str, spec: BenchSpec, rounds: int, eager: bool) -> list[str]:
-    config = EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=spec.concurrency,
+async def measure(model: str, device: str, dtype: str | None, spec: BenchSpec, rounds: int, eager: bool,
+                  tokenizer: str | None = None) -> list[str]:
+    config = EngineConfig(model=model, tokenizer=tokenizer, device=device, dtype=dtype or "auto",
+                          max_num_seqs=spec.concurrency,
                           executor="inproc", enforce_eager=eager,
                           kv_cache_memory_bytes=None if device.startswith("cuda") else 1 << 30)
     params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True,
@@ -57,7 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=None, help="default: the engine's (auto)")
+    parser.add_argument("--tokenizer", default=None, help="for a GGUF file: the checkpoint directory of its tokenizer")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -65,7 +68,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     spec = BenchSpec(args.prompts, args.input_len, args.output_len, args.prompts)
-    trio.run(measure, args.model, args.device, args.dtype, spec, args.rounds, args.enforce_eager)
+    trio.run(measure, args.model, args.device, args.dtype, spec, args.rounds, args.enforce_eager, args.tokenizer)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from engine.config import CompilationConfig, vllm_capture_sizes
 from engine.models.attention import SequenceChunk, build_metadata
 from engine.worker import cuda_graphs, worker
 from engine.worker.cuda_graphs import CallThrough, CapturedDecode, padded_size, table_widths
+from engine.worker.step_graph import StepGraph
 from engine.worker.worker import Worker
 from tests.conftest import engine_config
 from tests.helpers import final_output, greedy
@@ -177,17 +178,20 @@ async def test_an_engine_decoding_on_captured_graphs_gives_the_eager_engines_tok
         return [got[i] for i in range(len(prompts))]
 
     want = await tokens(engine_config(tiny_model_dir, enforce_eager=True, **options))
-    captured: list[CapturedDecode] = []
-    real_captured_decode = Worker._captured_decode
+    built: list[tuple[CapturedDecode, StepGraph | None]] = []
+    real_graphs = Worker._graphs
 
-    def spy(self, caches, num_blocks):
-        graphs = real_captured_decode(self, caches, num_blocks)
-        captured.append(graphs)
-        return graphs
+    def spy(self, plan, caches, num_blocks):
+        built.append(real_graphs(self, plan, caches, num_blocks))
+        return built[-1]
 
     monkeypatch.setattr(Worker, "_captures_graphs", lambda self: True)
-    monkeypatch.setattr(Worker, "_captured_decode", spy)
+    monkeypatch.setattr(Worker, "_graphs", spy)
     monkeypatch.setattr(worker, "CudaGraphCapture", CallThrough)
     assert await tokens(engine_config(tiny_model_dir, enforce_eager=False, **options)) == want
-    assert len(captured) == 1 and captured[0].steps_run >= 10
-    assert captured[0].compiled, "the decoder was compiled (inductor) before capture, and agreed with the eager one"
+    assert len(built) == 1
+    captured, step_graph = built[0]
+    assert isinstance(captured, CapturedDecode) and captured.steps_run >= 10
+    assert captured.compiled, "the decoder was compiled (inductor) before capture, and agreed with the eager one"
+    # The prompts ran on the step graph torch.compile built (CUDA has no AOTInductor package).
+    assert step_graph is not None and step_graph.jit and step_graph.takes(3) and step_graph.steps_run >= 1

@@ -24,7 +24,13 @@ def test_a_cpu_rank_compiles_its_decodes_and_its_prompts_unless_told_otherwise()
 
 
 def test_a_cuda_rank_captures_graphs_and_says_why_when_it_cannot():
-    assert plan(on_cuda=True) == GraphPlan(DecodeRunner.CAPTURED, step_graph=False)
+    # Prompt steps on torch.compile's step graph (their token counts vary: not captured), unless
+    # told not to compile them, not to compile at all, or the attention is DeepSeek's latent one.
+    assert plan(on_cuda=True) == GraphPlan(DecodeRunner.CAPTURED, step_graph=True)
+    assert not plan(on_cuda=True, compilation_config=CompilationConfig(compile_prompts=False)).step_graph
+    assert plan(on_cuda=True, compilation_config=CompilationConfig(mode=0)) == GraphPlan(DecodeRunner.CAPTURED,
+                                                                                          step_graph=False)
+    assert not plan(on_cuda=True, latent_attention=True).step_graph
     assert plan(on_cuda=True, lora=True).why_eager == "CUDA graphs are not captured for LoRA adapters"
     assert "an MoE model's experts" in (plan(on_cuda=True, moe=True).why_eager or "")
 

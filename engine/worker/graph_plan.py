@@ -47,6 +47,8 @@ class GraphPlan:
             if lora or moe:  # their rows pick adapters or experts at run time, which a captured graph cannot
                 what = "LoRA adapters" if lora else "an MoE model's experts"
                 return cls(DecodeRunner.EAGER, False, f"CUDA graphs are not captured for {what}")
-            return cls(DecodeRunner.CAPTURED, step_graph=False)
+            compiling = config.compilation_config
+            return cls(DecodeRunner.CAPTURED, step_graph=compiling.compile_prompts and compiling.compiles
+                       and not latent_attention)
         prompts = config.compilation_config.compile_prompts and not (moe or latent_attention)
         return cls(DecodeRunner.COMPILED, step_graph=prompts)

@@ -212,6 +212,20 @@ def compile_and_save_graphed(path: Path | None, model: DecoderForCausalLM, hidde
     return step
 
 
+def jit_graphed_step(model: DecoderForCausalLM) -> GraphedStep:
+    """The step graph of `model` under `torch.compile` (CUDA: no AOTInductor package there,
+    engine/worker/cuda_graphs.py), compiled at its first call, the token count dynamic (a graph
+    for every count from two). A dense model on one rank only: no packed weights, no adapters."""
+    compiled = torch.compile(_FlatGraphedStep(model), fullgraph=True, dynamic=False)
+
+    def step(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(hidden, 0)
+        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        out: torch.Tensor = compiled(hidden, positions, [], [])
+        return out
+    return step
+
+
 def compile_and_save_head(path: Path | None, model: DecoderForCausalLM, hidden: torch.Tensor) -> HeadStep:
     """Export the LM head of `model` alone on `hidden` (any rows, one included), compile, package
     and load it as `compile_and_save` does."""

@@ -39,15 +39,17 @@ MIN_TOKENS = 2  # export specialises a dimension of size 1: one token runs eager
 class StepGraph:
     """The step graph of one model over one KV cache. `scratch_block`: a block no sequence is
     given, where the start-up check writes. `cache_dir`: where the graph is packaged (None:
-    compiled at each start, not saved)."""
+    compiled at each start, not saved). `jit`: compiled by `torch.compile` at each start instead
+    of packaged (CUDA, where prompt steps are not captured: their token count varies)."""
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 scratch_block: int, cache_dir: Path | None = None) -> None:
+                 scratch_block: int, cache_dir: Path | None = None, jit: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
-        self.cache_dir = cache_dir
+        self.cache_dir = None if jit else cache_dir
+        self.jit = jit
         self._step: precompiled_graph.GraphedStep | None = None
         self.loaded_from_disk = False  # whether compile() found the graph saved (tests)
         self.steps_run = 0  # steps this graph served (tests, metrics)
@@ -81,6 +83,8 @@ class StepGraph:
         return out
 
     def _load_or_compile(self, progress: Callable[[str], None]) -> precompiled_graph.GraphedStep | None:
+        if self.jit:
+            return self._jit_compiled(progress)
         path, step = precompiled_graph.saved(self.cache_dir, self.model, self.kv_caches, self.block_size,
                                              TRACE_TOKENS, "step", self._agrees_with_eager)
         if step is not None:
@@ -102,7 +106,22 @@ class StepGraph:
             return None
         return step
 
-    def _agrees_with_eager(self, step: precompiled_graph.GraphedStep) -> bool:
+    def _jit_compiled(self, progress: Callable[[str], None]) -> precompiled_graph.GraphedStep | None:
+        """`torch.compile`'s graph, compiled by its first call (the agreement check's)."""
+        progress("compiling the step graph with torch.compile")
+        step = precompiled_graph.jit_graphed_step(self.model)
+        try:
+            agrees = self._agrees_with_eager(step, raise_errors=True)
+        except Exception as exc:  # noqa: BLE001 -- inductor refuses many things; eager takes them all
+            logger.warning("the step graph does not compile (%s: %s); prompt chunks run eagerly",
+                           type(exc).__name__, exc)
+            return None
+        if not agrees:
+            logger.warning("the step graph just compiled disagrees with the model; prompt chunks run eagerly")
+            return None
+        return step
+
+    def _agrees_with_eager(self, step: precompiled_graph.GraphedStep, raise_errors: bool = False) -> bool:
         """Whether `step` computes what the eager model does on a prompt that fills the scratch block."""
         device = self.model.device
         generator = torch.Generator().manual_seed(0)
@@ -117,6 +136,8 @@ class StepGraph:
             with attention_step(meta, self.kv_caches):
                 got = step(hidden, positions).float()
         except Exception:  # noqa: BLE001 -- a graph for other shapes may fail any way it likes
+            if raise_errors:
+                raise
             return False
         error = float((got - want).norm() / want.norm().clamp_min(1e-6))
         return error < precompiled_graph.agreement_tolerance(self.model)

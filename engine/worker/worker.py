@@ -367,8 +367,9 @@ class Worker:
         """The decode graphs and the step graph `plan` asks for, over `caches` (not yet compiled)."""
         assert isinstance(self.model, DecoderForCausalLM)
         block_size = self.config.block_size
-        if plan.decode is DecodeRunner.CAPTURED:
-            return self._captured_decode(caches, num_blocks), None
+        if plan.decode is DecodeRunner.CAPTURED:  # prompt steps: torch.compile's graph, not captured
+            step_graph = StepGraph(self.model, caches, block_size, num_blocks, jit=True) if plan.step_graph else None
+            return self._captured_decode(caches, num_blocks), step_graph
         if plan.decode is DecodeRunner.EAGER:
             return None, None
         cache_dir = use_compile_cache(self.config.compilation_config.cache_dir)
