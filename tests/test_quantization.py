@@ -220,6 +220,22 @@ async def test_tensor_parallel_ranks_quantize_their_own_shards(tmp_path_factory)
             assert (await final_output(engine, prompt, greedy(8))).outputs[0].token_ids == tokens
 
 
+def test_q8_0_blocks_read_in_torch_equal_ggufs_own_dequantization():
+    """`q8_0_as_float` (torch's threads) against gguf's `dequantize`, bit for bit, on blocks of
+    random float16 scales (zero, negative and subnormal ones among them) and int8 values."""
+    from gguf import GGMLQuantizationType, quants
+
+    from engine.models.gguf_file import q8_0_as_float
+    rng = np.random.default_rng(0)
+    scales = rng.standard_normal(96).astype(np.float16)
+    scales[:3] = [0.0, -0.0, 1e-7]
+    values = rng.integers(-128, 128, size=(96, 32), dtype=np.int8)
+    blocks = np.concatenate([scales.view(np.uint8).reshape(96, 2), values.view(np.uint8)], axis=1).reshape(3, -1)
+    want = quants.dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(-1)
+    got = q8_0_as_float(blocks).numpy()
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
 def test_a_gguf_model_needs_a_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="--tokenizer"):
         EngineConfig(model=str(tmp_path / "model.gguf"))

@@ -6,10 +6,11 @@ arguments and results are plain picklable data.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -118,6 +119,24 @@ class Worker:
         with bound_to(self.compute_cpus):
             return self._load_model()
 
+    @contextlib.contextmanager
+    def _every_lent_cpu(self) -> Iterator[None]:
+        """While the weights are read, converted and quantized: the compute CPUs and, where the
+        layout lends it, the server's CPU too, one intra-op thread each. Nothing is served yet,
+        so the loop's CPU is idle (the 0.5B Q8_0 file: docs/benchmarks.md)."""
+        layout = self.layout
+        if layout is None or not layout.borrow:
+            yield
+            return
+        threads = torch.get_num_threads()
+        cpus = layout.cpus_for(layout.most_threads)
+        torch.set_num_threads(len(cpus))
+        try:
+            with bound_to(cpus):
+                yield
+        finally:
+            torch.set_num_threads(threads)
+
     def _load_model(self) -> ModelInfo:
         raw = read_config_json(self.config.model)
         if self.stage.size > 1:
@@ -133,8 +152,9 @@ class Worker:
         max_positions = self.config.max_model_len
         cfg = parse_decoder_config(raw)
         layout = expert_layout_for(cfg.moe, self.config, self.rank)
-        self.model = load_decoder(self.config.model, self.config.dtype, self.config.device, max_positions, self.tp,
-                                  layout, self.stage, self.config.quantization)
+        with self._every_lent_cpu():
+            self.model = load_decoder(self.config.model, self.config.dtype, self.config.device, max_positions,
+                                      self.tp, layout, self.stage, self.config.quantization)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         if self._starting_compute_threads() == 1:
