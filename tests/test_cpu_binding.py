@@ -103,3 +103,29 @@ async def test_a_step_on_a_borrowed_cpu_runs_there_and_the_next_gives_it_back(ti
     finally:
         torch.set_num_threads(threads)
     assert seen == [({cpus[-1]}, 1), ({cpus[-1], cpus[0]}, 2)] * 2
+
+
+async def test_a_model_loads_on_every_cpu_the_layout_lends_then_steps_start_on_the_compute_cpus(tiny_model_dir,
+                                                                                                 monkeypatch):
+    """Nothing is served while the weights load: the lent CPU (the loop's) loads with the compute
+    CPU, one torch thread each; then the worker is back on the compute CPU's one thread."""
+    from engine.worker import worker as worker_module
+    cpus = sorted(os.sched_getaffinity(0))
+    layout = CpuLayout(compute=(cpus[-1],), server=(cpus[0],), borrow=(cpus[0],))
+    seen: list[tuple[set[int], int]] = []
+    real_load = worker_module.load_decoder
+
+    def spy(*args, **kwargs):
+        seen.append((os.sched_getaffinity(0), torch.get_num_threads()))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "load_decoder", spy)
+    threads = torch.get_num_threads()
+    try:
+        async with open_engine(engine_config(tiny_model_dir, cpu_layout=layout)) as engine:
+            assert seen == [({cpus[-1], cpus[0]}, 2)]
+            assert torch.get_num_threads() == 1  # the compute CPU's thread, as before the load
+            done = await final_output(engine, [5, 6, 7], greedy(4))
+            assert len(done.outputs[0].token_ids) == 4
+    finally:
+        torch.set_num_threads(threads)
