@@ -109,6 +109,9 @@ def _add_bench_gpu(bench: Subcommands) -> None:
     gp.add_argument("--device", default="cuda", help="torch device (cpu with --quick: this script's own check)")
     gp.add_argument("--quick", action="store_true", help="every part at tiny sizes")
     gp.add_argument("--port", type=int, default=8031, help="port of the servers it starts")
+    gp.add_argument("--eager-baseline", action="store_true",
+                    help="serve the 0.5B shape a second time with nothing compiled (compilation mode 0), on the same "
+                         "machine: the compiled path's baseline")
     gp.add_argument("--logs", default=None,
                     help="directory for the servers' logs (default: $OUT, else a temporary one)")
     gp.set_defaults(run=_bench_gpu)
@@ -120,7 +123,7 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 
     from bench import gpu
     logs = args.logs or os.environ.get("OUT") or tempfile.mkdtemp(prefix="trio-llm-gpu-logs-")
-    return gpu.run(args.device, args.quick, args.port, Path(logs))
+    return gpu.run(args.device, args.quick, args.port, Path(logs), args.eager_baseline)
 
 
 def _add_bench_lora(bench: Subcommands) -> None:

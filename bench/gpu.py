@@ -267,16 +267,21 @@ def kernel_gaps(model: str, device: str, tokens: int) -> None:
 
 
 # ---- 5 and 6. served ---------------------------------------------------------------------------
+# `--eager-baseline`: the same server with nothing compiled, its graphs capturing the eager model
+EAGER_BASELINE = ("--compilation-config", '{"mode": 0}')
+
+
 async def _served(model: str, device: str, levels: tuple[int, ...], requests: int, floor: Floor,
-                  port: int, log: Path) -> None:
+                  port: int, log: Path, extra: tuple[str, ...] = ()) -> None:
     command = [sys.executable, "-m", "web.cli", "serve", model, "--device", device, "--dtype", "bfloat16",
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-               "--max-num-seqs", str(max(levels))]
+               "--max-num-seqs", str(max(levels)), *extra]
     if not device.startswith("cuda"):
         command += ["--kv-cache-memory-bytes", str(1 << 30)]
     input_len, output_len = 128, 128
     async with served("trio-llm", command, port, str(log)) as (url, startup):
-        say(f"served {Path(model).name} on {device}: start-up to healthy {startup:.1f} s")
+        say(f"served {Path(model).name} on {device}{' ' + ' '.join(extra) if extra else ''}: start-up to healthy "
+            f"{startup:.1f} s")
         await warm_up(url, input_len, 1000)
         say("  streams   tok/s   TTFT p50   ITL p50   ITL p99 |  floor ITL  floor tok/s  ITL/floor")
         for streams in levels:
@@ -294,8 +299,10 @@ def _served_line(result: LevelResult, floor: Floor, context: int) -> str:
             f"{result.concurrency / step:>11,.0f}  {itl / step:>8.2f}x")
 
 
-def run(device: str, quick: bool, port: int, logs: Path) -> int:
-    """The whole check; the servers' logs go to `logs`. 0 when float32 parity holds."""
+def run(device: str, quick: bool, port: int, logs: Path, eager_baseline: bool = False) -> int:
+    """The whole check; the servers' logs go to `logs`. 0 when float32 parity holds.
+    `eager_baseline`: the 0.5B shape is served a second time with nothing compiled (mode 0), on
+    the same machine, so the compiled path's figures have their baseline beside them."""
     chosen = plan(device, quick)
     logs.mkdir(parents=True, exist_ok=True)
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
@@ -318,5 +325,9 @@ def run(device: str, quick: bool, port: int, logs: Path) -> int:
             with timing(f"served {i}"):
                 trio.run(_served, model, device, levels, chosen.requests, floor_of(spec, bw), port,
                          logs / f"serve-{i}.log")
+            if i == 0 and eager_baseline:
+                with timing("served 0, eager baseline"):
+                    trio.run(_served, model, device, levels, chosen.requests, floor_of(spec, bw), port,
+                             logs / "serve-0-eager.log", EAGER_BASELINE)
     say("parity: float32 tokens equal" if ok else "parity FAILED: float32 tokens differ from transformers'")
     return 0 if ok else 1

@@ -47,7 +47,7 @@ import torch
 from engine.models.attention import GatheredDecodeMetadata, GroupTables
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.worker.decode_graphs import MIN_ROWS, batch_sizes
-from engine.worker.precompiled_graph import agreement_tolerance
+from engine.worker.precompiled_graph import agreement_tolerance, allow_many_compiled_models
 
 logger = logging.getLogger(__name__)
 
@@ -292,8 +292,7 @@ class CapturedDecode:
 def compiled_decoder(model: DecoderForCausalLM) -> Callable[..., torch.Tensor]:
     """The decoder under `torch.compile` (inductor, one graph: a break would be a bug to see, not
     a graph to capture in pieces), compiled at its first call."""
-    # Each model compiled in one process (a bench's, the tests') adds an entry to forward's cache.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    allow_many_compiled_models()
     return torch.compile(model, fullgraph=True, dynamic=False)
 
 

@@ -182,8 +182,7 @@ class DecodeGraphs:
     def _use_dynamo(self) -> None:
         """`torch.compile` with its guards, for a model that does not export into one graph."""
         prepare_inductor()
-        # Each model compiled in one process (tests open many) adds an entry to forward's cache.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+        precompiled_graph.allow_many_compiled_models()
         register_inductor_lowering()
         self._dynamo = torch.compile(self.model, dynamic=False, fullgraph=False,
                                      options={"cpp.dynamic_threads": True})

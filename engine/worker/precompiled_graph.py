@@ -212,10 +212,17 @@ def compile_and_save_graphed(path: Path | None, model: DecoderForCausalLM, hidde
     return step
 
 
+def allow_many_compiled_models() -> None:
+    """Each model `torch.compile`d in one process (a bench's, the tests') adds an entry to its
+    forward's cache: let 16 in, not dynamo's default 8, before it falls back to eager."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+
+
 def jit_graphed_step(model: DecoderForCausalLM) -> GraphedStep:
     """The step graph of `model` under `torch.compile` (CUDA: no AOTInductor package there,
     engine/worker/cuda_graphs.py), compiled at its first call, the token count dynamic (a graph
     for every count from two). A dense model on one rank only: no packed weights, no adapters."""
+    allow_many_compiled_models()
     compiled = torch.compile(_FlatGraphedStep(model), fullgraph=True, dynamic=False)
 
     def step(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
