@@ -11,7 +11,7 @@ import trio
 from engine import EngineConfig, open_engine
 from engine.config import CompilationConfig, vllm_capture_sizes
 from engine.models.attention import SequenceChunk, build_metadata
-from engine.worker import cuda_graphs, worker
+from engine.worker import cuda_graphs, precompiled_graph, worker
 from engine.worker.cuda_graphs import CallThrough, CapturedDecode, padded_size, table_widths
 from engine.worker.step_graph import StepGraph
 from engine.worker.worker import Worker
@@ -195,3 +195,25 @@ async def test_an_engine_decoding_on_captured_graphs_gives_the_eager_engines_tok
     assert captured.compiled, "the decoder was compiled (inductor) before capture, and agreed with the eager one"
     # The prompts ran on the step graph torch.compile built (CUDA has no AOTInductor package).
     assert step_graph is not None and step_graph.jit and step_graph.takes(3) and step_graph.steps_run >= 1
+
+
+@pytest.mark.parametrize("how", ["fail", "corrupt"])
+def test_a_cuda_step_graph_that_does_not_compile_or_disagrees_leaves_prompts_eager(tiny_model_dir, monkeypatch,
+                                                                                     caplog, how):
+    """The step graph torch.compile builds for CUDA's prompt steps is checked as the packaged one
+    is: one that fails to compile, or computes something else, is not used (a warning says so)."""
+    def wrong(model):
+        def step(hidden, positions):
+            if how == "fail":
+                raise RuntimeError("this compiler refuses the model")
+            return torch.zeros(hidden.shape[0], model.config.hidden_size, dtype=hidden.dtype)
+        return step
+
+    monkeypatch.setattr(precompiled_graph, "jit_graphed_step", wrong)
+    w = Worker(EngineConfig(model=tiny_model_dir, dtype="float32", enforce_eager=True, num_kv_blocks=40))
+    w.load_model()
+    w.initialize_kv_cache(41)
+    step_graph = StepGraph(w.runner.model, w.runner.kv_caches, 16, 40, jit=True)
+    step_graph.compile(progress=lambda line: None)
+    assert not step_graph.takes(16) and step_graph.cache_dir is None
+    assert ("does not compile" if how == "fail" else "disagrees with the model") in caplog.text
