@@ -419,7 +419,8 @@ class ModelRunner:
                 ids.append(item.request_id)
         if not ids:
             return
-        last = hidden[to_device(last_rows, torch.long, self.device)]
+        # A batch of decodes samples every row: no gather (on CUDA, a host copy and a kernel less a step).
+        last = hidden if len(last_rows) == hidden.shape[0] else hidden[to_device(last_rows, torch.long, self.device)]
         logits = (self.decode_graphs or self.model).compute_logits(last)
         if not self.is_driver:
             return
