@@ -26,6 +26,26 @@ def test_allocates_blocks_for_tokens_and_frees_them():
     assert kv.num_free_blocks == 8 and kv.block_ids("a") == []
 
 
+def test_blocks_are_made_when_first_taken_in_id_order_and_freed_ones_come_after():
+    """A GPU's cache holds ~10^6 blocks: none is made until taken. Blocks never taken go first,
+    in id order; then the freed ones, in the order they were freed (a table last block first; prefix caching off, so the
+    freed blocks hold nothing worth keeping)."""
+    kv = KVBlockManager(num_blocks=1_000_000, block_size=4, enable_prefix_caching=False)
+    assert kv.num_free_blocks == 1_000_000 and kv.num_used_blocks == 0 and not kv._blocks
+    a, b = make_request("a", list(range(8))), make_request("b", list(range(4)))
+    assert kv.allocate_slots(a, 8) and kv.allocate_slots(b, 4)
+    assert kv.block_ids("a") == [0, 1] and kv.block_ids("b") == [2] and len(kv._blocks) == 3
+    assert kv.num_free_blocks == 999_997
+    small = KVBlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    first, second = make_request("a", list(range(8))), make_request("b", list(range(4)))
+    assert small.allocate_slots(first, 8) and small.allocate_slots(second, 4) and small.num_free_blocks == 0
+    small.free(second)
+    small.free(first)
+    third = make_request("c", list(range(12)))
+    assert small.allocate_slots(third, 12)
+    assert small.block_ids("c") == [2, 1, 0]  # freed order: b's block, then a's (its last first)
+
+
 def test_allocation_that_does_not_fit_changes_nothing():
     kv = KVBlockManager(num_blocks=2, block_size=4)
     req = make_request("a", list(range(12)))
