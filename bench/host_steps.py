@@ -17,6 +17,7 @@ from dataclasses import replace
 import trio
 
 from bench.throughput import BenchSpec, make_prompts
+from bench.together import tokens_together
 from engine.api.open import open_engine
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -38,9 +39,7 @@ async def measure(model: str, device: str, dtype: str | None, spec: BenchSpec, r
         for index in range(rounds):
             prompts = make_prompts(replace(spec, seed=index), 1000)
             steps_before, start = core.num_steps, time.perf_counter()
-            async with trio.open_nursery() as nursery:
-                for prompt in prompts:
-                    nursery.start_soon(_drain, engine, prompt, params)
+            await tokens_together(engine, prompts, params)
             elapsed = time.perf_counter() - start
             steps = core.num_steps - steps_before
             lines.append(f"round {index}: {spec.num_prompts} x {spec.input_len} in / {spec.output_len} out: "
@@ -48,11 +47,6 @@ async def measure(model: str, device: str, dtype: str | None, spec: BenchSpec, r
                          f"{elapsed / steps * 1e3:.3f} ms a step")
             print(lines[-1], flush=True)
     return lines
-
-
-async def _drain(engine: object, prompt: list[int], params: SamplingParams) -> None:
-    async for _ in engine.generate(prompt, params):  # type: ignore[attr-defined]
-        pass
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ import torch
 from engine.models.attention import GatheredDecodeMetadata, GroupTables
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.worker.decode_graphs import MIN_ROWS, batch_sizes
-from engine.worker.precompiled_graph import agreement_tolerance, allow_many_compiled_models
+from engine.worker.precompiled_graph import agreement_tolerance, allow_many_compiled_models, compiled_and_agrees
 
 logger = logging.getLogger(__name__)
 
@@ -188,17 +188,8 @@ class CapturedDecode:
         whose compiled output disagrees with the eager one's, is captured eagerly instead."""
         if self.compiled:
             started = time.perf_counter()
-            try:
-                agrees = self._compiled_agrees(size, width)
-            except Exception as exc:  # noqa: BLE001 -- inductor refuses many things; the eager model serves
-                logger.warning("the decoder does not compile (%s: %s); CUDA graphs capture the eager model",
-                               type(exc).__name__, exc)
-                agrees = False
-            else:
-                if not agrees:
-                    logger.warning("the compiled decoder disagrees with the eager one; CUDA graphs capture the eager "
-                                   "model")
-            if agrees:
+            if compiled_and_agrees(lambda: self._compiled_agrees(size, width), "compiled decoder",
+                                   "CUDA graphs capture the eager model"):
                 progress(f"compiled the decoder with torch.compile in {time.perf_counter() - started:.1f} s")
             else:
                 self._decoder, self.compiled = self.model, False

@@ -218,6 +218,19 @@ def allow_many_compiled_models() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
 
 
+def compiled_and_agrees(check: Callable[[], bool], what: str, otherwise: str) -> bool:
+    """Run `check`, whose first call of a `torch.compile`d graph compiles it and which says whether
+    the graph agrees with the eager model. False when it does not compile (inductor refuses many
+    things) or disagrees, with a warning naming `what` and what happens `otherwise`."""
+    try:
+        if check():
+            return True
+        logger.warning("the %s disagrees with the model; %s", what, otherwise)
+    except Exception as exc:  # noqa: BLE001 -- whatever the compiler raises, the eager model serves
+        logger.warning("the %s does not compile (%s: %s); %s", what, type(exc).__name__, exc, otherwise)
+    return False
+
+
 def jit_graphed_step(model: DecoderForCausalLM) -> GraphedStep:
     """The step graph of `model` under `torch.compile` (CUDA: no AOTInductor package there,
     engine/worker/cuda_graphs.py), compiled at its first call, the token count dynamic (a graph

@@ -8,7 +8,9 @@ KV caches where `run` puts them and runs the eager `paged_attention`. Everything
 norms, rotary embedding, SwiGLU and the packed linears) is one AOTInductor graph with a dynamic
 token count, exported and saved as the decode graph is (engine/worker/precompiled_graph.py): a
 warm start loads it in milliseconds. vLLM-CPU compiles its model the same way, attention split
-out as a custom op.
+out as a custom op. On CUDA (`jit`) the same graph comes from `torch.compile` at each start, as
+the captured decode graphs' decoder does (engine/worker/cuda_graphs.py): AOTInductor packages
+are built for CPU only here.
 
 What it buys is the elementwise work the eager model does op by op: a 128-token prompt chunk of
 the small Llama took 6.2 against 8.3 ms eager on one thread, 512 tokens 28.5 against 32.7 ms
@@ -110,16 +112,9 @@ class StepGraph:
         """`torch.compile`'s graph, compiled by its first call (the agreement check's)."""
         progress("compiling the step graph with torch.compile")
         step = precompiled_graph.jit_graphed_step(self.model)
-        try:
-            agrees = self._agrees_with_eager(step, raise_errors=True)
-        except Exception as exc:  # noqa: BLE001 -- inductor refuses many things; eager takes them all
-            logger.warning("the step graph does not compile (%s: %s); prompt chunks run eagerly",
-                           type(exc).__name__, exc)
-            return None
-        if not agrees:
-            logger.warning("the step graph just compiled disagrees with the model; prompt chunks run eagerly")
-            return None
-        return step
+        agrees = precompiled_graph.compiled_and_agrees(lambda: self._agrees_with_eager(step, raise_errors=True),
+                                                       "step graph", "prompt chunks run eagerly")
+        return step if agrees else None
 
     def _agrees_with_eager(self, step: precompiled_graph.GraphedStep, raise_errors: bool = False) -> bool:
         """Whether `step` computes what the eager model does on a prompt that fills the scratch block."""
