@@ -4,6 +4,8 @@ runs; only the capture itself is CUDA's."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import trio
@@ -217,3 +219,37 @@ def test_a_cuda_step_graph_that_does_not_compile_or_disagrees_leaves_prompts_eag
     step_graph.compile(progress=lambda line: None)
     assert not step_graph.takes(16) and step_graph.cache_dir is None
     assert ("does not compile" if how == "fail" else "disagrees with the model") in caplog.text
+
+
+def test_a_compiled_model_has_room_for_more_than_eight_graphs_in_a_thread_that_never_set_the_limit():
+    """Each model compiled in one process adds a graph to its forward's cache; dynamo's config is
+    per context, so a limit set in one thread is unset in the worker thread that compiles.
+    `room_to_recompile` sets it at each call: twelve graphs of one code object, compiled in a
+    fresh thread, where the ninth failed before."""
+    graphs: list[int] = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(1)
+        return graph_module
+
+    def scaled(x: torch.Tensor, factor: int) -> torch.Tensor:
+        return x * factor  # an int argument is a constant: each factor is a graph of its own
+
+    compiled = precompiled_graph.room_to_recompile(torch.compile(scaled, fullgraph=True, dynamic=False,
+                                                                 backend=backend))
+    results: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def compile_twelve() -> None:
+        try:
+            results.extend(compiled(torch.ones(2), factor) for factor in range(12))
+        except BaseException as exc:  # noqa: BLE001 -- reported to the test's thread
+            errors.append(exc)
+
+    torch._dynamo.reset()
+    thread = threading.Thread(target=compile_twelve)
+    thread.start()
+    thread.join()
+    assert errors == [] and len(graphs) == 12
+    assert [int(r[0]) for r in results] == list(range(12))
+    assert torch._dynamo.config.recompile_limit == 8  # this thread's context never called it

@@ -47,7 +47,7 @@ import torch
 from engine.models.attention import GatheredDecodeMetadata, GroupTables
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.worker.decode_graphs import MIN_ROWS, batch_sizes
-from engine.worker.precompiled_graph import agreement_tolerance, allow_many_compiled_models, compiled_and_agrees
+from engine.worker.precompiled_graph import agreement_tolerance, compiled_and_agrees, room_to_recompile
 
 logger = logging.getLogger(__name__)
 
@@ -283,8 +283,7 @@ class CapturedDecode:
 def compiled_decoder(model: DecoderForCausalLM) -> Callable[..., torch.Tensor]:
     """The decoder under `torch.compile` (inductor, one graph: a break would be a bug to see, not
     a graph to capture in pieces), compiled at its first call."""
-    allow_many_compiled_models()
-    return torch.compile(model, fullgraph=True, dynamic=False)
+    return room_to_recompile(torch.compile(model, fullgraph=True, dynamic=False))
 
 
 def max_table_blocks(max_model_len: int, block_size: int) -> int:

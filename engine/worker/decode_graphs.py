@@ -182,10 +182,9 @@ class DecodeGraphs:
     def _use_dynamo(self) -> None:
         """`torch.compile` with its guards, for a model that does not export into one graph."""
         prepare_inductor()
-        precompiled_graph.allow_many_compiled_models()
         register_inductor_lowering()
-        self._dynamo = torch.compile(self.model, dynamic=False, fullgraph=False,
-                                     options={"cpp.dynamic_threads": True})
+        self._dynamo = precompiled_graph.room_to_recompile(
+            torch.compile(self.model, dynamic=False, fullgraph=False, options={"cpp.dynamic_threads": True}))
 
     @property
     def max_batch(self) -> int:

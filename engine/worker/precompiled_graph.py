@@ -212,10 +212,23 @@ def compile_and_save_graphed(path: Path | None, model: DecoderForCausalLM, hidde
     return step
 
 
-def allow_many_compiled_models() -> None:
-    """Each model `torch.compile`d in one process (a bench's, the tests') adds an entry to its
-    forward's cache: let 16 in, not dynamo's default 8, before it falls back to eager."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+RECOMPILE_LIMIT = 64  # graphs a code object may cache before dynamo falls back (its default: 8)
+
+
+def room_to_recompile(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled` (a `torch.compile`d model or function) with room for `RECOMPILE_LIMIT` graphs of
+    its code object at each call, not dynamo's 8: every model compiled in one process (a bench's,
+    the tests') adds an entry to its forward's cache, and the ninth failed a fullgraph compile.
+    torch 2.13 keeps dynamo's config per context (a ContextVar): set once, it is unset in the
+    worker thread that compiles, so each call sets it in its own context (2 us; `config.patch`
+    costs 100 us)."""
+    config = torch._dynamo.config
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if config.recompile_limit < RECOMPILE_LIMIT:
+            config.recompile_limit = RECOMPILE_LIMIT
+        return compiled(*args, **kwargs)
+    return call
 
 
 def compiled_and_agrees(check: Callable[[], bool], what: str, otherwise: str) -> bool:
@@ -235,8 +248,7 @@ def jit_graphed_step(model: DecoderForCausalLM) -> GraphedStep:
     """The step graph of `model` under `torch.compile` (CUDA: no AOTInductor package there,
     engine/worker/cuda_graphs.py), compiled at its first call, the token count dynamic (a graph
     for every count from two). A dense model on one rank only: no packed weights, no adapters."""
-    allow_many_compiled_models()
-    compiled = torch.compile(_FlatGraphedStep(model), fullgraph=True, dynamic=False)
+    compiled = room_to_recompile(torch.compile(_FlatGraphedStep(model), fullgraph=True, dynamic=False))
 
     def step(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(hidden, 0)
