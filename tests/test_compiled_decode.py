@@ -7,6 +7,7 @@ compile one graph per checkpoint (batch sizes up to 8 at most) to keep the suite
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import random
 import shutil
@@ -36,7 +37,7 @@ from engine.models.attention import (
     paged_attention,
     paged_decode_attention,
 )
-from engine.worker import precompiled_graph
+from engine.worker import aoti_runner, precompiled_graph
 from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs, compile_estimate, keep_headers_in, use_compile_cache
 from engine.worker.step_graph import StepGraph
 from engine.worker.worker import Worker
@@ -485,6 +486,43 @@ def test_a_warm_start_loads_the_graph_without_importing_the_compiler(tmp_path_fa
                          timeout=300, check=True, env=env).stdout.split()
     assert run == ["True", str(ours), "False", "False"]  # loaded, and no compiler imported
     assert [p.name for p in scratch.iterdir() if p.name.startswith("aotinductor")] == []
+
+
+def test_a_saved_graph_runs_through_ctypes_and_computes_what_torchs_loader_does(first_start, monkeypatch):
+    """Torch's loader holds the GIL while a packaged graph runs, which stalled the engine's loop
+    for every step; ours calls the library's C interface through a `ctypes.CDLL`, which releases
+    the GIL for each call (a `PyDLL` would not). How much that frees the loop is measured by
+    `python -m bench.gil_release`, not here."""
+    graphs, cache = first_start
+    (package,) = (cache / "decode-graphs").glob("*.pt2")
+    tensors = precompiled_graph._model_tensors(graphs.model)
+    ours = precompiled_graph._loaded(package, tensors, torch.device("cpu"))
+    monkeypatch.setattr(aoti_runner, "load", lambda path, tensors: None)
+    torchs = precompiled_graph._loaded(package, tensors, torch.device("cpu"))
+    assert isinstance(ours, aoti_runner.GilFreeModel) and type(ours._lib) is ctypes.CDLL
+    assert not isinstance(torchs, aoti_runner.GilFreeModel)
+    torch.manual_seed(0)
+    meta = graphs._metadata(4, [3, 16, 37, 49], [4, 1, 6, 2], [[0], [1], [2], [3]], 2)
+    flat = [torch.randn(4, graphs.model.config.hidden_size), torch.tensor([3, 0, 5, 1]),
+            *(t for pair in graphs.kv_caches for t in pair), meta.slot_mapping, meta.block_table, meta.seq_lens]
+    with torch.inference_mode():
+        want = torchs.run(flat)
+        got = ours.run(flat)
+        assert len(got) == len(want) == 1 and torch.equal(got[0], want[0])
+        # The weights are the model's own tensors, not copies: a change to one changes the output.
+        graphs.model.norm.weight.mul_(2)
+        try:
+            assert not torch.equal(ours.run(flat)[0], want[0])
+        finally:
+            graphs.model.norm.weight.div_(2)
+        assert torch.equal(ours.run(flat)[0], want[0])
+
+
+def test_a_package_calling_kernels_outside_its_library_keeps_torchs_loader():
+    library = "p/data/aotinductor/model/c1.wrapper.so"
+    assert aoti_runner._library_member([library, "p/data/aotinductor/model/c1.wrapper_metadata.json"]) == library
+    assert aoti_runner._library_member([library, "p/data/aotinductor/model/c1.wrapper.json"]) is None
+    assert aoti_runner._library_member(["p/data/aotinductor/model/c1.wrapper_metadata.json"]) is None
 
 
 def test_the_compile_cache_keeps_the_most_recently_used_packages(tmp_path):

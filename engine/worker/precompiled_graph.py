@@ -60,6 +60,7 @@ from engine.models.attention import GRAPHED, DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.layers import Linear
 from engine.models.packed_linear import register_inductor_lowering
+from engine.worker import aoti_runner
 
 logger = logging.getLogger(__name__)
 
@@ -123,12 +124,8 @@ def load(path: Path, model: DecoderForCausalLM, kind: str = "decode") -> Any:
     if not path.exists():
         return None
     try:
-        with _unpacked_in_a_directory_we_remove():
-            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        loader = _loaded(path, _model_tensors(model), model.device)
         os.utime(path)  # most recently used: `prune` keeps it
-        tensors = _model_tensors(model)
-        # user_managed: the graph reads the model's tensors in place (no copy); a missing name raises.
-        loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()}, False, True, True)
     except Exception as exc:  # noqa: BLE001 -- any unreadable or foreign package: compile again
         logger.warning("could not load the compiled %s graph %s (%s: %s); compiling it again",
                        kind, path, type(exc).__name__, exc)
@@ -401,6 +398,21 @@ class _FlatHead(nn.Module):
         assert self.model.lm_head is not None
         out: torch.Tensor = self.model.lm_head(hidden)
         return out
+
+
+def _loaded(path: Path, tensors: dict[str, torch.Tensor], device: torch.device) -> Any:
+    """The package's runner over the model's `tensors` (by reference, not copied; a missing name
+    raises): on CPU ours, which releases the GIL while the graph runs (engine/worker/aoti_runner.py),
+    where the package allows it; else torch's loader."""
+    if device.type == "cpu":
+        runner = aoti_runner.load(path, tensors)
+        if runner is not None:
+            return runner
+    with _unpacked_in_a_directory_we_remove():
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    # user_managed: the graph reads the model's tensors in place (no copy); a missing name raises.
+    loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()}, False, True, True)
+    return loader
 
 
 def _model_tensors(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
