@@ -30,7 +30,8 @@ class _Mlp(torch.nn.Module):
         self.down = torch.nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
+        out: torch.Tensor = self.down(torch.relu(self.up(x)))
+        return out
 
 
 def _loop_rate(seconds: float) -> float:
