@@ -518,6 +518,19 @@ def test_a_saved_graph_runs_through_ctypes_and_computes_what_torchs_loader_does(
         assert torch.equal(ours.run(flat)[0], want[0])
 
 
+def test_a_package_our_runner_cannot_load_runs_on_torchs_loader_with_a_warning(first_start, monkeypatch, caplog):
+    graphs, cache = first_start
+    (package,) = (cache / "decode-graphs").glob("*.pt2")
+
+    def refuse(path, tensors):
+        raise AttributeError("undefined symbol: AOTInductorModelContainerRun")  # a torch that renamed it
+
+    monkeypatch.setattr(aoti_runner, "load", refuse)
+    runner = precompiled_graph._loaded(package, precompiled_graph._model_tensors(graphs.model), torch.device("cpu"))
+    assert not isinstance(runner, aoti_runner.GilFreeModel) and runner.get_constant_fqns()
+    assert "the GIL-free runner could not load" in caplog.text and "AOTInductorModelContainerRun" in caplog.text
+
+
 def test_a_package_calling_kernels_outside_its_library_keeps_torchs_loader():
     library = "p/data/aotinductor/model/c1.wrapper.so"
     assert aoti_runner._library_member([library, "p/data/aotinductor/model/c1.wrapper_metadata.json"]) == library

@@ -24,6 +24,8 @@ from engine.models.quantized_linear import (
     int8_row_times,
     q8_0_dequantized_mm,
     q8_0_row_times,
+    quantize_per_block,
+    quantize_per_block_in_torch,
     quantize_weight,
 )
 from tests.conftest import engine_config
@@ -234,6 +236,38 @@ def test_q8_0_blocks_read_in_torch_equal_ggufs_own_dequantization():
     want = quants.dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(-1)
     got = q8_0_as_float(blocks).numpy()
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_our_q8_0_quantizer_gives_torchs_blocks_bit_for_bit(threads):
+    """The one-pass kernel (engine/kernels/q8_0_quantize.c) against the torch ops it replaces, on
+    weights with a block of zeros, one of ties (halves of a step, rounded to even), one of subnormals,
+    Q8_0's own dequantized blocks (their largest step exactly 127) and a wide range of magnitudes."""
+    from engine.kernels import q8_0_quantize
+
+    generator = torch.Generator().manual_seed(threads)
+    weight = torch.randn(37, 96, generator=generator) * torch.logspace(-6, 3, 37)[:, None]
+    weight[0, :32] = 0
+    weight[1, :32] = torch.arange(-16, 16) * 0.5 * (1 / 127)  # -8/127 .. 7.5/127: ties at every half step
+    weight[1, 31] = 1.0  # the block's largest: scale 1/127, so each value above is k/2 steps
+    weight[2, :32] = torch.randn(32, generator=generator) * 1e-39
+    steps = torch.randint(-127, 128, (32,), generator=generator, dtype=torch.int8)
+    steps[0] = 127
+    weight[3, :32] = steps.float() * torch.tensor(0.0123, dtype=torch.float16).float()
+    ours = q8_0_quantize.quantize(weight, threads)
+    assert ours is not None
+    torchs = quantize_per_block_in_torch(weight)
+    assert ours[0].dtype == torch.int8 and ours[1].dtype == torch.float32
+    assert torch.equal(ours[0], torchs[0]) and torch.equal(ours[1], torchs[1])
+    assert torch.equal(ours[0][3, :32], steps)  # a Q8_0 block read back is the file's own
+    # A million values: a quotient within an ulp of a half step turns up a few times, which
+    # a reciprocal's product in place of the division would round the other way.
+    wide = torch.randn(1024, 1024, generator=generator)
+    ours_wide, torchs_wide = q8_0_quantize.quantize(wide, threads), quantize_per_block_in_torch(wide)
+    assert ours_wide is not None
+    assert torch.equal(ours_wide[0], torchs_wide[0]) and torch.equal(ours_wide[1], torchs_wide[1])
+    assert torch.equal(quantize_per_block(weight)[0], torchs[0])  # what the loader calls runs it
+    assert q8_0_quantize.quantize(weight.bfloat16(), threads) is None  # other dtypes: torch's ops
 
 
 def test_a_gguf_model_needs_a_tokenizer(tmp_path):

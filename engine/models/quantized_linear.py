@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import q8_0_quantize
 from engine.kernels import q8_0_rows as q8_0_kernel
 
 INT4_GROUP = 32  # weights per scale and zero point in int4 (the kernel takes 32, 64, 128 or 256)
@@ -108,6 +109,12 @@ def quantize_per_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """(int8 weight [N, K], float32 scales [N, K / 32]): symmetric, one scale per block of 32
     features of a row, `max |w| / 127` (llama.cpp's Q8_0, which it reproduces from Q8_0's own
     dequantized weights: each block's largest step is 127)."""
+    done = q8_0_quantize.quantize(weight, torch.get_num_threads())  # the same, in one pass
+    return done if done is not None else quantize_per_block_in_torch(weight)
+
+
+def quantize_per_block_in_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_block` in torch's ops: any dtype, and where our kernel cannot be built."""
     rows, features = weight.shape
     blocks = weight.detach().float().reshape(rows, features // Q8_0_BLOCK, Q8_0_BLOCK)
     scales = (blocks.abs().amax(dim=-1) / 127.0).clamp(min=1e-12)

@@ -405,7 +405,12 @@ def _loaded(path: Path, tensors: dict[str, torch.Tensor], device: torch.device) 
     raises): on CPU ours, which releases the GIL while the graph runs (engine/worker/aoti_runner.py),
     where the package allows it; else torch's loader."""
     if device.type == "cpu":
-        runner = aoti_runner.load(path, tensors)
+        try:
+            runner = aoti_runner.load(path, tensors)
+        except Exception as exc:  # noqa: BLE001 -- torch's loader is the fallback, and says what is wrong
+            logger.warning("the GIL-free runner could not load %s (%s: %s); torch's loader runs it, holding the GIL",
+                           path, type(exc).__name__, exc)
+            runner = None
         if runner is not None:
             return runner
     with _unpacked_in_a_directory_we_remove():
