@@ -252,4 +252,3 @@ def test_a_compiled_model_has_room_for_more_than_eight_graphs_in_a_thread_that_n
     thread.join()
     assert errors == [] and len(graphs) == 12
     assert [int(r[0]) for r in results] == list(range(12))
-    assert torch._dynamo.config.recompile_limit == 8  # this thread's context never called it

@@ -227,7 +227,7 @@ def build_metadata(chunks: Sequence[SequenceChunk], block_size: int, device: tor
     for c in chunks:
         for pos in range(c.start_position, c.start_position + c.num_tokens):
             slots.append(c.block_ids[pos // block_size] * block_size + pos % block_size)
-    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), block_size, chunks, device, dtype)
+    return AttentionMetadata(_on(device, torch.tensor(slots, dtype=torch.long)), block_size, chunks, device, dtype)
 
 
 def _groups(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device, dtype: torch.dtype,
@@ -272,17 +272,17 @@ def _group(chunks: Sequence[SequenceChunk], token_start: int, block_size: int, d
     q_index = None
     if not single_query:
         first = torch.cumsum(counts, 0) - counts
-        q_index = torch.where(q_valid, first[:, None] + q_offsets[None, :], 0).to(device)
-        q_valid = q_valid.to(device)
+        q_index = _on(device, torch.where(q_valid, first[:, None] + q_offsets[None, :], 0))
+        q_valid = _on(device, q_valid)
     return AttentionGroup(token_start, token_end, q_index, None if single_query else q_valid,
-                          block_table, len(chunks), mask.to(device), chunks, windowed=windowed)
+                          block_table, len(chunks), _on(device, mask), chunks, windowed=windowed)
 
 
 def _block_table(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device) -> torch.Tensor:
     """[B * nb]: each chunk's blocks up to the longest one's end, 0-padded, flattened."""
     num_table_blocks = -(-max(c.start_position + c.num_tokens for c in chunks) // block_size)
     tables = torch.tensor([_padded(c.block_ids, num_table_blocks) for c in chunks], dtype=torch.long)
-    return tables.view(-1).to(device)
+    return _on(device, tables.view(-1))
 
 
 def _over_tables(built: list[AttentionGroup], chunks: Sequence[SequenceChunk], block_size: int,
@@ -295,6 +295,15 @@ def _over_tables(built: list[AttentionGroup], chunks: Sequence[SequenceChunk], b
         table = None if group.block_table is None else _block_table(own, block_size, device)
         groups.append(replace(group, block_table=table, chunks=own, kernel_rows=None, seq_lens=None))
     return groups
+
+
+def _on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor of the step's metadata on `device`, without the host waiting: on CUDA through
+    pinned memory, since a copy from pageable memory returns only once the stream has run every
+    kernel queued before it (each prompt step's metadata would drain the queue)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _padded(block_ids: Sequence[int], length: int) -> list[int]:
