@@ -531,6 +531,18 @@ def test_a_package_our_runner_cannot_load_runs_on_torchs_loader_with_a_warning(f
     assert "the GIL-free runner could not load" in caplog.text and "AOTInductorModelContainerRun" in caplog.text
 
 
+def test_a_process_that_holds_the_gil_during_steps_loads_packages_with_torchs_loader(first_start, monkeypatch):
+    """The engine process, whose loop shares the compute CPUs, wants its loop to wait for a step
+    rather than preempt it (engine/core/engine_main.py)."""
+    monkeypatch.setattr(aoti_runner, "_releasing", True)  # given back after the test
+    graphs, cache = first_start
+    (package,) = (cache / "decode-graphs").glob("*.pt2")
+    tensors = precompiled_graph._model_tensors(graphs.model)
+    assert isinstance(precompiled_graph._loaded(package, tensors, torch.device("cpu")), aoti_runner.GilFreeModel)
+    aoti_runner.hold_the_gil_during_steps()
+    assert not isinstance(precompiled_graph._loaded(package, tensors, torch.device("cpu")), aoti_runner.GilFreeModel)
+
+
 def test_a_package_calling_kernels_outside_its_library_keeps_torchs_loader():
     library = "p/data/aotinductor/model/c1.wrapper.so"
     assert aoti_runner._library_member([library, "p/data/aotinductor/model/c1.wrapper_metadata.json"]) == library

@@ -54,6 +54,7 @@ from engine.ipc import wire
 from engine.ipc.fast_socket import STREAM_BROKEN, STREAM_ENDED, FastSocketStream
 from engine.ipc.process import die_with_parent
 from engine.log_format import configure_logging
+from engine.worker import aoti_runner
 
 logger = logging.getLogger(__name__)
 FINAL_FLUSH_TIMEOUT = 5.0
@@ -125,8 +126,11 @@ async def serve_engine(stream: trio.abc.Stream) -> None:
         # The whole engine process on the compute CPUs, as vLLM-CPU's engine core: its loop runs
         # between the forward passes, so it never competes with them, while the server process
         # and its clients keep the other CPUs. (On the server's CPUs the loop waited behind them
-        # each step: 1,100 against 1,450 tok/s at concurrency 16, docs/benchmarks.md.)
+        # each step: 1,100 against 1,450 tok/s at concurrency 16, docs/benchmarks.md.) Compiled
+        # graphs keep the GIL while they run, so the loop waits for them rather than preempting
+        # the compute thread (engine/worker/aoti_runner.py).
         bind_this_thread(init.config.cpu_layout.compute)
+        aoti_runner.hold_the_gil_during_steps()
     outbox = Outbox()
     ready = False
     try:
