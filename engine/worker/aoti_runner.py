@@ -71,7 +71,9 @@ def _library_member(names: Sequence[str]) -> str | None:
 
 class GilFreeModel:
     """A packaged graph, created over `constants` (the model's tensors by original name, held by
-    reference: the caller keeps them alive and unchanged in shape) on the CPU."""
+    reference: the caller keeps them alive and unchanged in shape) on the CPU. When it is
+    collected, its container and its references to the tensors go; the library stays mapped
+    (ctypes never unloads one: a few MB per package loaded, in tests that load many)."""
 
     def __init__(self, library: ctypes.CDLL, constants: Mapping[str, torch.Tensor]) -> None:
         self._lib = library
