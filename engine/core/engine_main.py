@@ -48,7 +48,7 @@ from engine.core.gc_tuning import tune_collector_for_serving
 from engine.core.open_core import open_core
 from engine.core.stats import RecordingObserver
 from engine.core_request import EngineCoreRequest
-from engine.cpu_binding import bind_this_thread
+from engine.cpu_binding import available_cpus, bind_this_thread
 from engine.errors import EngineDeadError
 from engine.ipc import wire
 from engine.ipc.fast_socket import STREAM_BROKEN, STREAM_ENDED, FastSocketStream
@@ -126,10 +126,11 @@ async def serve_engine(stream: trio.abc.Stream) -> None:
         # The whole engine process on the compute CPUs, as vLLM-CPU's engine core: its loop runs
         # between the forward passes, so it never competes with them, while the server process
         # and its clients keep the other CPUs. (On the server's CPUs the loop waited behind them
-        # each step: 1,100 against 1,450 tok/s at concurrency 16, docs/benchmarks.md.) Compiled
-        # graphs keep the GIL while they run, so the loop waits for them rather than preempting
-        # the compute thread (engine/worker/aoti_runner.py).
+        # each step: 1,100 against 1,450 tok/s at concurrency 16, docs/benchmarks.md.)
         bind_this_thread(init.config.cpu_layout.compute)
+    if init.config.cpu_layout is not None or len(available_cpus()) < 2:
+        # The loop shares the compute CPUs: compiled graphs keep the GIL while they run, so the
+        # loop waits for them rather than preempting the compute thread (engine/worker/aoti_runner.py).
         aoti_runner.hold_the_gil_during_steps()
     outbox = Outbox()
     ready = False

@@ -21,8 +21,9 @@ Where the loop is meant to wait for the step, holding the GIL is the better choi
 process binds its loop to the compute CPUs so that it runs between forward passes, and with the
 GIL free it preempted the compute thread mid-step instead (served small Llama Q8_0 at 16 streams,
 twelve alternating loads a side: 990 tok/s with ours against 1,117 with torch's loader). That
-process calls `hold_the_gil_during_steps`; a library user's process, whose event loop must keep
-serving while a step computes, keeps ours.
+process calls `hold_the_gil_during_steps` when its loop shares the compute CPUs (bound to them,
+or a machine of one CPU); a library user's process, whose event loop must keep serving while a
+step computes, keeps ours.
 """
 
 from __future__ import annotations
