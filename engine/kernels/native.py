@@ -27,7 +27,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from engine.paths import cache_root
 
@@ -56,6 +58,20 @@ def load(name: str) -> ctypes.CDLL | None:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
         logger.warning("could not build the %s kernel (torch's kernels run instead): %s", name, detail)
         return None
+
+
+@functools.cache
+def int_function(name: str, symbol: str, argtypes: tuple[Any, ...]) -> Callable[..., int] | None:
+    """Function `symbol` of kernel `name` (built on first use, as `load`), taking `argtypes` and
+    returning a C int (0: done); None if the kernel cannot be built here."""
+    library = load(name)
+    if library is None:
+        return None
+    function = getattr(library, symbol)
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    kernel: Callable[..., int] = function
+    return kernel
 
 
 def library_path(source: Path, compiler: str) -> Path:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
@@ -13,17 +12,8 @@ import torch
 from engine.kernels import native
 
 
-@functools.cache
 def _kernel() -> Callable[..., int] | None:
-    library = native.load("q8_0_quantize")
-    if library is None:
-        return None
-    size, pointer = ctypes.c_long, ctypes.c_void_p
-    run = library.q8_0_quantize_f32
-    run.argtypes = (pointer,) * 3 + (size,) * 3
-    run.restype = ctypes.c_int
-    kernel: Callable[..., int] = run
-    return kernel
+    return native.int_function("q8_0_quantize", "q8_0_quantize_f32", (ctypes.c_void_p,) * 3 + (ctypes.c_long,) * 3)
 
 
 def quantize(weight: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -6,7 +6,6 @@ and `--enforce-eager`. In a graph inductor fuses the same sum (`quantized_linear
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
@@ -14,17 +13,8 @@ import torch
 from engine.kernels import native
 
 
-@functools.cache
 def _kernel() -> Callable[..., int] | None:
-    library = native.load("q8_0_rows")
-    if library is None:
-        return None
-    size, pointer = ctypes.c_long, ctypes.c_void_p
-    run = library.q8_0_rows_f32
-    run.argtypes = (pointer,) * 4 + (size,) * 4
-    run.restype = ctypes.c_int
-    kernel: Callable[..., int] = run
-    return kernel
+    return native.int_function("q8_0_rows", "q8_0_rows_f32", (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 4)
 
 
 def row_times(row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor | None:
