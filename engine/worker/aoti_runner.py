@@ -141,22 +141,25 @@ def _release(library: ctypes.CDLL, container: ctypes.c_void_p, constant_handles:
     _take(constant_handles)  # the references to the model's tensors, dropped
 
 
-_releasing = True  # whether `load` gives GIL-free runners in this process
+_releasing = True  # whether this process runs packages with our runner (`releases_the_gil`)
 
 
 def hold_the_gil_during_steps() -> None:
-    """From now on `load` gives None (torch's loader, which holds the GIL while a graph runs): for
-    a process whose event loop is bound to the compute CPUs and should wait for each step."""
+    """From now on this process runs packaged graphs on torch's loader, which holds the GIL while
+    a graph runs: for a process whose event loop is bound to the compute CPUs and should wait for
+    each step."""
     global _releasing
     _releasing = False
 
 
+def releases_the_gil() -> bool:
+    """Whether this process runs packaged graphs with our runner (no `hold_the_gil_during_steps`)."""
+    return _releasing
+
+
 def load(path: Path, constants: Mapping[str, torch.Tensor]) -> GilFreeModel | None:
     """The package at `path` as a `GilFreeModel` over `constants`; None when it calls extern
-    kernels or this process holds the GIL during steps (keep torch's loader). Raises on an
-    unreadable package or a missing constant."""
-    if not _releasing:
-        return None
+    kernels (keep torch's loader). Raises on an unreadable package or a missing constant."""
     with zipfile.ZipFile(path) as package:
         member = _library_member(package.namelist())
         if member is None:

@@ -403,8 +403,8 @@ class _FlatHead(nn.Module):
 def _loaded(path: Path, tensors: dict[str, torch.Tensor], device: torch.device) -> Any:
     """The package's runner over the model's `tensors` (by reference, not copied; a missing name
     raises): on CPU ours, which releases the GIL while the graph runs (engine/worker/aoti_runner.py),
-    where the package allows it; else torch's loader."""
-    if device.type == "cpu":
+    where the package and the process allow it (`aoti_runner.releases_the_gil`); else torch's loader."""
+    if device.type == "cpu" and aoti_runner.releases_the_gil():
         try:
             runner = aoti_runner.load(path, tensors)
         except Exception as exc:  # noqa: BLE001 -- torch's loader is the fallback, and says what is wrong
