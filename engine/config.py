@@ -479,6 +479,15 @@ class EngineConfig:
         "with one worker on CUDA, off on CPU)",
         default=None,
         action=BooleanOptionalAction)
+    # vLLM v0's --num-scheduler-steps (multi-step scheduling): while every running request decodes
+    # and none waits, a step may run up to this many decodes back to back in the worker, so the
+    # engine's per-step work (scheduling, publishing, the hand-offs to the worker) is paid once per
+    # burst, and streamed tokens arrive in bursts. One worker, without async scheduling.
+    num_scheduler_steps: int = flag(
+        "run up to this many decode steps back to back while every running request decodes and "
+        "none waits (vLLM v0's multi-step scheduling; tokens then stream in bursts; 1: off)",
+        default=1,
+        type=int)
     # Decode steps run a torch.compile'd graph with a dynamic batch (engine.worker.decode_graphs);
     # True keeps every step on the eager model (vLLM's --enforce-eager). None: compile, unless
     # TRIO_LLM_ENFORCE_EAGER is set (see eager_by_default).
@@ -719,7 +728,7 @@ class EngineConfig:
                              "(executor='mp' or 'ray')")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        positive = ["block_size", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
+        positive = ["block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "data_parallel_size",
                     "pipeline_parallel_size",
                     "max_prompts_per_request", "max_image_bytes", "max_image_pixels"]
         optional_positive = ["max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens",
@@ -736,6 +745,9 @@ class EngineConfig:
         if self.async_scheduling and not self._one_worker:
             raise ValueError("async_scheduling runs with one worker: not with tensor_parallel_size or "
                              "pipeline_parallel_size > 1, nor with enable_eplb")
+        if self.num_scheduler_steps > 1 and (self.async_scheduling or not self._one_worker):
+            raise ValueError("num_scheduler_steps > 1 runs with one worker and without async_scheduling: not "
+                             "with tensor_parallel_size or pipeline_parallel_size > 1, nor with enable_eplb")
         if self.eplb_config.num_redundant_experts and not self.enable_eplb:
             raise ValueError("eplb_config.num_redundant_experts needs enable_eplb (redundant experts are placed "
                              "by the load balancer)")
@@ -788,10 +800,11 @@ class EngineConfig:
     def schedules_async(self) -> bool:
         """Whether steps are scheduled one ahead (`async_scheduling`; by default on a CUDA device
         with one worker: on CPU the step's own Python and the loop's share the GIL, and measured
-        on the small models it does not pay there, docs/benchmarks.md)."""
+        on the small models it does not pay there, docs/benchmarks.md; off with decode bursts,
+        `num_scheduler_steps`)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.device.startswith("cuda") and self._one_worker
+        return self.device.startswith("cuda") and self._one_worker and self.num_scheduler_steps == 1
 
     @property
     def measures_kv_cache(self) -> bool:

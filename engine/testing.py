@@ -46,16 +46,18 @@ class FakeExecutor(Executor):
         self.num_blocks = num_blocks
 
     async def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: `step_time` virtual seconds, then the tokens of `token_fn`. Cancellation waits
-        for the step to end (it is recorded), then raises, as every executor's does.
+        """One step: `step_time` virtual seconds (for each of a burst's steps), then the tokens of
+        `token_fn`. Cancellation waits for the step to end (it is recorded), then raises, as every
+        executor's does.
         """
         return await run_to_the_end(partial(self._step, sched_out))
 
     async def _step(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        await anyio.sleep(self.step_time)
+        await anyio.sleep(self.step_time * sched_out.num_steps)  # a decode burst: each of its steps
         self.steps.append(sched_out)
         return ModelRunnerOutput(sampled_token_ids={
-            s.request_id: self.token_fn(s.request_id, s.start_position + s.num_tokens)
+            s.request_id: [self.token_fn(s.request_id, s.start_position + s.num_tokens + i)
+                           for i in range(sched_out.num_steps)]
             for s in sched_out.scheduled if s.sample})
 
 

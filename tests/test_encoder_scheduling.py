@@ -27,7 +27,7 @@ def image_request(rid, images: list[tuple[str, int]], text=4, rows=10, max_token
 
 def step(sched):
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={s.request_id: 7 for s in out.scheduled
+    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={s.request_id: [7] for s in out.scheduled
                                                                       if s.sample}))
     return out
 

@@ -30,7 +30,7 @@ def make_request(rid, n_prompt=8, max_tokens=4, priority=0, arrival=0.0, first_t
 def run_step(sched, token=7):
     """Schedule, pretend the model sampled `token` for each request that samples, update."""
     out = sched.schedule()
-    result = ModelRunnerOutput(sampled_token_ids={s.request_id: token for s in out.scheduled if s.sample})
+    result = ModelRunnerOutput(sampled_token_ids={s.request_id: [token] for s in out.scheduled if s.sample})
     return out, sched.update_from_output(out, result)
 
 
@@ -211,7 +211,7 @@ def test_steps_in_flight_split_the_running_batch_and_are_never_rescheduled_or_pr
     assert {s.request_id for s in first.scheduled}.isdisjoint(s.request_id for s in second.scheduled)
     assert sched.schedule().is_empty  # every running request is in flight
     assert sched._pick_victim() is None  # nor can one be preempted: its step still uses its blocks
-    result = ModelRunnerOutput(sampled_token_ids={s.request_id: 7 for s in first.scheduled})
+    result = ModelRunnerOutput(sampled_token_ids={s.request_id: [7] for s in first.scheduled})
     sched.update_from_output(first, result)
     again = sched.schedule()
     assert {s.request_id for s in again.scheduled} == {s.request_id for s in first.scheduled}
@@ -225,7 +225,7 @@ def async_scheduler(**options):
 
 def land(sched, out, token):
     """The step `out`'s output comes back: `token` for each request it sampled."""
-    return sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={s.request_id: token
+    return sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={s.request_id: [token]
                                                                               for s in out.scheduled if s.sample}))
 
 
@@ -294,7 +294,7 @@ def test_async_scheduling_keeps_the_accounting_over_random_workloads_and_tokens_
             tokens = {s.request_id: rng.choice([3, 50, 60, 70]) for s in oldest.scheduled if s.sample}
             for rid, token in tokens.items():
                 sent[rid].append(token)
-            sched.update_from_output(oldest, ModelRunnerOutput(sampled_token_ids=tokens))
+            sched.update_from_output(oldest, ModelRunnerOutput(sampled_token_ids={r: [t] for r, t in tokens.items()}))
             check_block_accounting(sched)
         for request in sched.running:
             assert request.output_token_ids == sent[request.request_id][:len(request.output_token_ids)]

@@ -50,14 +50,14 @@ def test_random_workload_keeps_block_accounting_exact(seed, policy):
         out = sched.schedule()
         assert out.total_num_tokens <= config.max_num_batched_tokens
         assert len(sched.running) <= config.max_num_seqs
-        result = ModelRunnerOutput(sampled_token_ids={s.request_id: rng.randrange(1000)
+        result = ModelRunnerOutput(sampled_token_ids={s.request_id: [rng.randrange(1000)]
                                                       for s in out.scheduled if s.sample})
         finished += sum(u.finished for u in sched.update_from_output(out, result))
         check_block_accounting(sched)
     while sched.has_work():  # drain: everything finishes, nothing is stuck
         out = sched.schedule()
         assert not out.is_empty, "work left but nothing schedulable"
-        result = ModelRunnerOutput(sampled_token_ids={s.request_id: 1 for s in out.scheduled if s.sample})
+        result = ModelRunnerOutput(sampled_token_ids={s.request_id: [1] for s in out.scheduled if s.sample})
         finished += sum(u.finished for u in sched.update_from_output(out, result))
         check_block_accounting(sched)
     assert finished > 10 and aborted > 0 and sched.kv.num_used_blocks == 0

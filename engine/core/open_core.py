@@ -82,7 +82,8 @@ def build_scheduler(config: EngineConfig, info: ModelInfo, connector: SharedStor
         max_model_len=info.max_model_len, policy=config.scheduling_policy,
         enable_chunked_prefill=config.enable_chunked_prefill, encoder_budget_rows=encoder_rows,
         encoder_cache_rows=encoder_rows, max_loras=config.max_loras if config.enable_lora else 0,
-        micro_batches=config.pipeline_parallel_size, async_scheduling=config.schedules_async)
+        micro_batches=config.pipeline_parallel_size, async_scheduling=config.schedules_async,
+        num_scheduler_steps=config.num_scheduler_steps)
     # Blocks are namespaced by the model: a cache never serves KV computed by another model or dtype.
     namespace = f"{config.model}\0{info.architecture}\0{info.dtype}".encode()
     hasher = PrefixHasher(config.prefix_caching_hash_algo, namespace)

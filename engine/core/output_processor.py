@@ -84,13 +84,19 @@ class RequestTracker:
     def add_tokens(self, child: ChildSequence, token_ids: list[int], logprobs: list[TokenLogprobs],
                    stop_terminated: bool = False) -> str | None:
         """Record new tokens; returns the stop string that matched, if any. `stop_terminated`: the
-        last one is the EOS or stop token that finished the sequence (kept in the ids, not the text)."""
+        last one is the EOS or stop token that finished the sequence (kept in the ids, not the text).
+        Tokens after the one that completed a stop string (a decode burst's) are dropped."""
+        rendered = child.detokenizer.num_tokens
+        stop = child.detokenizer.add_tokens(token_ids, stop_terminated)
+        if stop is not None:
+            kept = child.detokenizer.num_tokens - rendered
+            token_ids, logprobs = token_ids[:kept], logprobs[:kept]
         child.token_ids.extend(token_ids)
         for entry in logprobs:
             assert child.logprobs is not None and child.cumulative_logprob is not None
             child.logprobs.append(to_position_logprobs(entry, self.tokenizer))
             child.cumulative_logprob += entry[1][0]
-        return child.detokenizer.add_tokens(token_ids, stop_terminated)
+        return stop
 
     def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
         if self.prompt_logprobs is None:

@@ -46,6 +46,11 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens rendered so far (the one that completed a stop string the last)."""
+        return self._num_tokens
+
     def _step(self, token_id: int) -> str | None:
         try:
             return self._stream.step(self._tokenizer.backend, token_id)

@@ -57,6 +57,11 @@ class SchedulerOutput:
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted from the encoder cache
     ec_loads: dict[str, Any] = field(default_factory=dict)  # mm_hash -> encoder output loaded by the EC connector
+    # A decode burst (vLLM v0's multi-step scheduling, `num_scheduler_steps`): every scheduled
+    # request is a one-token decode, and the worker runs `num_steps` decodes back to back, each
+    # one's input the token the one before sampled; the scheduler made room for all of them. The
+    # step's output has up to `num_steps` tokens per request.
+    num_steps: int = 1
 
     @property
     def total_num_tokens(self) -> int:
@@ -77,17 +82,19 @@ class PendingSample(Protocol):
 
     stream: Any  # the device stream the copy runs on (None on CPU): its event marks the step done
 
-    def read(self) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Request id -> (token, logprobs), in batch order; waits for the copy if it is not done."""
+    def read_all(self) -> dict[str, list[tuple[int, TokenLogprobs | None]]]:
+        """Request id -> its tokens in order (one, or a burst's), each with its logprobs (None when
+        not asked); waits for the copy if it is not done."""
         ...
 
 
 @dataclass
 class ModelRunnerOutput:
-    """The result of one step: one sampled token per request that sampled."""
+    """The result of one step: the tokens sampled per request that sampled (one each, or up to
+    `SchedulerOutput.num_steps` in a decode burst), in order."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> (first prompt position covered, logprobs of the next prompt token per position)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # pooling requests whose prompt completed this step -> their pooled output (a CPU float32 tensor)
@@ -105,10 +112,10 @@ class ModelRunnerOutput:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        for rid, (token, logprobs) in pending.read().items():
-            self.sampled_token_ids[rid] = token
-            if logprobs is not None:
-                self.logprobs[rid] = logprobs
+        for rid, sampled in pending.read_all().items():
+            self.sampled_token_ids[rid] = [token for token, _ in sampled]
+            if sampled[0][1] is not None:
+                self.logprobs[rid] = [logprobs for _, logprobs in sampled if logprobs is not None]
 
     def __getstate__(self) -> dict[str, Any]:
         assert self.pending is None, "resolve() a step's output before sending it"

@@ -84,6 +84,11 @@ class SchedulerConfig:
     # flight, its input the token that step is sampling (`PLACEHOLDER_TOKEN`; the worker, which
     # runs steps in order, has it by then). The next step is scheduled while this one runs.
     async_scheduling: bool = False
+    # vLLM v0's multi-step scheduling (--num-scheduler-steps): while every running request decodes
+    # and none waits, one step may run up to this many decodes back to back in the worker (a decode
+    # burst, `SchedulerOutput.num_steps`), so the per-step work outside the model (scheduling,
+    # publishing, the hand-offs between the loop and the worker) is paid once per burst. 1: never.
+    num_scheduler_steps: int = 1
 
 
 @dataclass
@@ -200,6 +205,7 @@ class Scheduler:
             self._finished_for_worker = out.finished_request_ids + self._finished_for_worker
             out.finished_request_ids = []
             return out
+        out.num_steps = self._burst(out.scheduled)
         for item in out.scheduled:
             self.in_flight[item.request_id] += 1
             self._ahead[item.request_id] += item.num_tokens
@@ -388,6 +394,33 @@ class Scheduler:
         return ScheduledRequest(request.request_id, [PLACEHOLDER_TOKEN], request.num_computed_tokens + ahead,
                                 self.kv.block_tables(request.request_id), sample=True)
 
+    def _burst(self, scheduled: list[ScheduledRequest]) -> int:
+        """How many decodes this step runs back to back (`num_scheduler_steps` at most; 1 unless
+        every scheduled request is a plain decode, nothing waits and nothing is in flight). None
+        may pass its `max_tokens` or the context length inside the burst; room in the KV cache for
+        every decode is taken now, or the step is not a burst. (An EOS or a stop string inside a
+        burst ends the request there; the decodes after it are dropped.)"""
+        limit = self.config.num_scheduler_steps
+        if limit <= 1 or self.waiting or self.skipped_waiting or self.in_flight:
+            return 1
+        requests = [self.requests[item.request_id] for item in scheduled]
+        for item, request in zip(scheduled, requests, strict=True):
+            if item.num_tokens != 1 or not item.sample or not self._bursts(request):
+                return 1
+            limit = min(limit, request.max_tokens - request.num_output_tokens,
+                        self.config.max_model_len - request.num_tokens)
+        if limit > 1 and all(self.kv.allocate_slots(request, limit) for request in requests):
+            for item, request in zip(scheduled, requests, strict=True):
+                item.block_tables = self.kv.block_tables(request.request_id)
+            return limit
+        return 1  # blocks a request took for the burst stay with it: its next decodes use them
+
+    @staticmethod
+    def _bursts(request: Request) -> bool:
+        """Whether a decoding request may run in a burst: not one whose grammar must see each token
+        before the next is sampled (a burst would sample past its end), not a pooling request."""
+        return request.pooling_params is None and request.sampling_params.structured_outputs is None
+
     def _ask_gates(self, request: Request) -> tuple[Admission, AdmissionGate | None]:
         for gate in self.gates:
             verdict = gate.admit(request)
@@ -467,16 +500,25 @@ class Scheduler:
                 self._finish_pooled(request, update, result)
                 updates.append(update)
                 continue
-            token = result.sampled_token_ids.get(item.request_id)
-            if token is not None:
-                request.append_output_token(token)
-                update.new_token_ids.append(token)
-                if item.request_id in result.logprobs:
-                    update.logprobs.append(result.logprobs[item.request_id])
-                if check_stop(request, self.config.max_model_len):
-                    self.running.remove(request)
-                    self._release(request)
-                    update.finished = True
+            self._take_tokens(request, update, result)
+            if sched_out.num_steps > 1 and not update.finished:  # the burst's later steps computed its tokens
+                request.num_computed_tokens += sched_out.num_steps - 1
+                self.kv.cache_computed_blocks(request)
             if update.new_token_ids or update.prompt_logprobs:
                 updates.append(update)
         return updates
+
+    def _take_tokens(self, request: Request, update: RequestUpdate, result: ModelRunnerOutput) -> None:
+        """The tokens the step sampled for `request`, in order, up to the first that ends it."""
+        rid = request.request_id
+        logprobs = result.logprobs.get(rid)
+        for i, token in enumerate(result.sampled_token_ids.get(rid, ())):
+            request.append_output_token(token)
+            update.new_token_ids.append(token)
+            if logprobs is not None:
+                update.logprobs.append(logprobs[i])
+            if check_stop(request, self.config.max_model_len):
+                self.running.remove(request)
+                self._release(request)
+                update.finished = True
+                return

@@ -103,6 +103,26 @@ class StepSample:
             self._read = read
         return self._read
 
+    def read_all(self) -> dict[str, list[tuple[int, TokenLogprobs | None]]]:
+        """`read()`, as `PendingSample` gives it: a list of one per request."""
+        return {rid: [sampled] for rid, sampled in self.read().items()}
+
+
+class BurstSample:
+    """A decode burst's samples (`PendingSample`): each request's tokens, step after step. The
+    copies to the host run in order on one stream, so the last one's event marks them all done."""
+
+    def __init__(self, samples: list[StepSample]) -> None:
+        self.samples = samples
+        self.stream = samples[-1].stream
+
+    def read_all(self) -> dict[str, list[tuple[int, TokenLogprobs | None]]]:
+        tokens: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}
+        for sample in self.samples:
+            for rid, sampled in sample.read().items():
+                tokens.setdefault(rid, []).append(sampled)
+        return tokens
+
 
 @dataclass(frozen=True)
 class RankRole:
@@ -175,9 +195,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """One step. A request whose own inputs fail it (while its state is set up, or while it
-        is sampled) is left out and reported in `failed`; only a failure of the forward pass
-        itself, which no request can be blamed for, raises."""
+        """One step (a decode burst's steps, `SchedulerOutput.num_steps`). A request whose own
+        inputs fail it (while its state is set up, or while it is sampled) is left out and reported
+        in `failed`; only a failure of the forward pass itself, which no request can be blamed for,
+        raises."""
+        out = self._execute_one(sched_out)
+        if sched_out.num_steps > 1:
+            self._run_burst(sched_out, out)
+        return out
+
+    def _run_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """The rest of a decode burst after its first step (`out`): the same decodes again, one
+        position on, each input the token the step before sampled, read on the device as async
+        scheduling's placeholders are (`_fill_placeholders`). `out` then carries every step's sample."""
+        samples = [out.pending] if isinstance(out.pending, StepSample) else []
+        for i in range(1, sched_out.num_steps):
+            live = [s for s in sched_out.scheduled if s.request_id not in out.failed]
+            if not live:
+                break
+            step = self._execute_one(SchedulerOutput(scheduled=[
+                ScheduledRequest(s.request_id, [PLACEHOLDER_TOKEN], s.start_position + i, s.block_tables, sample=True)
+                for s in live]))
+            out.failed.update(step.failed)
+            if isinstance(step.pending, StepSample):
+                samples.append(step.pending)
+        if samples:
+            out.pending = BurstSample(samples)
+
+    def _execute_one(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         self._update_states(sched_out, out.failed)
         for mm_hash in sched_out.freed_encoder_hashes:
@@ -438,7 +483,8 @@ class ModelRunner:
                 except Exception as exc:
                     out.failed[rid] = f"{type(exc).__name__}: {exc}"
         if groups:
-            self._in_flight = out.pending = StepSample(groups, self._copy_stream)
+            self._in_flight = StepSample(groups, self._copy_stream)
+            out.pending = self._in_flight
 
     def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """For each prompt position p in the chunk, the logprob of prompt token p + 1."""

@@ -9,9 +9,10 @@ count is right for both, and no OpenMP wait policy rescues two threads (measured
 
 So the count is measured, not guessed: steps run at the current count, and every so often a few
 steps run at one thread fewer or one more (alternately, within 1..`max_threads`). Probe steps are
-compared with the current count's recent steps of the same shape (tokens in the step); when the
-probe is faster by more than `margin`, it becomes the current count. A probe that loses makes the
-next one come later, so a steady machine pays little for the probing. What a losing probe costs
+compared with the current count's recent steps of the same shape (tokens in the step, and the
+decodes of a burst); when the probe is faster by more than `margin`, it becomes the current
+count. A probe that loses makes the next one come later, so a steady machine pays little for the
+probing. What a losing probe costs
 decides how much later: a probe step that takes several times the current count's ends its
 probe at once (two threads beside a busy neighbour lost 30-100x in served runs: one OpenMP
 barrier waits out the neighbour's time slice), and the next probe waits until the steps between
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Hashable
 
 RECENT_STEPS = 8  # step times kept per step shape at the current count
 HOPELESS = 2.0  # a probe step this many times slower than the current count's ends its probe
@@ -54,8 +56,8 @@ class ThreadTuner:
         self.last_probe: tuple[int, float | None] = (self.threads, None)  # (count, its time / the current's)
         self._until_probe = min_interval
         self._probing: int | None = None  # the count being probed
-        self._probe_times: dict[int, list[float]] = {}
-        self._recent: dict[int, deque[float]] = {}  # step shape -> recent seconds at the current count
+        self._probe_times: dict[Hashable, list[float]] = {}
+        self._recent: dict[Hashable, deque[float]] = {}  # step shape -> recent seconds at the current count
         self._next_direction = -1  # fewer threads first: contention is the common reason to move
 
     def next_threads(self) -> int:
@@ -65,8 +67,8 @@ class ThreadTuner:
             self._probe_times = {}
         return self._probing if self._probing is not None else self.threads
 
-    def record(self, threads: int, shape: int, seconds: float) -> None:
-        """A step of `shape` (its tokens) ran `seconds` with `threads`."""
+    def record(self, threads: int, shape: Hashable, seconds: float) -> None:
+        """A step of `shape` (what makes steps comparable: its tokens, say) ran `seconds` with `threads`."""
         self.steps += 1
         if self._probing is not None and threads == self._probing:
             self._probe_times.setdefault(shape, []).append(seconds)

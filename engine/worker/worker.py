@@ -446,7 +446,7 @@ class Worker:
         started = time.perf_counter()
         output = self.runner.execute(sched_out)
         before = tuner.threads
-        tuner.record(threads, sched_out.total_num_tokens, time.perf_counter() - started)
+        tuner.record(threads, (sched_out.total_num_tokens, sched_out.num_steps), time.perf_counter() - started)
         if tuner.threads != before:
             logger.info("compute threads %d -> %d: steps took %.2fx the time with %d", before, tuner.threads,
                         tuner.last_probe[1] or 0.0, tuner.threads)

@@ -1,0 +1,174 @@
+"""Decode bursts (vLLM v0's multi-step scheduling, `num_scheduler_steps`): while every running
+request decodes and none waits, one step runs several decodes back to back in the worker, each
+fed the token the one before sampled (engine/sched/scheduler.py `_burst`, engine/worker/model_runner.py
+`_run_burst`). The tokens are the one-step engine's; only how many arrive per output changes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+
+from engine import EngineConfig, open_engine
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sched.block_manager import KVBlockManager
+from engine.sched.output import ModelRunnerOutput
+from engine.sched.request import RequestStatus
+from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.testing import FakeExecutor
+from tests.conftest import engine_config
+from tests.helpers import greedy
+from tests.test_scheduler import make_request
+
+PROMPTS = [[5, 6, 7], list(range(40, 100)), [9] * 20, [11, 12]]
+
+
+def burst_scheduler(steps=8, num_blocks=64, max_model_len=256):
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=max_model_len,
+                             num_scheduler_steps=steps)
+    return Scheduler(config, KVBlockManager(num_blocks, 4))
+
+
+def land(sched, out, tokens):
+    """The step's output: `tokens` (a list per step of the burst) for each request it sampled."""
+    result = ModelRunnerOutput(sampled_token_ids={s.request_id: list(tokens[:out.num_steps])
+                                                  for s in out.scheduled if s.sample})
+    return sched.update_from_output(out, result)
+
+
+def test_a_prompt_step_is_never_a_burst_and_decodes_burst_up_to_max_tokens():
+    sched = burst_scheduler(steps=8)
+    sched.add_request(make_request("a", n_prompt=6, max_tokens=11))
+    prompt = sched.schedule()
+    assert prompt.num_steps == 1
+    land(sched, prompt, [50])
+    burst = sched.schedule()
+    assert burst.num_steps == 8 and burst.scheduled[0].token_ids == [50] and burst.scheduled[0].start_position == 6
+    request = sched.requests["a"]
+    assert sum(len(t) for t in burst.scheduled[0].block_tables) * 4 >= 6 + 8  # room for every decode of it
+    [update] = land(sched, burst, range(60, 68))
+    assert update.new_token_ids == list(range(60, 68)) and request.num_computed_tokens == 14
+    last = sched.schedule()
+    assert last.num_steps == 2  # 9 tokens so far: 2 left of max_tokens, never more
+    [update] = land(sched, last, [70, 71])
+    assert update.finished and request.status == RequestStatus.FINISHED_LENGTH
+    assert sched.kv.num_free_blocks == 64
+
+
+def test_an_eos_inside_a_burst_ends_the_request_there_and_drops_the_rest():
+    sched = burst_scheduler(steps=4)
+    sched.add_request(make_request("a", n_prompt=4, max_tokens=20, eos_token_ids=(3,)))
+    land(sched, sched.schedule(), [50])
+    burst = sched.schedule()
+    [update] = land(sched, burst, [51, 3, 52, 53])
+    assert update.new_token_ids == [51, 3] and update.finished
+    assert "a" not in sched.requests and sched.kv.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("why", ["waiting", "structured", "context", "blocks"])
+def test_no_burst_when_a_request_waits_needs_its_grammar_or_lacks_room(why):
+    sched = burst_scheduler(steps=8, num_blocks=3 if why == "blocks" else 64,
+                            max_model_len=11 if why == "context" else 256)
+    params = {"structured_outputs": object()} if why == "structured" else {}
+    sched.add_request(make_request("a", n_prompt=8, max_tokens=20, **params))
+    land(sched, sched.schedule(), [50])
+    if why == "waiting":  # and cannot be scheduled: the budget is gone after a's decode
+        sched.add_request(make_request("b", n_prompt=60, max_tokens=4))
+        sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=1)
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert out.num_steps == (2 if why == "context" else 1)  # 9 tokens of a context of 11: two more at most
+    land(sched, out, [60, 61])
+
+
+async def _run(config: EngineConfig, params: list[SamplingParams]) -> tuple[list[list[int]], list[int], int, list]:
+    tokens: dict[int, list[int]] = {}
+    outputs: dict[int, int] = {}
+    logprobs: dict[int, list] = {}
+    async with open_engine(config) as engine:
+        async def run(i: int) -> None:
+            got = [o async for o in engine.generate(PROMPTS[i], params[i])]
+            tokens[i] = [t for o in got for t in o.outputs[0].token_ids]
+            outputs[i] = len(got)
+            entries = [entry for o in got for entry in o.outputs[0].logprobs or ()]
+            logprobs[i] = [{t: e.logprob for t, e in entry.items()} for entry in entries]
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(run, i)
+        steps = engine.core.num_steps
+    return ([tokens[i] for i in range(len(PROMPTS))], [outputs[i] for i in range(len(PROMPTS))], steps,
+            logprobs[1])
+
+
+@pytest.mark.parametrize("executor", ["inproc", "mp"])
+async def test_bursts_give_the_one_step_engines_tokens_and_logprobs(tiny_model_dir, executor):
+    """Greedy, seeded sampling with logprobs and a penalty (which read the tokens sampled inside the
+    burst), a stop token met mid-burst and max_tokens of 1: the tokens of the engine that runs one
+    decode per step, in fewer steps and fewer outputs."""
+    delta = RequestOutputKind.DELTA
+    params = [greedy(12, ignore_eos=True, output_kind=delta),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True, logprobs=2,
+                             presence_penalty=1.5, output_kind=delta),
+              greedy(1, ignore_eos=True, output_kind=delta), greedy(9, ignore_eos=True, output_kind=delta)]
+    want, want_outputs, want_steps, want_logprobs = await _run(engine_config(tiny_model_dir), params)
+    params[0] = greedy(12, ignore_eos=True, stop_token_ids=[want[0][5]], output_kind=delta)  # its sixth token
+    want[0] = want[0][:want[0].index(want[0][5]) + 1]
+    got, outputs, steps, logprobs = await _run(engine_config(tiny_model_dir, num_scheduler_steps=4, executor=executor),
+                                               params)
+    assert got == want
+    assert len(logprobs) == 10 and [list(e) for e in logprobs] == [list(e) for e in want_logprobs]
+    flat = [value for entry in logprobs for value in entry.values()]
+    assert flat == pytest.approx([value for entry in want_logprobs for value in entry.values()], abs=1e-4)
+    assert steps < want_steps and sum(outputs) < sum(want_outputs)
+
+
+async def test_a_stop_string_inside_a_burst_keeps_no_token_after_it(tiny_model_dir):
+    config = engine_config(tiny_model_dir)
+    async with open_engine(config) as engine:
+        plain = [o async for o in engine.generate(PROMPTS[1], greedy(16, ignore_eos=True))][-1].outputs[0]
+    stop = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 2]
+    params = greedy(16, ignore_eos=True, stop=[stop])
+    async with open_engine(config) as engine:
+        want = [o async for o in engine.generate(PROMPTS[1], params)][-1].outputs[0]
+    async with open_engine(engine_config(tiny_model_dir, num_scheduler_steps=8)) as engine:
+        got = [o async for o in engine.generate(PROMPTS[1], params)][-1].outputs[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) < len(plain.token_ids)
+    assert (got.text, list(got.token_ids), got.stop_reason) == (want.text, list(want.token_ids), want.stop_reason)
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+async def test_a_request_that_arrives_during_a_burst_waits_for_it_alone(tiny_model_dir, autojump_clock):
+    """Each decode of the fake executor takes 10 ms (virtual): a request arriving 15 ms into an
+    8-decode burst starts at the burst's end (80 ms), and the steps after it are single decodes
+    while its prompt is scheduled."""
+    executor = FakeExecutor(step_time=0.01)
+    async with open_engine(engine_config(tiny_model_dir, num_scheduler_steps=8), executor=executor) as engine:
+        started: dict[str, float] = {}
+
+        async def run(rid: str, prompt: list[int], max_tokens: int) -> None:
+            async for _ in engine.generate(prompt, greedy(max_tokens, ignore_eos=True), request_id=rid):
+                started.setdefault(rid, trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", [1, 2, 3], 40)
+            await trio.sleep(0.025)  # the prompt's step (10 ms), then 15 ms into the first burst
+            nursery.start_soon(run, "b", [4, 5], 3)
+    steps = [s.num_steps for s in executor.steps]
+    assert steps[:2] == [1, 8]
+    b_prompt = next(i for i, s in enumerate(executor.steps) if any(r.request_id == "b" for r in s.scheduled))
+    assert b_prompt == 2 and started["b"] - started["a"] == pytest.approx(0.08 + 0.01)
+
+
+def test_num_scheduler_steps_is_refused_with_async_scheduling_or_several_workers(tiny_model_dir):
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        EngineConfig(model=tiny_model_dir, num_scheduler_steps=4, async_scheduling=True)
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        EngineConfig(model=tiny_model_dir, num_scheduler_steps=4, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig(model=tiny_model_dir, num_scheduler_steps=0)
+    assert not EngineConfig(model=tiny_model_dir, device="cuda", num_scheduler_steps=4).schedules_async
