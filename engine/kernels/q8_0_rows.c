@@ -8,10 +8,16 @@
  * b]), summed in float32. The output rows are split in `threads` consecutive runs, one per thread:
  * the calling one and threads started for the call (which inherit its CPUs). Each weight row is
  * read once for all the input rows. Written with GCC vector extensions (see causal_attention.c):
- * the compiler picks the machine's vectors (-march=native).
+ * the compiler picks the machine's vectors (-march=native). Where the CPU has AVX-512, the same
+ * sums run on its intrinsics instead: GCC turns the extensions' int8-to-float conversion of a
+ * whole vector into one scalar conversion per lane, and the kernel read 1.3-2 GB/s of weights;
+ * AVX-512's sign extension converts 16 weights in one instruction (7-10 GB/s, one thread).
  */
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include "split_threads.h"
 
@@ -63,7 +69,62 @@ static void row_times(const struct rows_job *job) {
     }
 }
 
+#ifdef __AVX512F__
+/* Sixteen int8 weights as floats. */
+static inline __m512 widen16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+}
+
+/* One block of weight row w times the input row's block x, times the block's scale, added to acc. */
+static inline __m512 block_times(__m512 acc, const float *x, const int8_t *w, float scale) {
+    __m512 high = _mm512_mul_ps(_mm512_loadu_ps(x + 16), widen16(w + 16));
+    __m512 part = _mm512_fmadd_ps(_mm512_loadu_ps(x), widen16(w), high);
+    return _mm512_fmadd_ps(part, _mm512_set1_ps(scale), acc);
+}
+
+/* Every input row (at most MAX_ROWS) against one weight row at a time; one row against four
+ * weight rows at a time, so four independent sums hide the additions' latency. */
+static void rows_times_avx512(const struct rows_job *job) {
+    long blocks = job->k / BLOCK, k = job->k, o = job->first;
+    if (job->rows == 1) {
+        for (; o + 4 <= job->end; o += 4) {
+            const int8_t *w = job->w + o * k;
+            const float *s = job->scales + o * blocks;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (long b = 0; b < blocks; b++) {
+                const float *x = job->x + b * BLOCK;
+                const int8_t *wb = w + b * BLOCK;
+                a0 = block_times(a0, x, wb, s[b]);
+                a1 = block_times(a1, x, wb + k, s[blocks + b]);
+                a2 = block_times(a2, x, wb + 2 * k, s[2 * blocks + b]);
+                a3 = block_times(a3, x, wb + 3 * k, s[3 * blocks + b]);
+            }
+            job->out[o] = _mm512_reduce_add_ps(a0);
+            job->out[o + 1] = _mm512_reduce_add_ps(a1);
+            job->out[o + 2] = _mm512_reduce_add_ps(a2);
+            job->out[o + 3] = _mm512_reduce_add_ps(a3);
+        }
+    }
+    for (; o < job->end; o++) {
+        const int8_t *w = job->w + o * k;
+        const float *s = job->scales + o * blocks;
+        __m512 total[MAX_ROWS];
+        for (long r = 0; r < job->rows; r++)
+            total[r] = _mm512_setzero_ps();
+        for (long b = 0; b < blocks; b++)
+            for (long r = 0; r < job->rows; r++)
+                total[r] = block_times(total[r], job->x + r * k + b * BLOCK, w + b * BLOCK, s[b]);
+        for (long r = 0; r < job->rows; r++)
+            job->out[r * job->n + o] = _mm512_reduce_add_ps(total[r]);
+    }
+}
+#endif
+
 static void rows_times(const struct rows_job *job) {
+#ifdef __AVX512F__
+    rows_times_avx512(job);
+    return;
+#endif
     if (job->rows == 1) {
         row_times(job);
         return;

@@ -445,8 +445,11 @@ class Worker:
             torch.set_num_threads(threads)
         started = time.perf_counter()
         output = self.runner.execute(sched_out)
-        before = tuner.threads
+        before, probe = tuner.threads, tuner.last_probe
         tuner.record(threads, (sched_out.total_num_tokens, sched_out.num_steps), time.perf_counter() - started)
+        if tuner.last_probe is not probe:
+            logger.debug("probed %d compute threads: steps took %.2fx the time of %d", tuner.last_probe[0],
+                         tuner.last_probe[1] or 0.0, before)
         if tuner.threads != before:
             logger.info("compute threads %d -> %d: steps took %.2fx the time with %d", before, tuner.threads,
                         tuner.last_probe[1] or 0.0, tuner.threads)
