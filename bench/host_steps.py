@@ -25,13 +25,13 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 async def measure(model: str, device: str, dtype: str | None, spec: BenchSpec, rounds: int, eager: bool,
-                  tokenizer: str | None = None) -> list[str]:
+                  tokenizer: str | None = None, num_scheduler_steps: int = 1, stream: bool = False) -> list[str]:
     config = EngineConfig(model=model, tokenizer=tokenizer, device=device, dtype=dtype or "auto",
-                          max_num_seqs=spec.concurrency,
+                          max_num_seqs=spec.concurrency, num_scheduler_steps=num_scheduler_steps,
                           executor="inproc", enforce_eager=eager,
                           kv_cache_memory_bytes=None if device.startswith("cuda") else 1 << 30)
     params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+                            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     lines = []
     async with open_engine(config) as engine:
         core = engine.core
@@ -60,9 +60,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode bursts of up to N (default 1)")
+    parser.add_argument("--stream", action="store_true",
+                        help="an output per step, as a streaming server publishes (default: only the final one)")
     args = parser.parse_args()
     spec = BenchSpec(args.prompts, args.input_len, args.output_len, args.prompts)
-    trio.run(measure, args.model, args.device, args.dtype, spec, args.rounds, args.enforce_eager, args.tokenizer)
+    trio.run(measure, args.model, args.device, args.dtype, spec, args.rounds, args.enforce_eager, args.tokenizer,
+             args.num_scheduler_steps, args.stream)
 
 
 if __name__ == "__main__":
