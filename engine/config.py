@@ -20,7 +20,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spelli
 _POLICIES = ("fcfs", "priority")
 _EXECUTORS = ("inproc", "mp", "ray")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.prefix_hash.HASH_ALGOS
-QUANTIZATIONS = ("int8", "w8a8", "int4", "q8_0")
+QUANTIZATIONS = ("int8", "w8a8", "int4", "q8_0", "q4_0")
 TRUST_REMOTE_CODE_REFUSED = ("trust_remote_code: trio-llm runs no code from model directories; it loads the "
                              "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
                              "LLaVA, BERT and its cross-encoders, ColBERT) from their weights")
@@ -593,15 +593,17 @@ class EngineConfig:
         choices=["mp", "ray", "uni", "inproc"],
         from_cli=_executor_from_cli)
     # Quantized linear layers, quantized at load (vLLM's --quantization): "int8" (weight-only), "w8a8"
-    # (activations quantized per row too), "int4" (weight-only, groups of 32) or "q8_0" (int8 with a
-    # scale per block of 32, GGUF's Q8_0); None: as stored (a Q8_0 GGUF file keeps its blocks as
-    # q8_0, a file of other block formats runs as int8 unless this says otherwise).
+    # (activations quantized per row too), "int4" (weight-only, groups of 32), "q8_0" (int8 with a
+    # scale per block of 32, GGUF's Q8_0) or "q4_0" (4-bit steps with a scale per block of 32, GGUF's
+    # Q4_0); None: as stored (a GGUF file's Q8_0 and Q4_0 tensors keep their blocks as q8_0 and q4_0,
+    # tensors of other block formats run as int8 unless this says otherwise).
     # engine/models/quantized_linear.py.
     quantization: str | None = flag(
         "quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
-        "activations quantized per row at run time too, int4 weight-only in groups of 32, or q8_0: "
-        "int8 with a scale per block of 32 (default: as stored; a Q8_0 GGUF file keeps its blocks as "
-        "q8_0, other block formats run as int8)",
+        "activations quantized per row at run time too, int4 weight-only in groups of 32, q8_0: "
+        "int8 with a scale per block of 32, or q4_0: 4-bit steps with a scale per block of 32 (default: "
+        "as stored; a GGUF file's Q8_0 and Q4_0 tensors keep their blocks, other block formats run as "
+        "int8)",
         default=None,
         names=("--quantization", "-q",),
         metavar="{" + ",".join(QUANTIZATIONS) + "}")

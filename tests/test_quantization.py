@@ -57,7 +57,7 @@ def logits(decoder, prompt: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize(("method", "tolerance", "share"), [
     ("int8", INT8_TOLERANCE, 0.35), ("w8a8", INT8_TOLERANCE, 0.35), ("int4", INT4_TOLERANCE, 0.25),
-    ("q8_0", INT8_TOLERANCE, 0.35)])
+    ("q8_0", INT8_TOLERANCE, 0.35), ("q4_0", INT4_TOLERANCE, 0.25)])
 def test_quantized_logits_stay_within_tolerance_of_the_float_model(reference, method, tolerance, share):
     path, _ = reference
     float_model, quantized = load_decoder(path, "float32"), load_decoder(path, "float32", quantization=method)
@@ -111,6 +111,59 @@ async def test_a_gguf_file_generates_what_its_checkpoint_does(reference, tmp_pat
         kept, rounded_again = (logits(q8, prompt) - want).abs().max(), (logits(requantized, prompt) - want).abs().max()
         # the file's weights (eagerly in bfloat16, as int8's kernel runs), not rounded again per row
         assert kept < rounded_again, (kept, rounded_again)
+
+
+def test_a_q4_0_file_keeps_its_steps_and_scales(reference, tmp_path):
+    """A Q4_0 file's layers run as q4_0 by default, on steps and scales recovered exactly from its
+    dequantized weights: they are the file's own bytes (each block a float16 scale, then 32 4-bit
+    steps, two to a byte: the block's first 16 in the low halves)."""
+    from engine.models.gguf_file import gguf_reader
+    from engine.models.quantized_linear import q4_0_steps
+
+    path, _ = reference
+    q4_file = export_gguf(path, tmp_path / "model-q4.gguf", "Q4_0")
+    model = load_decoder(q4_file, "float32")
+    assert {m.qmethod for m in model.modules() if isinstance(m, Linear) and m.qweight is not None} == {"q4_0"}
+    tensor = next(t for t in gguf_reader(str(q4_file)).tensors if t.name == "blk.0.ffn_down.weight")
+    raw = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, 18)
+    scales = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    packed = torch.from_numpy(raw[..., 2:].copy()).to(torch.int32)
+    stored = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(raw.shape[0], -1)
+    dequantized = dict(gguf_weights(q4_file, gguf_config(q4_file)))["model.layers.0.mlp.down_proj.weight"]
+    steps, recovered = q4_0_steps(dequantized)
+    assert torch.equal(steps, stored) and torch.equal(recovered, scales)
+    # What the file means, in float32: its weights dequantized, as a checkpoint of their own. The
+    # file's steps run with bfloat16 rows and scales: within int8's tolerance of that.
+    as_stored = tmp_path / "as-stored"
+    as_stored.mkdir()
+    shutil.copy(path / "config.json", as_stored)
+    save_file({name: t.contiguous() for name, t in gguf_weights(q4_file, gguf_config(q4_file))},
+              str(as_stored / "model.safetensors"))
+    file_model = load_decoder(as_stored, "float32")
+    for prompt in PROMPTS:
+        want = logits(file_model, prompt)
+        assert (logits(model, prompt) - want).abs().max() <= INT8_TOLERANCE * want.abs().max()
+
+
+def test_a_gguf_files_layers_keep_their_own_formats_and_mixed_ones_run_as_int8(reference):
+    """Per layer: all Q4_0 -> q4_0, all Q8_0 -> q8_0; a layer fused from two formats (q, k, v in
+    one) or of another format -> int8."""
+    from engine.models.loader import file_block_methods
+
+    path, _ = reference
+    model = load_decoder(path, "float32")
+    layer = "model.layers.0."
+    formats = {layer + "self_attn.q_proj.weight": "Q4_0", layer + "self_attn.k_proj.weight": "Q6_K",
+               layer + "self_attn.v_proj.weight": "Q4_0", layer + "mlp.gate_proj.weight": "Q4_0",
+               layer + "mlp.up_proj.weight": "Q4_0", layer + "mlp.down_proj.weight": "Q8_0",
+               layer + "self_attn.o_proj.weight": "Q5_K"}
+    methods = file_block_methods(model, formats)
+    fused = {name for name, _ in model.named_modules() if name.startswith("layers.0.")}
+    assert set(methods) == {"q4_0", "q8_0", "int8"}
+    assert {m for group in methods.values() for m in group} <= fused
+    assert methods["q8_0"] == {"layers.0.mlp.down_proj"}
+    assert methods["int8"] == {"layers.0.qkv_proj", "layers.0.o_proj"}
+    assert methods["q4_0"] == {"layers.0.mlp.gate_up_proj"}
 
 
 def _q8_0_blocks(path, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,33 +105,56 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
         model = DecoderForCausalLM(cfg, torch_dtype, device, tp, experts, stage)  # uninitialised: weights next
     except ValueError as exc:  # a dimension tensor parallelism cannot split
         raise ModelLoadError(str(exc)) from None
-    if is_gguf(model_dir) and quantization is None:
-        quantized = set(block_formats(model_dir))  # only what the file quantized: its float tensors stay float
     with torch.no_grad():
         model.load_weights(weights)
-        method = resolve_quantization(quantization, model_dir, scheme.method if scheme else None)
-        model.quantize_linears(method, model.linears_of(quantized) if quantization is None and quantized else None)
+        if is_gguf(model_dir) and quantization is None:  # only what the file quantized, each as its blocks say
+            for kept, linears in file_block_methods(model, block_formats(model_dir)).items():
+                model.quantize_linears(kept, linears)
+        else:
+            method = resolve_quantization(quantization, model_dir, scheme.method if scheme else None)
+            model.quantize_linears(method, model.linears_of(quantized) if quantization is None and quantized else None)
     model.setup_rope(max_positions or cfg.max_position_embeddings)
     model.pack_linears()
     return model.eval()
 
 
+# GGUF block formats a linear layer keeps as they are (their steps exact), by our method's name.
+BLOCKWISE = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
+
+
+def file_block_methods(model: DecoderForCausalLM, formats: dict[str, str]) -> dict[str, set[str]]:
+    """For a GGUF file's quantized tensors (HF name -> GGML type): method -> our linear layers it
+    quantizes. A layer whose tensors are all Q8_0, or all Q4_0, keeps their blocks (q8_0, q4_0);
+    a layer of any other format, or fused from tensors of two formats, runs as int8 (one scale per
+    row: rounded again, which the log says)."""
+    kinds: dict[str, set[str]] = {}
+    for hf_name, kind in formats.items():
+        for linear in model.linears_of({hf_name}):
+            kinds.setdefault(linear, set()).add(kind)
+    methods: dict[str, set[str]] = {}
+    for linear, found in kinds.items():
+        methods.setdefault(BLOCKWISE.get(found.pop(), "int8") if len(found) == 1 else "int8", set()).add(linear)
+    if "int8" in methods:
+        others = sorted({kind for kind in formats.values() if kind not in BLOCKWISE} or set(formats.values()))
+        logger.info("the GGUF file's %s blocks are requantized as int8, one scale per weight row: rounded again, "
+                    "less faithful than the file", "/".join(others))
+    return methods
+
+
 def resolve_quantization(requested: str | None, model_dir: Path, stored: str | None) -> str | None:
     """The quantization to run: `requested` (--quantization), else the checkpoint's own (`stored`:
-    a compressed-tensors scheme), else for a GGUF file of quantized tensors (dequantized at load)
-    q8_0 when they are all Q8_0 (its blocks kept) and int8 otherwise, else none. Running a GGUF
-    file's blocks as one scale per row rounds its weights again: the log says so."""
+    a compressed-tensors scheme), else none. (A GGUF file's quantized tensors, without a request,
+    keep their formats: `file_block_methods`.) Running a GGUF file's blocks as another method
+    rounds its weights again: the log says so."""
     if requested not in (None, *QUANTIZATIONS):
         raise ModelLoadError(f"unsupported quantization {requested!r}; supported: {', '.join(QUANTIZATIONS)}")
-    if requested is None and stored is not None:
+    if requested is None:
         return stored
     formats = set(block_formats(model_dir).values()) if is_gguf(model_dir) else set()
-    method = requested or (("q8_0" if formats == {"Q8_0"} else "int8") if formats else None)
-    if formats and method not in ("q8_0", "int4"):
-        logger.info("the GGUF file's %s blocks are requantized as %s, one scale per weight row: rounded again, "
-                    "less faithful than the file%s", "/".join(sorted(formats)), method,
-                    " (--quantization q8_0 keeps its blocks)" if formats == {"Q8_0"} else "")
-    return method
+    if formats and {BLOCKWISE.get(kind) for kind in formats} != {requested}:
+        logger.info("the GGUF file's %s blocks are requantized as %s: rounded again, less faithful than the "
+                    "file", "/".join(sorted(formats)), requested)
+    return requested
 
 
 def weight_scales(files: list[Path]) -> dict[str, torch.Tensor]:

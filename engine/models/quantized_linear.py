@@ -34,6 +34,8 @@ prompts (many rows) amortise and a batch of decodes pays each step.
 minimum and maximum, run by `aten._weight_int4pack_mm_for_cpu` (bfloat16 activations). It is the
 fastest at one row (the 0.5B shape's LM head: 3.8 ms against 8.2 for int8) and slower than w8a8
 from a few rows on (26 against 14 ms at 16), and it rounds more (a few percent of a logit).
+`q4_0` is the same kernel on llama.cpp's Q4_0 blocks (a scale per 32, no zero point): the default
+for a GGUF file's Q4_0 tensors, whose steps it keeps exactly.
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ def can_quantize(weight: torch.Tensor, method: str = "int8") -> bool:
         return False
     if method == "q8_0":
         return weight.shape[1] % Q8_0_BLOCK == 0
-    return method != "int4" or (weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % INT4_ROW_BLOCK == 0)
+    return method not in ("int4", "q4_0") or (weight.shape[1] % INT4_GROUP == 0
+                                              and weight.shape[0] % INT4_ROW_BLOCK == 0)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,6 +221,31 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
 
 
+def q4_0_steps(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_0 of `weight` [N, K]: (steps [N, K] in 0..15, int32; float32 scales [N, K / 32])
+    with w = (step - 8) * scale. Per block of 32 features of a row the scale is the block's
+    largest-magnitude weight / -8 and a step trunc(w / scale + 8.5) capped at 15, as ggml computes
+    them. On a Q4_0 file's dequantized weights this gives back the file's steps and scales exactly:
+    its largest-magnitude weight is step 0, -8 times the scale."""
+    rows, features = weight.shape
+    blocks = weight.detach().float().reshape(rows, features // INT4_GROUP, INT4_GROUP)
+    peak = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
+    scales = peak / -8
+    inverse = torch.where(scales == 0, torch.zeros_like(scales), 1 / scales)
+    steps = torch.trunc(blocks * inverse + 8.5).clamp(0, 15).to(torch.int32).reshape(rows, features)
+    return steps, scales.squeeze(-1)
+
+
+def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q4_0_steps` in `quantize_int4`'s layout (the kernel's (step - 8) * scale + zero, with zero
+    0). The scales, float16 in a Q4_0 file, are held in bfloat16, as the kernel takes them with
+    bfloat16 rows (a relative change of at most 2^-9; its float32 path is ~35x slower)."""
+    steps, scales = q4_0_steps(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(steps, 2)
+    scales_and_zeros = torch.stack([scales.t(), torch.zeros_like(scales).t()], dim=-1)
+    return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + bias` with W in `quantize_int4`'s layout, in x's dtype."""
@@ -227,15 +255,18 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return y if bias is None else y + bias
 
 
-QUANTIZED_MATMULS = {"int8": int8_linear, "w8a8": w8a8_linear, "int4": int4_linear, "q8_0": q8_0_linear}
+QUANTIZED_MATMULS = {"int8": int8_linear, "w8a8": w8a8_linear, "int4": int4_linear, "q8_0": q8_0_linear,
+                     "q4_0": int4_linear}
 
 
 def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, scales) of `weight` [N, K] as `QUANTIZED_MATMULS[method]` takes them: int8 rows with
     float32 scales (w8a8) or scales in the kernel's dtype (int8); int8 rows with a float32 scale per
-    block of 32 (q8_0); packed 4-bit groups with their scales and zero points (int4)."""
+    block of 32 (q8_0); packed 4-bit groups with their scales and zero points (int4, q4_0)."""
     if method == "int4":
         return quantize_int4(weight)
+    if method == "q4_0":
+        return quantize_q4_0(weight)
     if method == "q8_0":
         return quantize_per_block(weight)
     rows, scales = quantize_per_channel(weight)

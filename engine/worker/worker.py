@@ -229,7 +229,7 @@ class Worker:
         per_block = self.model.num_kv_caches * element_size * sum(
             math.prod(shape) for shape in self.model.kv_cache_shapes(self.config.block_size))
         quantized = [m for m in self.model.modules() if isinstance(m, Linear) and m.qweight is not None]
-        quantization = quantized[0].qmethod if quantized else None
+        quantization = "+".join(sorted({str(m.qmethod) for m in quantized})) or None  # a GGUF file may mix
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes,
