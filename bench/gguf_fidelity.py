@@ -1,14 +1,16 @@
-"""`trio-llm bench gguf-fidelity`: how faithfully each side runs one Q8_0 GGUF file, as the greedy
-tokens of the float model they keep.
+"""`trio-llm bench gguf-fidelity`: how faithfully each side runs one Q8_0 (or Q4_0) GGUF file, as
+the greedy tokens of the float model they keep.
 
 One HF checkpoint; its Q8_0 file made by llama.cpp's own converter (`convert_hf_to_gguf.py`, from
-the sources `../shared/tools/llama-server` builds); the reference is transformers' float32 greedy
+the sources `../shared/tools/llama-server` builds), or with `--type Q4_0` its float32 file made by
+the converter and quantized by llama.cpp's `llama-quantize` with its defaults (which keep the LM
+head in Q6_K, as users' Q4_0 files have it); the reference is transformers' float32 greedy
 continuation of each prompt from the checkpoint. Each side then runs the file on the same prompts
 (token ids, so no tokenizer stands between them) for the same number of greedy tokens, and a
 prompt's figure is how many leading tokens equal the reference's (past the first difference the
 sequences part, whatever follows). Sides: llama.cpp's own server (`llama-server`, which computes
-Q8_0 x Q8_0: activations rounded to int8 per block of 32), trio-llm's default for the file (`q8_0`:
-the file's blocks; run eagerly with the prompts together, its products are the many-row path's,
+Q8_0 x Q8_0: activations rounded to int8 per block of 32), trio-llm's default for the file (`q8_0`
+or `q4_0`: the file's blocks; run eagerly with the prompts together, its products are the many-row path's,
 in bfloat16) and trio-llm's `--quantization int8` (the blocks requantized to one scale per row).
 Greedy decoding is deterministic, so one run is the figure; the prompts are passages of the
 engine's corpus (engine/data/corpus.txt).
@@ -28,6 +30,7 @@ from bench import http
 from bench.side_by_side import served
 from bench.together import tokens_together
 from engine import EngineConfig, open_engine
+from engine.models.gguf_file import block_formats
 from engine.sampling_params import SamplingParams
 
 CORPUS = Path(__file__).resolve().parent.parent / "engine" / "data" / "corpus.txt"
@@ -44,17 +47,29 @@ def no_sentencepiece_model(self):
     raise FileNotFoundError("tokenizer.model")
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 TextModel._set_vocab_sentencepiece = no_sentencepiece_model
-sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", "q8_0"]
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
 convert.main()
 """
 
 
-def convert_q8_0(model_dir: str, out: Path, llama_dir: Path) -> Path:
-    """The checkpoint as a Q8_0 GGUF file, by llama.cpp's converter."""
+def convert_q8_0(model_dir: str, out: Path, llama_dir: Path, outtype: str = "q8_0") -> Path:
+    """The checkpoint as a Q8_0 GGUF file (or `outtype`'s), by llama.cpp's converter."""
     vendored = llama_dir / "src" / "vendor" / "llama.cpp"
     script = CONVERT.format(gguf_py=str(vendored / "gguf-py"), converter_dir=str(vendored), model=model_dir,
-                            out=str(out))
+                            out=str(out), outtype=outtype)
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    return out
+
+
+def convert(model_dir: str, workdir: Path, llama_dir: Path, qtype: str) -> Path:
+    """The checkpoint as a `qtype` GGUF file made by llama.cpp's tools: Q8_0 by its converter, Q4_0
+    by `llama-quantize` (its defaults) from the converter's float32 file."""
+    if qtype == "Q8_0":
+        return convert_q8_0(model_dir, workdir / "model-q8_0.gguf", llama_dir)
+    f32 = convert_q8_0(model_dir, workdir / "model-f32.gguf", llama_dir, "f32")
+    out = workdir / f"model-{qtype.lower()}.gguf"
+    subprocess.run([str(llama_dir / "build" / "bin" / "llama-quantize"), str(f32), str(out), qtype], check=True,
+                   capture_output=True, text=True)
     return out
 
 
@@ -114,20 +129,23 @@ def kept(reference_tokens: list[int], tokens: list[int]) -> int:
                 min(len(reference_tokens), len(tokens)))
 
 
-def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: int, threads: int, port: int) -> str:
+def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: int, threads: int, port: int,
+        qtype: str = "Q8_0") -> str:
     workdir = Path(tempfile.mkdtemp(prefix="trio-llm-fidelity-"))
-    gguf = convert_q8_0(model_dir, workdir / "model-q8_0.gguf", llama_dir)
+    gguf = convert(model_dir, workdir, llama_dir, qtype)
+    formats = "/".join(sorted(set(block_formats(gguf).values())))
     texts = corpus_prompts(model_dir, prompts, prompt_len)
     want = reference(model_dir, texts, tokens)
     sides = {
-        "llama.cpp llama-server (Q8_0 x Q8_0)": trio.run(llama_cpp, gguf, llama_dir / "build" / "bin" / "llama-server",
-                                                          texts, tokens, threads, port),
-        "trio-llm default (q8_0: the file's blocks)": trio.run(ours, gguf, model_dir, texts, tokens, None, threads),
+        f"llama.cpp llama-server ({qtype} x Q8_0)": trio.run(llama_cpp, gguf, llama_dir / "build" / "bin" /
+                                                            "llama-server", texts, tokens, threads, port),
+        "trio-llm default (the file's blocks)": trio.run(ours, gguf, model_dir, texts, tokens, None, threads),
         "trio-llm --quantization int8 (per row)": trio.run(ours, gguf, model_dir, texts, tokens, "int8", threads),
     }
-    lines = [f"{Path(model_dir).name}: Q8_0 file by llama.cpp's convert_hf_to_gguf.py; {prompts} corpus prompts of "
-             f"{prompt_len} tokens; greedy tokens of transformers' float32 model kept, of {tokens}; threads={threads} "
-             f"both sides; trio-llm a float32 model, eager, prompts together",
+    made = "convert_hf_to_gguf.py" if qtype == "Q8_0" else "convert_hf_to_gguf.py (f32) + llama-quantize"
+    lines = [f"{Path(model_dir).name}: {qtype} file ({formats} tensors) by llama.cpp's {made}; {prompts} corpus "
+             f"prompts of {prompt_len} tokens; greedy tokens of transformers' float32 model kept, of {tokens}; "
+             f"threads={threads} both sides; trio-llm a float32 model, eager, prompts together",
              f"{'side':<44}{'kept per prompt':>28}{'mean':>7}"]
     for name, got in sides.items():
         each = [kept(w, g) for w, g in zip(want, got, strict=True)]

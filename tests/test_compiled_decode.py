@@ -563,17 +563,25 @@ def test_the_compile_cache_keeps_the_most_recently_used_packages(tmp_path):
 
 def test_a_model_that_does_not_export_runs_on_torch_compile(tmp_path_factory, tmp_path, monkeypatch, caplog):
     """Export refuses what dynamo takes (a fake refusal here): the graph is compiled by
-    `torch.compile` instead, computes what the eager model does, and nothing is saved."""
+    `torch.compile` instead, computes what the eager model does, and no package is saved: only the
+    note that this graph did not export, so the next start goes to torch.compile at once."""
+    caplog.set_level("INFO", logger="engine.worker.decode_graphs")
     llama, _ = _dense(tmp_path_factory)
+    tries = []
 
     def refuse(*args):
+        tries.append(args[0])
         raise RuntimeError("export refused")
 
     monkeypatch.setattr(precompiled_graph, "compile_and_save", refuse)
     graphs = decode_graphs(llama, tmp_path)
     graphs.compile_all()
     assert "does not export (RuntimeError: export refused)" in caplog.text
-    assert not graphs.loaded_from_disk and not (tmp_path / "decode-graphs").exists()
+    assert not graphs.loaded_from_disk and not list((tmp_path / "decode-graphs").glob("*.pt2"))
+    [note] = (tmp_path / "decode-graphs").iterdir()
+    assert note.name == tries[0].name + ".torch-compile" and "export refused" in note.read_text()
+    decode_graphs(llama, tmp_path).compile_all()
+    assert len(tries) == 1 and "it did not export here before" in caplog.text
     got = decode_step(graphs, 4)
     size = graphs.block_size
     hidden = torch.randn(3, graphs.model.config.hidden_size, generator=torch.Generator().manual_seed(4))

@@ -30,6 +30,7 @@ a restart the compiling but not the tracing. Both live under `cache_dir` (defaul
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -248,6 +249,10 @@ class DecodeGraphs:
         if step is not None:
             self.loaded_from_disk = True
             return step
+        refused = refusal_marker(path) if path is not None else None
+        if refused is not None and refused.exists():  # it did not export or load here before: not again each start
+            logger.info("the decode graph runs on torch.compile: it did not export here before (%s)", refused)
+            return None
         prepare_inductor()
         hidden, positions, *_ = self._scratch_rows(TRACE_ROWS, 8)
         meta = self._metadata(TRACE_ROWS, [], [], [], 8)
@@ -260,6 +265,10 @@ class DecodeGraphs:
         except Exception as exc:  # noqa: BLE001 -- export refuses many things; torch.compile takes them
             logger.warning("the decode graph does not export (%s: %s); compiling it with torch.compile instead",
                            type(exc).__name__, exc)
+            if refused is not None:
+                with contextlib.suppress(OSError):  # without the note the next start tries again: slower, no worse
+                    refused.parent.mkdir(parents=True, exist_ok=True)
+                    refused.write_text(f"{type(exc).__name__}: {exc}\n")
             return None
 
     @property
@@ -395,3 +404,11 @@ class DecodeGraphs:
             torch.tensor(table_rows[0] if one else table_rows, dtype=torch.long, device=self.device),
             torch.tensor([*seq_lens, *[1] * pad], dtype=torch.long, device=self.device),
             self.block_size)
+
+
+def refusal_marker(package: Path) -> Path:
+    """Beside where a graph's package would be: the note that it did not export or load on this
+    machine. Its name carries the package's digest (the model, the shapes, the traced code), so a
+    change of any of them tries the export again. (An int4 or q4_0 model's package compiles and then
+    does not load: without the note every start spent ~35 s compiling it again before torch.compile.)"""
+    return package.with_name(package.name + ".torch-compile")
