@@ -581,7 +581,7 @@ def test_a_model_that_does_not_export_runs_on_torch_compile(tmp_path_factory, tm
     [note] = (tmp_path / "decode-graphs").iterdir()
     assert note.name == tries[0].name + ".torch-compile" and "export refused" in note.read_text()
     decode_graphs(llama, tmp_path).compile_all()
-    assert len(tries) == 1 and "it did not export here before" in caplog.text
+    assert len(tries) == 1 and "it did not export or load here before" in caplog.text
     got = decode_step(graphs, 4)
     size = graphs.block_size
     hidden = torch.randn(3, graphs.model.config.hidden_size, generator=torch.Generator().manual_seed(4))

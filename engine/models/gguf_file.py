@@ -2,11 +2,12 @@
 file's metadata, and its tensors under HF names, dequantized to float32 (`trio-llm serve
 model.gguf --tokenizer HF_DIR`, as vLLM takes them).
 
-Quantized tensors are dequantized once at load. A Q8_0 file's tensors are then quantized back to
-their blocks (`q8_0`: int8 with a scale per 32 weights, which reproduces the file's exactly); other
-block formats (Q4_0, Q4_K, Q6_K, ...) run by default as int8 weight-only, one scale per row
-(engine/models/quantized_linear.py; docs/decisions.md, "Quantized weights"), which the start-up log
-says, since that rounds the file's weights again. llama.cpp stores the Llama family's Q and K rows
+Quantized tensors are dequantized once at load. Q8_0 and Q4_0 tensors are then quantized back to
+their blocks (`q8_0`: int8 with a scale per 32 weights; `q4_0`: 4-bit steps with a scale per 32;
+both reproduce the file's steps exactly); other block formats (Q4_K, Q6_K, ...) run by default as
+int8 weight-only, one scale per row (engine/models/loader.py `file_block_methods`;
+docs/decisions.md, "Quantized weights"), which the start-up log says, since that rounds the file's
+weights again. llama.cpp stores the Llama family's Q and K rows
 permuted for its rotary layout; they are put back in HF order. Anything malformed (a truncated
 file, an unknown quantization type, a tensor of the wrong shape, a header claiming absurd
 counts) is a `ModelLoadError` of one line.

@@ -249,9 +249,7 @@ class DecodeGraphs:
         if step is not None:
             self.loaded_from_disk = True
             return step
-        refused = refusal_marker(path) if path is not None else None
-        if refused is not None and refused.exists():  # it did not export or load here before: not again each start
-            logger.info("the decode graph runs on torch.compile: it did not export here before (%s)", refused)
+        if refused_before(path, "decode"):
             return None
         prepare_inductor()
         hidden, positions, *_ = self._scratch_rows(TRACE_ROWS, 8)
@@ -265,10 +263,7 @@ class DecodeGraphs:
         except Exception as exc:  # noqa: BLE001 -- export refuses many things; torch.compile takes them
             logger.warning("the decode graph does not export (%s: %s); compiling it with torch.compile instead",
                            type(exc).__name__, exc)
-            if refused is not None:
-                with contextlib.suppress(OSError):  # without the note the next start tries again: slower, no worse
-                    refused.parent.mkdir(parents=True, exist_ok=True)
-                    refused.write_text(f"{type(exc).__name__}: {exc}\n")
+            note_refusal(path, exc)
             return None
 
     @property
@@ -406,9 +401,29 @@ class DecodeGraphs:
             self.block_size)
 
 
+
 def refusal_marker(package: Path) -> Path:
     """Beside where a graph's package would be: the note that it did not export or load on this
     machine. Its name carries the package's digest (the model, the shapes, the traced code), so a
-    change of any of them tries the export again. (An int4 or q4_0 model's package compiles and then
-    does not load: without the note every start spent ~35 s compiling it again before torch.compile.)"""
+    change of any of them tries the export again. (An int4 or q4_0 model's packages compile and then
+    do not load: without the note every start spent ~55 s compiling them again on the small Llama.)"""
     return package.with_name(package.name + ".torch-compile")
+
+
+def refused_before(package: Path | None, kind: str) -> bool:
+    """Whether the `kind` graph at `package` did not export or load here before (logged)."""
+    if package is None or not refusal_marker(package).exists():
+        return False
+    logger.info("the %s graph is not exported: it did not export or load here before (%s)", kind,
+                refusal_marker(package))
+    return True
+
+
+def note_refusal(package: Path | None, error: BaseException) -> None:
+    """Remember that the graph at `package` did not export or load (`refused_before`). Without the
+    note the next start tries again: slower, no worse."""
+    if package is None:
+        return
+    with contextlib.suppress(OSError):
+        refusal_marker(package).parent.mkdir(parents=True, exist_ok=True)
+        refusal_marker(package).write_text(f"{type(error).__name__}: {error}\n")

@@ -30,7 +30,7 @@ import torch
 from engine.models.attention import AttentionMetadata, SequenceChunk, attention_step, build_metadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.worker import precompiled_graph
-from engine.worker.decode_graphs import prepare_inductor
+from engine.worker.decode_graphs import note_refusal, prepare_inductor, refused_before
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class StepGraph:
         if step is not None:
             self.loaded_from_disk = True
             return step
+        if refused_before(path, "step"):
+            return None
         prepare_inductor()
         progress("compiling the step graph with AOTInductor (the first start of this model here only)")
         device = self.model.device
@@ -102,6 +104,7 @@ class StepGraph:
         except Exception as exc:  # noqa: BLE001 -- export refuses many things; eager takes them all
             logger.warning("the step graph does not export (%s: %s); prompt chunks run eagerly",
                            type(exc).__name__, exc)
+            note_refusal(path, exc)
             return None
         if not self._agrees_with_eager(step):
             logger.warning("the step graph just compiled disagrees with the model; prompt chunks run eagerly")
