@@ -246,11 +246,31 @@ def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
 
 
+@torch.library.custom_op("trio_llm::int4pack_mm", mutates_args=())
+def int4pack_mm(rows: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """torch's int4 kernel, opaque to inductor. Inductor lowers `_weight_int4pack_mm_for_cpu` with
+    its group size as a tensor constant of the graph's own, which an AOTInductor package whose
+    constants are the model's tensors (passed by reference) cannot be given: the package compiled
+    and then did not load (`KeyError: 'constant50'`), and int4 and q4_0 models ran on
+    `torch.compile`. Called as this op, the exported graph calls the kernel through torch's proxy
+    executor, the group size an argument."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group, scales_and_zeros)
+
+
+@int4pack_mm.register_fake
+def _int4pack_mm_shape(rows: torch.Tensor, packed: torch.Tensor, group: int,
+                       scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], scales_and_zeros.shape[1]))
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + bias` with W in `quantize_int4`'s layout, in x's dtype."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_zeros)
+    if torch.compiler.is_exporting():
+        y = int4pack_mm(rows, packed, INT4_GROUP, scales_and_zeros)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_zeros)
     y = y.reshape(*x.shape[:-1], scales_and_zeros.shape[1]).to(x.dtype)
     return y if bias is None else y + bias
 
