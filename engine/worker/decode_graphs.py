@@ -405,8 +405,8 @@ class DecodeGraphs:
 def refusal_marker(package: Path) -> Path:
     """Beside where a graph's package would be: the note that it did not export or load on this
     machine. Its name carries the package's digest (the model, the shapes, the traced code), so a
-    change of any of them tries the export again. (An int4 or q4_0 model's packages compile and then
-    do not load: without the note every start spent ~55 s compiling them again on the small Llama.)"""
+    change of any of them tries the export again. (An int4 model's packages once compiled and then
+    did not load: without the note every start spent ~55 s compiling them again on the small Llama.)"""
     return package.with_name(package.name + ".torch-compile")
 
 
