@@ -98,19 +98,24 @@ async def test_a_gguf_file_generates_what_its_checkpoint_does(reference, tmp_pat
     down = q8.layers[0].mlp.down_proj
     blocks = _q8_0_blocks(q8_file, "blk.0.ffn_down.weight")
     assert torch.equal(down.qweight, blocks[0]) and torch.equal(down.qscales, blocks[1])
-    # What the file means, in float32: its weights dequantized, as a checkpoint of their own.
-    as_stored = tmp_path / "as-stored"
-    as_stored.mkdir()
-    shutil.copy(path / "config.json", as_stored)
-    save_file({name: t.contiguous() for name, t in gguf_weights(q8_file, gguf_config(q8_file))},
-              str(as_stored / "model.safetensors"))
-    file_model = load_decoder(as_stored, "float32")
+    file_model = file_as_float_model(path, q8_file, tmp_path)
     for prompt in PROMPTS:
         want, near = logits(file_model, prompt), logits(exact, prompt)
         assert (logits(q8, prompt) - near).abs().max() <= INT8_TOLERANCE * near.abs().max()
         kept, rounded_again = (logits(q8, prompt) - want).abs().max(), (logits(requantized, prompt) - want).abs().max()
         # the file's weights (eagerly in bfloat16, as int8's kernel runs), not rounded again per row
         assert kept < rounded_again, (kept, rounded_again)
+
+
+def file_as_float_model(checkpoint, gguf_file, tmp_path):
+    """What a GGUF file means, in float32: its weights dequantized, as a checkpoint of their own
+    (the original checkpoint's config)."""
+    as_stored = tmp_path / "as-stored"
+    as_stored.mkdir()
+    shutil.copy(checkpoint / "config.json", as_stored)
+    save_file({name: t.contiguous() for name, t in gguf_weights(gguf_file, gguf_config(gguf_file))},
+              str(as_stored / "model.safetensors"))
+    return load_decoder(as_stored, "float32")
 
 
 def test_a_q4_0_file_keeps_its_steps_and_scales(reference, tmp_path):
@@ -132,14 +137,8 @@ def test_a_q4_0_file_keeps_its_steps_and_scales(reference, tmp_path):
     dequantized = dict(gguf_weights(q4_file, gguf_config(q4_file)))["model.layers.0.mlp.down_proj.weight"]
     steps, recovered = q4_0_steps(dequantized)
     assert torch.equal(steps, stored) and torch.equal(recovered, scales)
-    # What the file means, in float32: its weights dequantized, as a checkpoint of their own. The
-    # file's steps run with bfloat16 rows and scales: within int8's tolerance of that.
-    as_stored = tmp_path / "as-stored"
-    as_stored.mkdir()
-    shutil.copy(path / "config.json", as_stored)
-    save_file({name: t.contiguous() for name, t in gguf_weights(q4_file, gguf_config(q4_file))},
-              str(as_stored / "model.safetensors"))
-    file_model = load_decoder(as_stored, "float32")
+    # The file's steps run with bfloat16 rows and scales: within int8's tolerance of what it means.
+    file_model = file_as_float_model(path, q4_file, tmp_path)
     for prompt in PROMPTS:
         want = logits(file_model, prompt)
         assert (logits(model, prompt) - want).abs().max() <= INT8_TOLERANCE * want.abs().max()

@@ -24,6 +24,16 @@
 #define BLOCK 32
 #define MAX_ROWS 8 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
 
+struct rows_job {
+    const float *x;
+    const int8_t *w;
+    const float *scales;
+    float *out;
+    long rows, n, k, first, end;
+};
+
+#ifndef __AVX512F__
+/* GCC vector extensions, for any CPU without AVX-512. */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int8_t v8b __attribute__((vector_size(8)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -41,14 +51,6 @@ static inline v8f widen8(const int8_t *p) {
 static inline float sum8(v8f v) {
     return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
 }
-
-struct rows_job {
-    const float *x;
-    const int8_t *w;
-    const float *scales;
-    float *out;
-    long rows, n, k, first, end;
-};
 
 /* One input row: its sums kept in one vector register per weight row. */
 static void row_times(const struct rows_job *job) {
@@ -69,8 +71,32 @@ static void row_times(const struct rows_job *job) {
     }
 }
 
-#ifdef __AVX512F__
-/* Sixteen int8 weights as floats. */
+static void rows_times(const struct rows_job *job) {
+    if (job->rows == 1) {
+        row_times(job);
+        return;
+    }
+    long blocks = job->k / BLOCK;
+    for (long o = job->first; o < job->end; o++) {
+        const int8_t *w = job->w + o * job->k;
+        const float *s = job->scales + o * blocks;
+        v8f total[MAX_ROWS] = {{0}};
+        for (long b = 0; b < blocks; b++) {
+            const int8_t *wb = w + b * BLOCK;
+            v8f w0 = widen8(wb), w1 = widen8(wb + 8), w2 = widen8(wb + 16), w3 = widen8(wb + 24);
+            for (long r = 0; r < job->rows; r++) {
+                const float *xb = job->x + r * job->k + b * BLOCK;
+                v8f part = load8(xb) * w0 + load8(xb + 8) * w1 + load8(xb + 16) * w2 + load8(xb + 24) * w3;
+                total[r] += part * s[b];
+            }
+        }
+        for (long r = 0; r < job->rows; r++)
+            job->out[r * job->n + o] = sum8(total[r]);
+    }
+}
+
+#else
+/* AVX-512 intrinsics. Sixteen int8 weights as floats: */
 static inline __m512 widen16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
 }
@@ -84,7 +110,7 @@ static inline __m512 block_times(__m512 acc, const float *x, const int8_t *w, fl
 
 /* Every input row (at most MAX_ROWS) against one weight row at a time; one row against four
  * weight rows at a time, so four independent sums hide the additions' latency. */
-static void rows_times_avx512(const struct rows_job *job) {
+static void rows_times(const struct rows_job *job) {
     long blocks = job->k / BLOCK, k = job->k, o = job->first;
     if (job->rows == 1) {
         for (; o + 4 <= job->end; o += 4) {
@@ -119,34 +145,6 @@ static void rows_times_avx512(const struct rows_job *job) {
     }
 }
 #endif
-
-static void rows_times(const struct rows_job *job) {
-#ifdef __AVX512F__
-    rows_times_avx512(job);
-    return;
-#endif
-    if (job->rows == 1) {
-        row_times(job);
-        return;
-    }
-    long blocks = job->k / BLOCK;
-    for (long o = job->first; o < job->end; o++) {
-        const int8_t *w = job->w + o * job->k;
-        const float *s = job->scales + o * blocks;
-        v8f total[MAX_ROWS] = {{0}};
-        for (long b = 0; b < blocks; b++) {
-            const int8_t *wb = w + b * BLOCK;
-            v8f w0 = widen8(wb), w1 = widen8(wb + 8), w2 = widen8(wb + 16), w3 = widen8(wb + 24);
-            for (long r = 0; r < job->rows; r++) {
-                const float *xb = job->x + r * job->k + b * BLOCK;
-                v8f part = load8(xb) * w0 + load8(xb + 8) * w1 + load8(xb + 16) * w2 + load8(xb + 24) * w3;
-                total[r] += part * s[b];
-            }
-        }
-        for (long r = 0; r < job->rows; r++)
-            job->out[r * job->n + o] = sum8(total[r]);
-    }
-}
 
 static void *rows_thread(void *job) {
     rows_times(job);

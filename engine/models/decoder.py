@@ -261,7 +261,8 @@ class DecoderForCausalLM(nn.Module):
 
     def quantize_linears(self, method: str | None, only: set[str] | None = None) -> None:
         """Quantization of every linear layer the kernel takes, the LM head included (`method`:
-        "int8" weight-only, "w8a8" or "int4"; None: none), or of the layers named in `only`. Call once the
+        "int8" weight-only, "w8a8", "int4", "q8_0" or "q4_0"; None: none), or of the layers named in
+        `only` (a GGUF file's layers, one call per format). Call once the
         weights are final, before `pack_linears`. An MoE block's router stays in float, as vLLM keeps
         it: tiny, and an error there changes which experts run, not a logit's last digits."""
         if method is None:

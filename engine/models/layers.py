@@ -31,7 +31,7 @@ class LinearMethod(Protocol):
 
     @property
     def name(self) -> str:
-        """What it is, for logs and tests: "unquantized", "packed", "int8", "w8a8" or "int4"."""
+        """What it is, for logs and tests: "unquantized", "packed", or a quantization method's name."""
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The layer's product of `x` (without LoRA deltas: `WithLoRA` adds those)."""
@@ -64,8 +64,8 @@ class Packed:
 @dataclass(frozen=True)
 class Quantized:
     """Quantized rows and their scales (`layer.qweight`, `layer.qscales`), multiplied by the
-    method's kernel: "int8" weight-only, "w8a8" with activations quantized per row, "int4"
-    (engine/models/quantized_linear.py)."""
+    method's kernel: "int8" weight-only, "w8a8" with activations quantized per row, "int4", "q8_0"
+    or "q4_0" (engine/models/quantized_linear.py `QUANTIZED_MATMULS`)."""
 
     name: str
 
@@ -130,7 +130,7 @@ class Linear(nn.Module):
 
     @property
     def qmethod(self) -> str | None:
-        """"int8", "w8a8" or "int4" once quantized; else None."""
+        """The quantization method's name ("int8", "w8a8", "int4", "q8_0", "q4_0") once quantized; else None."""
         base = self.method.inner if isinstance(self.method, WithLoRA) else self.method
         return base.name if isinstance(base, Quantized) else None
 
@@ -141,7 +141,7 @@ class Linear(nn.Module):
 
     def quantize(self, method: str = "int8", keep_weight: bool = False) -> bool:
         """Store the weight quantized as `method` ("int8" weight-only, "w8a8" with activations
-        quantized per row too, "int4"; engine/models/quantized_linear.py) where its kernel takes the
+        quantized per row too, "int4", "q8_0", "q4_0"; engine/models/quantized_linear.py) where its kernel takes the
         weight's shape; returns whether it did. As with `pack`, the float weight is then dropped
         unless `keep_weight` (a tied LM head: the embedding still reads it)."""
         if not can_quantize(self.weight, method):

@@ -132,12 +132,14 @@ def file_block_methods(model: DecoderForCausalLM, formats: dict[str, str]) -> di
         for linear in model.linears_of({hf_name}):
             kinds.setdefault(linear, set()).add(kind)
     methods: dict[str, set[str]] = {}
+    requantized: set[str] = set()
     for linear, found in kinds.items():
-        methods.setdefault(BLOCKWISE.get(found.pop(), "int8") if len(found) == 1 else "int8", set()).add(linear)
-    if "int8" in methods:
-        others = sorted({kind for kind in formats.values() if kind not in BLOCKWISE} or set(formats.values()))
+        method = BLOCKWISE.get(next(iter(found)), "int8") if len(found) == 1 else "int8"
+        methods.setdefault(method, set()).add(linear)
+        requantized |= found if method == "int8" else set()
+    if requantized:
         logger.info("the GGUF file's %s blocks are requantized as int8, one scale per weight row: rounded again, "
-                    "less faithful than the file", "/".join(others))
+                    "less faithful than the file", "/".join(sorted(requantized)))
     return methods
 
 
