@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import struct
+import zipfile
 
 import numpy as np
 import pytest
@@ -28,6 +29,8 @@ from engine.models.quantized_linear import (
     quantize_per_block_in_torch,
     quantize_weight,
 )
+from engine.worker import aoti_runner, precompiled_graph
+from engine.worker.decode_graphs import TRACE_ROWS
 from tests.conftest import engine_config
 from tests.helpers import final_output, greedy
 from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
@@ -190,29 +193,34 @@ def test_the_q8_0_one_row_form_computes_what_the_dequantized_weight_does():
     assert not torch.allclose(q8_0_row_times(row, qweight, scales.flip(1)), ours)  # each block has its own scale
 
 
-def test_eagerly_one_row_times_a_q8_0_weight_runs_our_kernel_on_the_blocks_as_they_are(monkeypatch):
-    """Outside a graph one row takes engine/kernels/q8_0_rows.c (the same float32 sum the compiled
-    graph's `q8_0_row_times` is), on one thread or split over several; more rows, or a bfloat16
-    row, keep the dequantized matmul."""
+def test_eagerly_a_few_rows_times_a_q8_0_weight_run_our_kernel_on_the_blocks_as_they_are(monkeypatch):
+    """Outside a graph up to 16 rows (a batch of decodes) take engine/kernels/q8_0_rows.c, in
+    float32 (one row: the same sum as inductor's `q8_0_row_times`), on one thread or split over
+    several; more rows, or bfloat16 rows, keep the dequantized matmul."""
     from engine.kernels import q8_0_rows
     from engine.models import quantized_linear
 
     generator = torch.Generator().manual_seed(2)
     qweight, scales = quantize_weight(torch.randn(301, 128, generator=generator), "q8_0")
-    row = torch.randn(1, 128, generator=generator)
-    exact = q8_0_row_times(row, qweight, scales)
-    for threads in (1, 3):
-        ours = q8_0_rows.row_times(row, qweight, scales, threads)
-        assert ours is not None
-        torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)
+    weight = (qweight.double().reshape(301, -1, 32) * scales.double()[..., None]).reshape(301, 128)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 128, generator=generator)
+        exact = (x.double() @ weight.t()).float()
+        for threads in (1, 3):
+            ours = q8_0_rows.row_times(x, qweight, scales, threads)
+            assert ours is not None
+            torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)
+    row = x[:1]
+    torch.testing.assert_close(q8_0_rows.row_times(row, qweight, scales, 1), q8_0_row_times(row, qweight, scales),
+                               rtol=1e-5, atol=1e-5)
     calls = []
     monkeypatch.setattr(quantized_linear, "q8_0_dequantized_mm",
-                        lambda rows, *_: (calls.append(tuple(rows.shape)), exact.expand(rows.shape[0], -1))[1])
-    torch.testing.assert_close(quantized_linear.q8_0_linear(row, qweight, scales, None), exact, rtol=1e-5, atol=1e-5)
-    assert calls == []  # the kernel took it
-    quantized_linear.q8_0_linear(row.repeat(2, 1), qweight, scales, None)
+                        lambda rows, *_: (calls.append(tuple(rows.shape)), torch.zeros(rows.shape[0], 301))[1])
+    torch.testing.assert_close(quantized_linear.q8_0_linear(x, qweight, scales, None), exact, rtol=1e-5, atol=1e-5)
+    assert calls == []  # the kernel took the 16 rows
+    quantized_linear.q8_0_linear(torch.cat([x, row]), qweight, scales, None)
     assert q8_0_rows.row_times(row.bfloat16(), qweight, scales, 1) is None
-    assert calls == [(2, 128)]
+    assert calls == [(17, 128)]
 
 
 def test_eagerly_a_large_q8_0_weight_is_dequantized_a_slice_at_a_time_and_computes_the_same(monkeypatch):
@@ -250,7 +258,21 @@ async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_fac
             # runs one row as it is (dynamo's padded one row to two).
             assert graphs.min_rows == 1
             assert graphs.head_compiled == (method in ("int8", "q8_0"))
+            if method == "q8_0":
+                assert_one_row_calls_our_kernel(graphs)
     assert tokens[False] == tokens[True]  # int8 and w8a8 also equal transformers' (the test above)
+
+
+def assert_one_row_calls_our_kernel(graphs) -> None:
+    """The q8_0 decode package runs one row on our kernel, called through its C shim: no extern
+    kernels beside the library (no proxy executor), so the GIL-free runner runs it."""
+    package = precompiled_graph.artefact_path(graphs.cache_dir, graphs.model, graphs.kv_caches, graphs.block_size,
+                                              TRACE_ROWS)
+    with zipfile.ZipFile(package) as archive:
+        names = archive.namelist()
+        (wrapper,) = (name for name in names if name.endswith(".wrapper.cpp"))
+        assert "aoti_torch_cpu_q8_0_rows(" in archive.read(wrapper).decode()
+    assert aoti_runner._library_member(names) is not None
 
 
 @pytest.mark.parametrize("features", [64, 4112])  # 4112: summed in two pieces (inductor's plain sums stop at 4096)

@@ -38,6 +38,25 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent
 KEEP_BUILDS = 4
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
+# Kernels that are also operators of compiled graphs: they call torch's C shim and run on torch's
+# OpenMP team (the one inductor's loops use, so no second pool of spinning threads), so they link
+# torch's own libraries, which the process has loaded already.
+TORCH_LINKED = frozenset({"q8_0_rows"})
+
+
+def _torch_version() -> str:
+    import torch
+
+    return f" torch {torch.__version__}"
+
+
+def _link_flags(stem: str) -> tuple[str, ...]:
+    if stem not in TORCH_LINKED:
+        return ()
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib"
+    return ("-fopenmp", f"-L{lib}", f"-Wl,-rpath,{lib}", "-l:libgomp.so.1", "-ltorch_cpu")
 
 
 @functools.cache
@@ -53,7 +72,8 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
     try:
         library = _built(source, compiler)
-        return ctypes.CDLL(str(library))
+        # Global symbols: a compiled graph's package calls a graph operator's C shim by name.
+        return ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
         logger.warning("could not build the %s kernel (torch's kernels run instead): %s", name, detail)
@@ -79,7 +99,8 @@ def library_path(source: Path, compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
     headers = b"".join(header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h")))  # what sources include
-    for part in (source.read_bytes(), headers, version.encode(), " ".join(FLAGS).encode(), _cpu_features().encode()):
+    flags = " ".join(FLAGS + _link_flags(source.stem)) + (_torch_version() if source.stem in TORCH_LINKED else "")
+    for part in (source.read_bytes(), headers, version.encode(), flags.encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -94,7 +115,8 @@ def _built(source: Path, compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", partial, str(source)], capture_output=True, text=True, check=True)
+        command = [compiler, *FLAGS, "-o", partial, str(source), *_link_flags(source.stem)]
+        subprocess.run(command, capture_output=True, text=True, check=True)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -1,17 +1,19 @@
-/* A few float32 rows times a q8_0 weight, reading the weight's int8 blocks as they are: what
- * `engine.models.quantized_linear.q8_0_linear` runs outside a compiled graph (a first start's
- * eager steps while the graphs compile, `--enforce-eager`). Eagerly torch has no product of a
- * row with int8 blocks and their scales: it would dequantize the whole weight each call.
+/* Up to 16 float32 rows (a batch of decodes) times a q8_0 weight, reading the weight's int8
+ * blocks as they are, once for the whole batch: `engine.models.quantized_linear.q8_0_linear`'s
+ * product for a few rows, eagerly through ctypes and in the compiled graphs as the operator
+ * `trio_llm::q8_0_rows` (its C shim is at the end of this file). Torch has no product of rows with
+ * int8 blocks and their scales: it dequantizes the whole weight (to bfloat16, then a matmul), which
+ * writes and reads the weight again in a wider type on every step.
  *
  * Weight: int8 [n, k], row-major; scales: float32 [n, k / 32], one per block of 32 weights of a
  * row (GGUF's Q8_0). out[r, o] = sum over blocks b of scales[o, b] * (x[r, block b] . w[o, block
- * b]), summed in float32. The output rows are split in `threads` consecutive runs, one per thread:
- * the calling one and threads started for the call (which inherit its CPUs). Each weight row is
- * read once for all the input rows. Written with GCC vector extensions (see causal_attention.c):
- * the compiler picks the machine's vectors (-march=native). Where the CPU has AVX-512, the same
- * sums run on its intrinsics instead: GCC turns the extensions' int8-to-float conversion of a
- * whole vector into one scalar conversion per lane, and the kernel read 1.3-2 GB/s of weights;
- * AVX-512's sign extension converts 16 weights in one instruction (7-10 GB/s, one thread).
+ * b]), in float32 (where the scale is applied, per product or per block, is each path's own
+ * choice). The output rows are split in consecutive runs over OpenMP's team.
+ * Written with GCC vector extensions (see causal_attention.c): the compiler picks the machine's
+ * vectors (-march=native). Where the CPU has AVX-512, the same sums run on its intrinsics instead:
+ * GCC turns the extensions' int8-to-float conversion of a whole vector into one scalar conversion
+ * per lane, and the kernel read 1.3-2 GB/s of weights; AVX-512's sign extension converts 16
+ * weights in one instruction (7-10 GB/s, one thread).
  */
 #include <stdint.h>
 #include <string.h>
@@ -19,10 +21,10 @@
 #include <immintrin.h>
 #endif
 
-#include "split_threads.h"
+#include <omp.h>
 
 #define BLOCK 32
-#define MAX_ROWS 8 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
+#define MAX_ROWS 16 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
 
 struct rows_job {
     const float *x;
@@ -108,8 +110,9 @@ static inline __m512 block_times(__m512 acc, const float *x, const int8_t *w, fl
     return _mm512_fmadd_ps(part, _mm512_set1_ps(scale), acc);
 }
 
-/* Every input row (at most MAX_ROWS) against one weight row at a time; one row against four
- * weight rows at a time, so four independent sums hide the additions' latency. */
+/* Several input rows (at most MAX_ROWS, a batch of decodes) against one weight row at a time;
+ * one row against four weight rows at a time, so four independent sums hide the additions'
+ * latency. */
 static void rows_times(const struct rows_job *job) {
     long blocks = job->k / BLOCK, k = job->k, o = job->first;
     if (job->rows == 1) {
@@ -137,30 +140,78 @@ static void rows_times(const struct rows_job *job) {
         __m512 total[MAX_ROWS];
         for (long r = 0; r < job->rows; r++)
             total[r] = _mm512_setzero_ps();
-        for (long b = 0; b < blocks; b++)
-            for (long r = 0; r < job->rows; r++)
-                total[r] = block_times(total[r], job->x + r * k + b * BLOCK, w + b * BLOCK, s[b]);
+        /* Each block dequantized once (times its scale), then two products a row: the weight is
+         * read once for the whole batch. */
+        for (long b = 0; b < blocks; b++) {
+            __m512 scale = _mm512_set1_ps(s[b]);
+            __m512 low = _mm512_mul_ps(widen16(w + b * BLOCK), scale);
+            __m512 high = _mm512_mul_ps(widen16(w + b * BLOCK + 16), scale);
+            for (long r = 0; r < job->rows; r++) {
+                const float *x = job->x + r * k + b * BLOCK;
+                total[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), high,
+                                           _mm512_fmadd_ps(_mm512_loadu_ps(x), low, total[r]));
+            }
+        }
         for (long r = 0; r < job->rows; r++)
             job->out[r * job->n + o] = _mm512_reduce_add_ps(total[r]);
     }
 }
 #endif
 
-static void *rows_thread(void *job) {
-    rows_times(job);
-    return NULL;
+/* Rows [first, end) of the output, for thread `t` of `threads`: equal runs, each starting on a
+ * multiple of 16 outputs (whole cache lines of `out`, so no two threads write one line). */
+static void thread_range(long n, long t, long threads, long *first, long *end) {
+    long lines = (n + 15) / 16;
+    *first = t * lines / threads * 16;
+    *end = (t + 1) * lines / threads * 16;
+    if (*end > n)
+        *end = n;
 }
 
-/* x: float32 [rows, k]; w, scales as above; out: float32 [rows, n]. Returns 0, or -1 for a shape
- * this kernel does not take (k not a multiple of 32, more than MAX_ROWS rows). */
+/* x: float32 [rows, k]; w, scales as above; out: float32 [rows, n]. The output rows are split
+ * among `threads` threads of OpenMP's team: the one the compiled graphs' own loops run on (this
+ * library links torch's OpenMP runtime, see native.py). Returns 0, or -1 for a shape this kernel
+ * does not take (k not a multiple of 32, more than MAX_ROWS rows). */
 int q8_0_rows_f32(const float *x, const int8_t *w, const float *scales, float *out, long rows, long n, long k,
                   long threads) {
     if (k % BLOCK != 0 || rows < 1 || rows > MAX_ROWS)
         return -1;
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads > n ? n : threads;
-    struct rows_job jobs[MAX_THREADS];
-    for (long t = 0; t < threads; t++)
-        jobs[t] = (struct rows_job){x, w, scales, out, rows, n, k, t * n / threads, (t + 1) * n / threads};
-    run_split(rows_thread, jobs, sizeof jobs[0], threads);
+    threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
+#pragma omp parallel num_threads(threads)
+    {
+        struct rows_job job = {x, w, scales, out, rows, n, k, 0, 0};
+        thread_range(n, omp_get_thread_num(), omp_get_num_threads(), &job.first, &job.end);
+        rows_times(&job);
+    }
     return 0;
+}
+
+/* The kernel as an operator of AOTInductor's packages (`trio_llm::q8_0_rows`,
+ * engine/kernels/q8_0_rows.py): a package compiled with the op in inductor's
+ * `custom_ops_to_c_shims` calls this function by name, as it calls torch's own C shims, with no
+ * Python and no proxy executor between (so our ctypes runner still runs the package, GIL released).
+ * The library is loaded with its symbols global before any package is. Takes float32 rows
+ * [rows, k], contiguous; threads: the caller's OpenMP count (torch.set_num_threads, per step). */
+typedef void *AtenTensorHandle;
+typedef int32_t AOTITorchError;
+extern AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle tensor, void **ret);
+extern AOTITorchError aoti_torch_get_sizes(AtenTensorHandle tensor, int64_t **ret);
+extern AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t *sizes, const int64_t *strides,
+                                               int32_t dtype, int32_t device_type, int32_t device_index,
+                                               AtenTensorHandle *ret);
+extern int32_t aoti_torch_dtype_float32(void);
+extern int32_t aoti_torch_device_type_cpu(void);
+
+AOTITorchError aoti_torch_cpu_q8_0_rows(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle scales,
+                                        AtenTensorHandle *ret0) {
+    int64_t *row_sizes, *weight_sizes;
+    void *x, *w, *s, *out;
+    if (aoti_torch_get_sizes(rows, &row_sizes) || aoti_torch_get_sizes(qweight, &weight_sizes))
+        return 1;
+    int64_t sizes[2] = {row_sizes[0], weight_sizes[0]}, strides[2] = {weight_sizes[0], 1};
+    if (aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, ret0)
+        || aoti_torch_get_data_ptr(rows, &x) || aoti_torch_get_data_ptr(qweight, &w)
+        || aoti_torch_get_data_ptr(scales, &s) || aoti_torch_get_data_ptr(*ret0, &out))
+        return 1;
+    return q8_0_rows_f32(x, w, s, out, sizes[0], sizes[1], weight_sizes[1], omp_get_max_threads()) != 0;
 }

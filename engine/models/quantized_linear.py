@@ -126,18 +126,30 @@ def quantize_per_block_in_torch(weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` with W in `quantize_per_block`'s layout, in x's dtype. One row takes
-    `q8_0_row_times` (in an exported graph, by a `torch.cond` on the row count; eagerly the same
-    sum in our C kernel, engine/kernels/q8_0_rows.c); more rows `q8_0_dequantized_mm`."""
+    """`x @ W.T + bias` with W in `quantize_per_block`'s layout, in x's dtype. Up to 16 rows (a
+    batch of decodes) take our C kernel over the blocks (engine/kernels/q8_0_rows.c: in an exported
+    graph as an operator, by a `torch.cond` on the row count; where it cannot be built, one row
+    takes `q8_0_row_times`); more rows (prompts) `q8_0_dequantized_mm`."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if torch.compiler.is_exporting():
-        y = torch.cond(rows.shape[0] == 1, q8_0_row_times, q8_0_dequantized_mm, (rows, qweight, scales))
-    else:  # eagerly one row runs our kernel over the blocks as they are, where it applies
-        one = None if torch.compiler.is_compiling() else q8_0_kernel.row_times(rows, qweight, scales,
+        if q8_0_kernel.available():
+            y = torch.cond(rows.shape[0] <= q8_0_kernel.MAX_ROWS, q8_0_kernel_rows, q8_0_dequantized_mm,
+                           (rows, qweight, scales))
+        else:
+            y = torch.cond(rows.shape[0] == 1, q8_0_row_times, q8_0_dequantized_mm, (rows, qweight, scales))
+    else:  # eagerly a few rows run our kernel over the blocks as they are, where it applies
+        few = None if torch.compiler.is_compiling() else q8_0_kernel.row_times(rows, qweight, scales,
                                                                                 torch.get_num_threads())
-        y = one if one is not None else q8_0_dequantized_mm(rows, qweight, scales)
+        y = few if few is not None else q8_0_dequantized_mm(rows, qweight, scales)
     y = y.reshape(*x.shape[:-1], qweight.shape[0])
     return y if bias is None else y + bias
+
+
+def q8_0_kernel_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A few rows (a batch of decodes) times the blockwise weight in an exported graph: our kernel
+    as the graph's operator (`trio_llm::q8_0_rows`, called by the package through its C shim, on
+    the step's threads), which reads the weight once for all of them."""
+    return torch.ops.trio_llm.q8_0_rows(rows.float().contiguous(), qweight, scales).to(rows.dtype)
 
 
 def q8_0_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
