@@ -4,8 +4,12 @@ files refused in one line."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
 import struct
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -260,11 +264,32 @@ async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_fac
             assert graphs.head_compiled == (method in ("int8", "q8_0"))
             if method == "q8_0":
                 assert_one_row_calls_our_kernel(graphs)
+                assert a_new_process_loads_the_saved_graphs(config)
     assert tokens[False] == tokens[True]  # int8 and w8a8 also equal transformers' (the test above)
 
 
+OPEN_AND_SAY_IF_LOADED = """
+import pickle, sys, trio
+from engine import open_engine
+async def main(config):
+    async with open_engine(config) as engine:
+        print(engine.core.executor.worker.runner.decode_graphs.loaded_from_disk)
+trio.run(main, pickle.loads(sys.stdin.buffer.read()))
+"""
+
+
+def a_new_process_loads_the_saved_graphs(config: EngineConfig) -> bool:
+    """A warm start: a process that has not built or called our kernels yet loads the package
+    (whose library calls the kernel's C shim by name) rather than compiling it again."""
+    env = {k: v for k, v in os.environ.items() if k != "TRIO_LLM_ENFORCE_EAGER"}
+    run = subprocess.run([sys.executable, "-c", OPEN_AND_SAY_IF_LOADED], input=pickle.dumps(config),
+                         capture_output=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    return run.stdout.decode().split() == ["True"]
+
+
 def assert_one_row_calls_our_kernel(graphs) -> None:
-    """The q8_0 decode package runs one row on our kernel, called through its C shim: no extern
+    """The q8_0 decode package runs a few rows on our kernel, called through its C shim: no extern
     kernels beside the library (no proxy executor), so the GIL-free runner runs it."""
     package = precompiled_graph.artefact_path(graphs.cache_dir, graphs.model, graphs.kv_caches, graphs.block_size,
                                               TRACE_ROWS)

@@ -80,6 +80,14 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
+def load_graph_operators() -> None:
+    """Load (building if need be) every kernel whose C shims compiled graphs call by name
+    (`TORCH_LINKED`), with its symbols global: call before loading a package, whose library is
+    refused by the dynamic loader while a name it calls is undefined."""
+    for name in sorted(TORCH_LINKED):
+        load(name)
+
+
 @functools.cache
 def int_function(name: str, symbol: str, argtypes: tuple[Any, ...]) -> Callable[..., int] | None:
     """Function `symbol` of kernel `name` (built on first use, as `load`), taking `argtypes` and

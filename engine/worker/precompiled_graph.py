@@ -55,7 +55,7 @@ from torch import nn
 
 import engine.lora
 import engine.models
-from engine.kernels import q8_0_rows
+from engine.kernels import native, q8_0_rows
 from engine.lora.serving import LinearLoRA, graph_inputs, traced_inputs
 from engine.models.attention import GRAPHED, DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
@@ -407,6 +407,8 @@ def _loaded(path: Path, tensors: dict[str, torch.Tensor], device: torch.device) 
     """The package's runner over the model's `tensors` (by reference, not copied; a missing name
     raises): on CPU ours, which releases the GIL while the graph runs (engine/worker/aoti_runner.py),
     where the package and the process allow it (`aoti_runner.releases_the_gil`); else torch's loader."""
+    if device.type == "cpu":
+        native.load_graph_operators()  # a package may call our kernels' C shims (q8_0_rows.c)
     if device.type == "cpu" and aoti_runner.releases_the_gil():
         try:
             runner = aoti_runner.load(path, tensors)
