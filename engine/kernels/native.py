@@ -44,19 +44,16 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthr
 TORCH_LINKED = frozenset({"q8_0_rows"})
 
 
-def _torch_version() -> str:
-    import torch
-
-    return f" torch {torch.__version__}"
-
-
 def _link_flags(stem: str) -> tuple[str, ...]:
+    """What a `TORCH_LINKED` kernel's build adds: torch's libraries, and torch's version (a macro
+    the source does not read: it puts the version in the build key, for the shim's ABI)."""
     if stem not in TORCH_LINKED:
         return ()
     import torch
 
     lib = Path(torch.__file__).parent / "lib"
-    return ("-fopenmp", f"-L{lib}", f"-Wl,-rpath,{lib}", "-l:libgomp.so.1", "-ltorch_cpu")
+    return ("-fopenmp", f"-DTRIO_LLM_TORCH_VERSION={torch.__version__}", f"-L{lib}", f"-Wl,-rpath,{lib}",
+            "-l:libgomp.so.1", "-ltorch_cpu")
 
 
 @functools.cache
@@ -107,7 +104,7 @@ def library_path(source: Path, compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
     headers = b"".join(header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h")))  # what sources include
-    flags = " ".join(FLAGS + _link_flags(source.stem)) + (_torch_version() if source.stem in TORCH_LINKED else "")
+    flags = " ".join(FLAGS + _link_flags(source.stem))
     for part in (source.read_bytes(), headers, version.encode(), flags.encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")

@@ -4,7 +4,7 @@
 Eagerly (a first start's steps while the graphs compile, `--enforce-eager`) `row_times` calls the
 kernel through ctypes. In a compiled graph the same kernel is the operator `trio_llm::q8_0_rows`:
 an AOTInductor package calls its C shim (`aoti_torch_cpu_q8_0_rows`) directly, on torch's OpenMP
-threads (`C_SHIMS`, passed to inductor by engine/worker/precompiled_graph.py). Inductor's own loop
+threads (`c_shims`, passed to inductor by engine/worker/precompiled_graph.py). Inductor's own loop
 for the same sum keeps one accumulator and waits on each addition's latency (docs/benchmarks.md).
 """
 
@@ -17,8 +17,8 @@ import torch
 
 from engine.kernels import native
 
-# The shim's declaration, as inductor writes it into a package that calls the op.
 MAX_ROWS = 16  # the C kernel's MAX_ROWS: a batch of decodes
+# The shim's declaration, as inductor writes it into a package that calls the op.
 C_SHIM = ("AOTITorchError aoti_torch_cpu_q8_0_rows(AtenTensorHandle rows, AtenTensorHandle qweight, "
           "AtenTensorHandle scales, AtenTensorHandle* ret0)")
 
