@@ -43,6 +43,18 @@ class CpuLayout:
         """The most intra-op threads a step may run: one per compute CPU and per borrowable one."""
         return len(self.compute) + len(self.borrow)
 
+    def server_binding(self, lends: bool) -> tuple[int, ...] | None:
+        """The CPUs to bind the HTTP server's process to (None: leave it unbound). When the
+        forward pass may borrow the server's CPUs (`lends`: the thread tuner is on), the server
+        stays unbound: bound to the lent CPU, each token's few hundred microseconds of HTTP work
+        preempted the OpenMP thread there, and the whole team waited at its next barrier. On the
+        0.5B Q8_0 file at one stream, two threads took 0.86-0.93x the time of one with the server
+        bound, 0.57-0.63x unbound (ITL 74-79 against 47-53 ms; docs/benchmarks.md). Unbound, the
+        kernel's scheduler wakes the server on whichever CPU is idle."""
+        if lends and self.borrow:
+            return None
+        return self.server
+
     def cpus_for(self, threads: int) -> tuple[int, ...]:
         """The CPUs of a step on `threads` intra-op threads: the compute CPUs, and one borrowed
         CPU for each thread beyond them."""

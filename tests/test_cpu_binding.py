@@ -21,6 +21,13 @@ def test_auto_keeps_the_first_cpu_for_the_event_loop_and_may_lend_it():
     assert parse_cpu_threads_bind("none", (0, 1)) is None
 
 
+def test_the_server_stays_unbound_only_while_its_cpus_may_be_lent():
+    lent = CpuLayout(compute=(1,), server=(0,), borrow=(0,))
+    assert lent.server_binding(lends=True) is None
+    assert lent.server_binding(lends=False) == (0,)  # --no-adaptive-cpu-threads: the quiet layout
+    assert CpuLayout(compute=(1,), server=(0, 2)).server_binding(lends=True) == (0, 2)  # a list lends nothing
+
+
 def test_a_list_names_the_compute_cpus_and_the_loop_gets_the_rest():
     assert parse_cpu_threads_bind("1", (0, 1, 2)) == CpuLayout(compute=(1,), server=(0, 2))
     assert parse_cpu_threads_bind("0-1,3", (0, 1, 2, 3)) == CpuLayout(compute=(0, 1, 3), server=(2,))

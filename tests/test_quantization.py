@@ -192,7 +192,7 @@ def test_the_q8_0_one_row_form_computes_what_the_dequantized_weight_does():
     exact = row @ (qweight.float().reshape(48, 3, 32) * scales[..., None]).reshape(48, 96).t()
     ours = q8_0_row_times(row, qweight, scales)
     torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)  # float32 throughout
-    # more rows: the weight dequantized to bfloat16, the product in bfloat16
+    # more rows: the weight dequantized to bfloat16 or float32 (`q8_0_matmul_dtype`), then a matmul
     torch.testing.assert_close(q8_0_dequantized_mm(row, qweight, scales), exact, rtol=2e-2, atol=2e-2)
     assert not torch.allclose(q8_0_row_times(row, qweight, scales.flip(1)), ours)  # each block has its own scale
 
@@ -227,6 +227,23 @@ def test_eagerly_a_few_rows_times_a_q8_0_weight_run_our_kernel_on_the_blocks_as_
     assert calls == [(17, 128)]
 
 
+def test_many_q8_0_rows_multiply_in_bfloat16_only_where_the_cpu_does_it_in_hardware(monkeypatch):
+    from engine.models import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "native_bfloat16", lambda: False)
+    assert quantized_linear.q8_0_matmul_dtype(torch.float32) == torch.float32
+    assert quantized_linear.q8_0_matmul_dtype(torch.bfloat16) == torch.bfloat16  # reduced activations keep theirs
+    monkeypatch.setattr(quantized_linear, "native_bfloat16", lambda: True)
+    assert quantized_linear.q8_0_matmul_dtype(torch.float32) == torch.bfloat16
+    assert quantized_linear.q8_0_matmul_dtype(torch.float16) == torch.float16
+    generator = torch.Generator().manual_seed(3)
+    qweight, scales = quantize_weight(torch.randn(40, 64, generator=generator), "q8_0")
+    rows = torch.randn(20, 64, generator=generator)
+    exact = rows.double() @ (qweight.double().reshape(40, 2, 32) * scales.double()[..., None]).reshape(40, 64).t()
+    monkeypatch.setattr(quantized_linear, "native_bfloat16", lambda: False)
+    torch.testing.assert_close(q8_0_dequantized_mm(rows, qweight, scales).double(), exact, rtol=1e-5, atol=1e-5)
+
+
 def test_eagerly_a_large_q8_0_weight_is_dequantized_a_slice_at_a_time_and_computes_the_same(monkeypatch):
     """Outside a graph the weight is dequantized a slice of rows at a time (the whole 0.5B head at
     once was 545 MB of temporaries a token); the slices' products are the whole one's."""
@@ -235,7 +252,7 @@ def test_eagerly_a_large_q8_0_weight_is_dequantized_a_slice_at_a_time_and_comput
     generator = torch.Generator().manual_seed(1)
     qweight, scales = quantize_weight(torch.randn(300, 96, generator=generator), "q8_0")
     rows = torch.randn(3, 96, generator=generator)
-    whole = quantized_linear._dequantized_mm(rows, qweight, scales, torch.bfloat16)
+    whole = quantized_linear._dequantized_mm(rows, qweight, scales, quantized_linear.q8_0_matmul_dtype(rows.dtype))
     calls = []
     original = quantized_linear._dequantized_mm
     monkeypatch.setattr(quantized_linear, "EAGER_SLICE_WEIGHTS", 64 * 96)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from engine.cpu_binding import parse_cpu_threads_bind
-from engine.worker.thread_tuner import ThreadTuner
+from engine.worker.thread_tuner import STEP_UNIT, ThreadTuner
 from engine.worker.worker import thread_tuner_for
 
 
@@ -86,8 +86,8 @@ def test_one_thread_is_never_probed_against_another():
 @pytest.mark.parametrize(("bind", "cpus", "torch_threads", "start", "most"), [
     ("none", (0, 1), 2, 2, 2),  # unbound: torch's default count
     ("none", tuple(range(16)), 16, 16, 16),
-    ("auto", (0, 1), 2, 1, 2),  # CPU 0 kept for the server, one compute CPU; CPU 0 borrowable
-    ("auto", tuple(range(16)), 16, 15, 16),
+    ("auto", (0, 1), 2, 2, 2),  # CPU 0 kept for the server, one compute CPU; CPU 0 borrowable, from the start
+    ("auto", tuple(range(16)), 16, 16, 16),
     ("auto", (0,), 1, 1, 1),  # one CPU: nothing bound
     ("2-3,7", tuple(range(8)), 8, 3, 3),  # a list: one thread per listed CPU, nothing borrowed
     ("none", (0, 1, 2, 3), 3, 3, 3),  # OMP_NUM_THREADS=3 (torch's count) on four CPUs
@@ -97,17 +97,31 @@ def test_the_threads_a_step_starts_on_and_may_use_on_each_layout(bind, cpus, tor
     assert (tuner.threads, tuner.max_threads) == (start, most)
 
 
-def test_from_the_quiet_layout_long_steps_take_the_borrowable_cpu_and_a_busy_server_keeps_it():
-    """`auto` starts on the compute CPUs alone (one here) and probes one thread more: the server's
-    CPU, idle through a long step, is taken; while the server keeps it busy, it is not."""
+def test_auto_starts_on_the_borrowable_cpu_too_and_a_busy_server_takes_it_back_within_the_first_probe():
+    """`auto` on two CPUs starts with two threads, one on the server's CPU (idle before anything is
+    served); while the server keeps that CPU busy, the first probe moves the steps off it. From one
+    thread (a tuner started there), a quiet server's CPU is taken."""
+    auto = thread_tuner_for(parse_cpu_threads_bind("auto", (0, 1)), 2)
+    used = run_steps(auto, 200, busy)
+    assert auto.threads == 1 and auto.switches == 1
+    assert used.index(1) <= auto.min_interval / (busy(2) / STEP_UNIT) + 1  # the first probe, in weighted steps
     borrowing = ThreadTuner(2, start=1)
     used = run_steps(borrowing, 40, quiet)
     assert used[0] == 1 and borrowing.threads == 2
-    kept = ThreadTuner(2, start=1)
-    run_steps(kept, 200, busy)
-    assert kept.threads == 1 and kept.switches == 0
     with pytest.raises(ValueError, match="start must be between 1 and max_threads"):
         ThreadTuner(2, start=3)
+
+
+def test_long_prompt_steps_count_for_their_time_so_the_first_probe_comes_after_one_of_them():
+    """Prompt chunks that take seconds each: the probe of the borrowable CPU comes after the first
+    and is judged on one step; the probe back, one step too, costs so much that the next is ages away."""
+    def prompt_chunk(threads: int) -> float:
+        return {1: 10.0, 2: 5.5}[threads]
+
+    tuner = ThreadTuner(2, start=1)
+    used = run_steps(tuner, 6, prompt_chunk, shape=2048)
+    assert used == [1, 2, 2, 1, 2, 2] and tuner.threads == 2
+    assert set(run_steps(tuner, 60, prompt_chunk, shape=2048)) == {2}
 
 
 def test_a_hopeless_probe_ends_after_one_step_and_the_next_waits_until_its_cost_is_small():

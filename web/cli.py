@@ -168,8 +168,10 @@ def _serve(args: argparse.Namespace) -> int:
         if args.uds is None:
             check_port_free(args.host, args.port)  # before loading a model that may take minutes
         engine_config = options.engine_config(model_dir(args.model), args)
-        if engine_config.cpu_layout is not None:  # the event loop's thread, and every thread it starts
-            bind_this_thread(engine_config.cpu_layout.server)
+        layout = engine_config.cpu_layout
+        server_cpus = None if layout is None else layout.server_binding(engine_config.tunes_cpu_threads)
+        if server_cpus is not None:  # the event loop's thread, and every thread it starts
+            bind_this_thread(server_cpus)
         run = partial(_serve_engine_first, engine_config, options.server_settings(args), args.host, args.port,
                       args.log_level)
         return int(trio.run(run))

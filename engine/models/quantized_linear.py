@@ -26,9 +26,11 @@ blocks come back exactly (its dequantized weights quantize to the same steps and
 scale per row would round them again, coarsely (a row's largest weight sets its step). It is the
 default for a Q8_0 GGUF file. One row (a decode at batch 1) is `q8_0_row_times`, the blockwise form
 of `int8_row_times`, fused by inductor in the compiled decode graph (and the LM head's graph),
-activations in float32 (llama.cpp rounds them to int8 per block: this rounds less). More rows
-dequantize the weight to bfloat16 and multiply in bfloat16 (as `int8` runs its kernel), which
-prompts (many rows) amortise and a batch of decodes pays each step.
+activations in float32 (llama.cpp rounds them to int8 per block: this rounds less); so do up to
+16 rows (a batch of decodes), on our kernel. More rows (prompts) dequantize the weight to
+bfloat16 and multiply in bfloat16 where the CPU does that in hardware, else in float32
+(`q8_0_matmul_dtype`: without AVX-512 BF16 or AMX, oneDNN's bfloat16 matmul is 4x slower than
+its float32 one).
 
 `int4` halves the bytes again: each group of 32 weights of a row as 4-bit steps between its
 minimum and maximum, run by `aten._weight_int4pack_mm_for_cpu` (bfloat16 activations). It is the
@@ -66,6 +68,26 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     """The activation dtype the int8 kernel runs in for a model of `dtype`."""
     return torch.float16 if dtype == torch.float16 else torch.bfloat16
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX). Without, oneDNN
+    widens it to float32 first: a [2048, 896] x [896, 9728] matmul took 629 ms in bfloat16 and
+    153 ms in float32 on a 2-core AVX-512 VNNI Xeon (docs/benchmarks.md). Asked once, at import:
+    export cannot trace the question."""
+    return _NATIVE_BFLOAT16
+
+
+_NATIVE_BFLOAT16 = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def q8_0_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype q8_0 weights are dequantized to, and the rows cast to, for a matmul of many rows
+    with activations of `dtype`: bfloat16 (half the bytes written and read back) where the CPU
+    multiplies it natively, float32 where it does not; reduced activations keep their dtype."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    return torch.bfloat16 if native_bfloat16() else torch.float32
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -167,16 +189,16 @@ def q8_0_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 def q8_0_dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The weight dequantized to the kernel's dtype (bfloat16 for a float32 model, as `int8_linear`
-    runs its kernel), then one matmul: each step writes and reads the whole weight again, so half
-    float32's bytes is most of this path's time at a few rows (a batch of decodes).
+    """The weight dequantized to `q8_0_matmul_dtype` (bfloat16 for a float32 model where the CPU
+    multiplies bfloat16 natively, else float32), then one matmul: each step writes and reads the
+    whole weight again, which prompts (many rows) amortise.
 
     Outside a graph, a slice of the weight's rows at a time (`EAGER_SLICE_WEIGHTS`): dequantized
     whole, the 0.5B shape's tied LM head was 545 MB of float32 temporaries written and read back
     every token, and its eager steps (a first start's, while the graphs compile in the background)
     ran 0.4 tokens a second. In a graph inductor fuses the dequantization into one pass."""
     count, features = qweight.shape
-    dtype = kernel_dtype(rows.dtype)
+    dtype = q8_0_matmul_dtype(rows.dtype)
     step = max(1, EAGER_SLICE_WEIGHTS // features)
     if torch.compiler.is_compiling() or count <= step:
         return _dequantized_mm(rows, qweight, scales, dtype)

@@ -61,6 +61,7 @@ from engine.models.attention import GRAPHED, DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
 from engine.models.layers import Linear
 from engine.models.packed_linear import register_inductor_lowering
+from engine.models.quantized_linear import native_bfloat16
 from engine.worker import aoti_runner
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KV
     assert model.rope is not None, "setup_rope() before compiling"
     parts = (
         FORMAT, kind, torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
-        os.environ.get("TORCHINDUCTOR_VEC_ISA_OK"),
+        os.environ.get("TORCHINDUCTOR_VEC_ISA_OK"), native_bfloat16(),
         repr(model.config), str(model.dtype), block_size, trace_rows,
         [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()],
         [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()],

@@ -19,6 +19,12 @@ barrier waits out the neighbour's time slice), and the next probe waits until th
 make that cost at most `probe_budget` of the time. A current-count step that takes several times
 its recent ones (a neighbour just arrived) brings the next probe forward to the next step.
 
+Intervals and probes are counted in steps, where a step longer than `STEP_UNIT` seconds counts
+as one per `STEP_UNIT` of its time: a prompt step of seconds is as much evidence, and as much of
+the time a wrong count wastes, as many decode steps. Counted one each, the 0.5B shape's 2,048-token
+prompt chunks (10 s apiece on one thread) kept 16 streams' prompts on one thread for the first
+65-70 s of a served run, the tuner waiting for its 32 steps (docs/benchmarks.md).
+
 Plain Python, no clock of its own: the caller times the steps (tests feed it fake timings).
 """
 
@@ -31,6 +37,12 @@ from collections.abc import Hashable
 RECENT_STEPS = 8  # step times kept per step shape at the current count
 HOPELESS = 2.0  # a probe step this many times slower than the current count's ends its probe
 MAX_COSTLY_INTERVAL = 4096  # steps between probes, at most, however much the last one cost
+STEP_UNIT = 0.1  # seconds: a longer step counts as this many steps (decode steps count one each)
+
+
+def step_weight(seconds: float) -> float:
+    """How many steps a step of `seconds` counts as."""
+    return max(1.0, seconds / STEP_UNIT)
 
 
 class ThreadTuner:
@@ -54,9 +66,10 @@ class ThreadTuner:
         self.switches = 0  # how often the current count changed (logged, tests)
         self.steps = 0  # steps recorded
         self.last_probe: tuple[int, float | None] = (self.threads, None)  # (count, its time / the current's)
-        self._until_probe = min_interval
+        self._until_probe: float = min_interval  # steps, weighted (`step_weight`)
         self._probing: int | None = None  # the count being probed
         self._probe_times: dict[Hashable, list[float]] = {}
+        self._probe_weight = 0.0  # the probe's steps so far, weighted (`step_weight`)
         self._recent: dict[Hashable, deque[float]] = {}  # step shape -> recent seconds at the current count
         self._next_direction = -1  # fewer threads first: contention is the common reason to move
 
@@ -65,6 +78,7 @@ class ThreadTuner:
         if self._probing is None and self._until_probe <= 0:
             self._probing = self._candidate()
             self._probe_times = {}
+            self._probe_weight = 0.0
         return self._probing if self._probing is not None else self.threads
 
     def record(self, threads: int, shape: Hashable, seconds: float) -> None:
@@ -72,9 +86,10 @@ class ThreadTuner:
         self.steps += 1
         if self._probing is not None and threads == self._probing:
             self._probe_times.setdefault(shape, []).append(seconds)
+            self._probe_weight += step_weight(seconds)
             recent = self._recent.get(shape)
             hopeless = recent is not None and len(recent) > 0 and seconds > HOPELESS * statistics.median(recent)
-            if hopeless or sum(len(times) for times in self._probe_times.values()) >= self.probe_steps:
+            if hopeless or self._probe_weight >= self.probe_steps:
                 self._finish_probe()
             return
         if threads != self.threads:
@@ -83,7 +98,7 @@ class ThreadTuner:
         if len(recent) == RECENT_STEPS and seconds > HOPELESS * statistics.median(recent):
             self._until_probe = 0  # the machine changed under us (a neighbour came): look again now
         else:
-            self._until_probe -= 1
+            self._until_probe -= step_weight(seconds)
         recent.append(seconds)
 
     def _candidate(self) -> int | None:
@@ -111,7 +126,7 @@ class ThreadTuner:
             self.interval = self.min_interval
         elif ratio is not None:
             # Later each time it loses, and as much later as it cost: its extra time, in steps.
-            cost = sum(max(r - 1, 0.0) * len(self._probe_times[shape]) for shape, r in ratios.items())
+            cost = sum(max(r - 1, 0.0) * sum(map(step_weight, self._probe_times[shape])) for shape, r in ratios.items())
             backed_off = min(2 * self.interval, self.max_interval)
             self.interval = min(max(backed_off, round(cost / self.probe_budget)), MAX_COSTLY_INTERVAL)
         self._until_probe = self.interval

@@ -70,11 +70,13 @@ def all_saved(graphs: DecodeGraphs, step_graph: StepGraph | None) -> bool:
 
 def thread_tuner_for(layout: CpuLayout | None, torch_threads: int) -> ThreadTuner:
     """The tuner of a worker's steps: from one thread to one per compute CPU and per borrowable
-    server CPU, starting with the compute CPUs alone (the quiet layout); with nothing bound, up to
-    torch's own count (its default, or OMP_NUM_THREADS), starting there."""
+    server CPU, starting with all of them: nothing is served before the first step, so the
+    server's CPU is idle, and the first prompts (a step of seconds on the 0.5B shape) run on every
+    core; a busy CPU shows in the first probe. With nothing bound, up to torch's own count (its
+    default, or OMP_NUM_THREADS), starting there."""
     if layout is None:
         return ThreadTuner(torch_threads)
-    return ThreadTuner(layout.most_threads, start=len(layout.compute))
+    return ThreadTuner(layout.most_threads)
 
 
 class Worker:

@@ -119,7 +119,7 @@ def _cpus_line(config: EngineConfig) -> str:
     if config.tunes_cpu_threads and layout is not None and layout.borrow:
         return (f"{where}; each step 1-{layout.most_threads} compute threads, whichever steps fastest, "
                 f"the last on CPUs {','.join(map(str, layout.borrow))} of the event loop's, lent while "
-                "that is faster (--adaptive-cpu-threads)")
+                "that is faster (--adaptive-cpu-threads); the HTTP server unbound, on whichever CPU is idle")
     if threads > 1 and config.tunes_cpu_threads:
         return f"{where}; each step 1-{threads} compute threads, whichever steps fastest (--adaptive-cpu-threads)"
     return f"{where}, {threads} compute threads ({source})"
