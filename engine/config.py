@@ -454,7 +454,8 @@ class EngineConfig:
     # default thread count)
     cpu_layout: CpuLayout | None = flag(
         "CPUs of the forward pass: auto (the default, as vLLM-CPU's: all but the first, which the "
-        "HTTP server keeps; it survives a busy neighbour, docs/benchmarks.md), none (no binding, "
+        "HTTP server keeps and, with --adaptive-cpu-threads, lends to steps that run faster on it; it "
+        "survives a busy neighbour, docs/benchmarks.md), none (no binding, "
         "torch's default threads) or a list such as 1 or 0-2,5 (vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND)",
         default=None,
         names=("--cpu-threads-bind",),
@@ -464,9 +465,9 @@ class EngineConfig:
     # fastest now (engine/worker/thread_tuner.py): fewer when a neighbour takes a core. False: the
     # count stays where the layout (or torch's default) puts it. CPU only.
     adaptive_cpu_threads: bool = flag(
-        "let each forward pass use between 1 thread and one per compute CPU, whichever steps "
-        "fastest now (fewer when another process takes a core); --no-adaptive-cpu-threads keeps "
-        "one per compute CPU",
+        "let each forward pass use between 1 thread and one per compute CPU (and, with "
+        "--cpu-threads-bind auto, one on the server's CPU), whichever steps fastest now (fewer when "
+        "another process takes a core); --no-adaptive-cpu-threads keeps one per compute CPU",
         default=True,
         action=BooleanOptionalAction)
     # vLLM's --async-scheduling: the core schedules step N+1 while step N runs (a decode's input is
