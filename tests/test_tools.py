@@ -225,3 +225,24 @@ async def test_auto_calls_parsed_whole_and_streamed(client):
                 arguments += delta.function.arguments or ""
             finish = choice.finish_reason or finish
     assert (content, name, json.loads(arguments), finish) == ("Sure.", "clock", {"zone": "UTC"}, "tool_calls")
+
+
+def test_a_calls_arguments_are_whole_before_the_next_call_opens():
+    """Required calls stream as a JSON array. When one piece of text ends a call and starts the
+    next, the first call's arguments are sent whole before the second call's header, so that an
+    API whose blocks close in order (Anthropic's, the Responses API) never puts one call's rest in
+    the next call's block."""
+    from web.chat.tools import ToolCallStream
+
+    stream = ToolCallStream(ToolPlan("required", []))
+    pieces = ['[{"name": "weather", "parameters": {"city": "ab', 'c\u057c"}}, {"name": "weather", "parameters": {"ci',
+              'ty": "x"}}]']
+    order = []
+    for i, piece in enumerate(pieces):
+        _, deltas = stream.feed(piece, final=i == len(pieces) - 1)
+        order += [(d["index"], "header" if "id" in d else d["function"]["arguments"]) for d in deltas]
+    first = "".join(text for index, text in order if index == 0 and text != "header")
+    assert json.loads(first) == {"city": "abc\u057c"}
+    assert order.index((1, "header")) > max(i for i, (index, _) in enumerate(order) if index == 0)
+    second = "".join(text for index, text in order if index == 1 and text != "header")
+    assert json.loads(second) == {"city": "x"}

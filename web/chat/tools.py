@@ -237,13 +237,17 @@ class ToolCallStream:
         self.text += text
         content = self._content(final)
         deltas: list[dict[str, Any]] = []
-        for index, (name, arguments) in enumerate(self._calls()):
+        calls = self._calls()
+        for index, (name, arguments) in enumerate(calls):
             if index == len(self.sent):
                 self.sent.append("")
                 deltas.append({"index": index, "id": f"chatcmpl-tool-{random_id()}", "type": "function",
                                "function": {"name": name, "arguments": ""}})
             serial = _arguments(arguments)
-            ready = serial if final else serial.rstrip('"]}')
+            # A call followed by another is complete: its arguments' rest goes out before the next
+            # call opens (Anthropic's and the Responses API's blocks close in order).
+            complete = final or index < len(calls) - 1
+            ready = serial if complete else serial.rstrip('"]}')
             if ready.startswith(self.sent[index]) and len(ready) > len(self.sent[index]):
                 deltas.append({"index": index, "function": {"arguments": ready[len(self.sent[index]):]}})
                 self.sent[index] = ready
