@@ -70,15 +70,15 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.float16 else torch.bfloat16
 
 
+_NATIVE_BFLOAT16 = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX). Without, oneDNN
     widens it to float32 first: a [2048, 896] x [896, 9728] matmul took 629 ms in bfloat16 and
     153 ms in float32 on a 2-core AVX-512 VNNI Xeon (docs/benchmarks.md). Asked once, at import:
     export cannot trace the question."""
     return _NATIVE_BFLOAT16
-
-
-_NATIVE_BFLOAT16 = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def q8_0_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
