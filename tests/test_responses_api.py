@@ -70,7 +70,8 @@ async def test_forced_function_calls_and_their_outputs_round_trip(client, render
     out = await client.responses.create(model=client.served, input="weather?", tools=TOOLS, tool_choice="required",
                                         max_output_tokens=60)
     calls = [item for item in out.output if item.type == "function_call"]
-    assert calls and calls[0].name == "weather" and out.status == "completed"
+    # a random model's array of calls may run past the limit: its whole calls are kept either way
+    assert calls and calls[0].name == "weather" and out.status in ("completed", "incomplete")
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
     await client.responses.create(model=client.served, previous_response_id=out.id, tools=TOOLS, max_output_tokens=3,
                                   tool_choice="none", input=[{"type": "function_call_output",

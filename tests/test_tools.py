@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import engine_config
 from tests.server_fixtures import running_server
+from web.chat.outputs import chat_message
 from web.chat.tools import ToolPlan, parse_calls, plan_tools
 from web.http.settings import ServerSettings
 
@@ -97,6 +98,18 @@ async def test_required_calls_of_tools_whose_schemas_use_defs(client):
         assert calls and out.choices[0].finish_reason == "tool_calls", out.choices[0]
         for call in calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_an_array_of_calls_cut_short_keeps_its_whole_calls_as_the_stream_sent_them():
+    plan = plan_tools(TOOLS, "required", True, False, None)
+    whole = '{"name": "clock", "parameters": {"zone": "UTC"}}'
+    cut = f'[{whole}, {whole},  {{"name": "weather", "parameters": {{"city": "Oslo", "da'
+    message, finish = chat_message(cut, "length", plan)
+    assert finish == "length" and message["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"zone": "UTC"}] * 2
+    early = '[{"name": "clock", "parameters": {"zo'
+    message, _ = chat_message(early, "length", plan)
+    assert message["content"] == early and message["tool_calls"] is None  # nothing whole: the text is all
 
 
 def test_a_tools_reference_to_its_own_root_points_at_a_copy_of_it():

@@ -156,14 +156,33 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
     if plan.mode == "named":
         return None, [_call(plan.named or "", text)] if is_json(text) else []
     if plan.mode == "required":
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []  # cut short (max_tokens): the partial text is all there is
+        calls = [c for c in _whole_items(text) if isinstance(c, dict) and {"name", "parameters"} <= c.keys()]
+        if not calls:
+            return text, []  # cut short (max_tokens) before one call was whole: the text is all there is
         return None, [_call(c["name"], c["parameters"]) for c in calls]
     if plan.mode == "auto":
         return parse_calls(plan.parser or "", text)
     return text, []
+
+
+_BETWEEN_ITEMS = re.compile(r"[\s,]*")
+
+
+def _whole_items(text: str) -> list[Any]:
+    """The items of the JSON array `text` that are whole: all of them, or, where `text` was cut
+    short (max_tokens), those before the cut, as a stream has already sent them."""
+    decoder, items = json.JSONDecoder(), []
+    at = _BETWEEN_ITEMS.match(text).end()
+    if not text.startswith("[", at):
+        return []
+    at += 1
+    while True:
+        at = _BETWEEN_ITEMS.match(text, at).end()
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 def is_json(text: str) -> bool:
