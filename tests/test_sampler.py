@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.worker.sampler import ARGMAX_CHUNK, SamplingRow, argmax_rows, sample
+from engine.worker.sampler import ARGMAX_CHUNK, SamplingRow, argmax_rows, draw, sample
 
 
 def rows(*params, outputs=None, prompt=None):
@@ -51,6 +51,23 @@ def test_top_k_top_p_min_p_restrict_the_candidates():
     assert draws(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
     assert draws(SamplingParams(temperature=1.0, top_p=0.7)) == {0, 1}  # 0.5 + 0.3 reaches 0.7
     assert draws(SamplingParams(temperature=1.0, min_p=0.5)) == {0, 1}  # 0.15 < 0.5 * 0.5
+
+
+def test_draws_follow_the_probabilities_and_never_pick_a_token_of_probability_zero():
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.0, 0.2], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        tokens = draw(probs, [generator, generator])
+        counts[tokens[0]] += 1
+        assert tokens[1] == 4
+    assert counts[1] == counts[3] == 0
+    # 4,000 draws: each share within 3% of its probability (over 4 standard deviations)
+    torch.testing.assert_close(counts / 4000, probs[0], atol=0.03, rtol=0)
+    # one large row: a token's share of 1e-6 stays that small, the sums in float64
+    wide = torch.full((1, 151936), 1e-6 / 151935)
+    wide[0, 77] = 1 - 1e-6
+    assert {int(draw(wide, [generator])[0]) for _ in range(200)} == {77}
 
 
 def test_seeded_rows_do_not_depend_on_their_neighbours():
