@@ -13,6 +13,7 @@ beside the one it replaces, on `--threads` torch threads.
 - a group of decodes in an eager step: one masked SDPA call over gathered blocks against our
   decode kernel (`attention.decodes_by_kernel`), which reads each sequence's blocks in place;
 - greedy sampling: `max(dim)` against the sampler's chunked argmax;
+- random sampling's draw: the exponential race against inverse transform sampling;
 - one row times a `q8_0` weight outside a graph (a first start's eager steps): the weight
   dequantized a slice at a time and multiplied, against our kernel over its int8 blocks
   (`engine.kernels.q8_0_rows`), on the 0.5B shape's tied head and MLP weights.
@@ -40,7 +41,7 @@ from engine.kernels.q8_0_rows import row_times as q8_0_kernel_row_times
 from engine.models import attention
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.quantized_linear import q8_0_dequantized_mm, q8_0_row_times, quantize_per_block
-from engine.worker.sampler import argmax_rows
+from engine.worker.sampler import argmax_rows, draw
 
 
 @dataclass
@@ -199,6 +200,25 @@ def argmax_pair(rows: int, vocab: int, repeats: int) -> Pair:
                  ("chunked", lambda: argmax_rows(logits)), None, repeats)
 
 
+def exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The sampler's former draw (vLLM's): the argmax of probs over Exp(1) noise, a number a token."""
+    noise = torch.empty_like(probs)
+    for row in noise:
+        row.exponential_(generator=generator)
+    return argmax_rows(probs / noise)
+
+
+def draw_pair(rows: int, vocab: int, repeats: int) -> Pair:
+    probs = torch.softmax(torch.randn(rows, vocab), -1)
+    generator = torch.Generator().manual_seed(0)
+    return _pair(f"random sampling draw, {rows} x {vocab}",
+                 ("exponential race", lambda: exponential_race(probs, generator)),
+                 ("inverse transform", lambda: draw(probs, [generator] * rows)), None, repeats)
+
+
+DRAW_SHAPES = ((1, 32000), (16, 32000), (1, 151936), (16, 151936))
+
+
 def q8_0_row_pair(out_features: int, in_features: int, flush: torch.Tensor, repeats: int) -> Pair:
     qweight, scales = quantize_per_block(torch.randn(out_features, in_features))
     x = torch.randn(1, in_features)
@@ -222,6 +242,7 @@ def run(repeats: int = 20, vllm_python: str | None = None) -> list[Pair]:
              *(chunk_group_pair(what, chunks, repeats) for what, chunks in CHUNK_GROUPS),
              *(decode_group_pair(batch, 192, repeats) for batch in (16, 64)),
              *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936))),
+             *(draw_pair(rows, vocab, repeats) for rows, vocab in DRAW_SHAPES),
              *(q8_0_row_pair(out, features, flush, repeats) for out, features in ((151936, 896), (4864, 896),
                                                                                  (896, 4864)))]
     if vllm_python is not None:
