@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels import native
+from engine.kernels.operators import operator
 
 MAX_ROWS = 16  # the C kernel's MAX_ROWS: a batch of decodes
 # The shim's declaration, as inductor writes it into a package that calls the op.
@@ -52,7 +53,7 @@ def row_times(row: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, th
     return out
 
 
-@torch.library.custom_op("trio_llm::q8_0_rows", mutates_args=())
+@operator("trio_llm::q8_0_rows")
 def graph_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`row_times` as an operator of exported graphs, on torch's thread count. Called from Python
     only where a graph runs outside a package (dynamo, tracing); a package calls the C shim."""

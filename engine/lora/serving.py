@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.operators import operator
 from engine.lora.adapter import LoRAAdapter, LoRAError, LoRAFactors
 from engine.models.decoder import DecoderForCausalLM, DecoderLayer
 from engine.models.layers import DenseMLP, Linear
@@ -153,7 +154,7 @@ class LinearLoRA:
         return grouped_delta(x, batch.gather, batch.keep, self.a_t, self.b_t)
 
 
-@torch.library.custom_op("trio_llm::lora_delta", mutates_args=())
+@operator("trio_llm::lora_delta")
 def lora_delta(x: torch.Tensor, linear: int, out_features: int) -> torch.Tensor:
     """Inside a compiled graph: linear `linear`'s adapter delta for the running call's rows."""
     batch = _current.get()

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.causal_attention import causal_attention, decode_attention
+from engine.kernels.operators import operator
 
 
 @dataclass
@@ -181,7 +182,7 @@ def attention_step(meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tens
         _current.reset(token)
 
 
-@torch.library.custom_op("trio_llm::step_attention", mutates_args=())
+@operator("trio_llm::step_attention")
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: int, kv_group: int, scale: float,
                    sliding_window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A layer's attention for the step `attention_step` set: writes this step's keys and values

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from engine.kernels.operators import operator
+
 logger = logging.getLogger(__name__)
 
 # The batch oneDNN lays the weight out for; decode batches go up to 64 (the compiled graph's
@@ -41,7 +43,7 @@ PACK_MIN_ELEMENTS = 512 * 256
 SLOWER = 1.1  # a reduced dtype this much slower than float32 is reported at start-up (not noise)
 
 
-@torch.library.custom_op("trio_llm::packed_linear", mutates_args=())
+@operator("trio_llm::packed_linear")
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + bias` with W packed by `pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -46,6 +46,7 @@ import torch
 
 from engine.kernels import q8_0_quantize
 from engine.kernels import q8_0_rows as q8_0_kernel
+from engine.kernels.operators import operator
 
 INT4_GROUP = 32  # weights per scale and zero point in int4 (the kernel takes 32, 64, 128 or 256)
 INT4_ROW_BLOCK = 16  # the int4 kernel packs output rows in blocks of 16
@@ -280,7 +281,7 @@ def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
 
 
-@torch.library.custom_op("trio_llm::int4pack_mm", mutates_args=())
+@operator("trio_llm::int4pack_mm")
 def int4pack_mm(rows: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """torch's int4 kernel, opaque to inductor. Inductor lowers `_weight_int4pack_mm_for_cpu` with
     its group size as a tensor constant of the graph's own, which an AOTInductor package whose
