@@ -9,6 +9,9 @@ stream again, and stops. Rounds 2 and on start on empty directories of their own
 healthy and stop (which kills their compiles: the cancellation path). Then `--repeats` restarts on
 round 1's directory, the graphs saved, are timed to healthy (warm). Medians are reported; every
 figure is printed.
+
+`--warm-only` times warm starts alone, on serve's own cache: one start first, not timed, compiles
+whatever is not there (`--no-compile-in-background`, so it is healthy once the graphs are saved).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ class FirstStart:
     compiled: LevelResult | None = None  # one stream after
 
 
-def serve_command(model: str, port: int, cache_dir: Path, extra: list[str]) -> list[str]:
+def serve_command(model: str, port: int, cache_dir: Path | None, extra: list[str]) -> list[str]:
+    """`trio-llm serve`'s command line; its compile cache `cache_dir` (None: serve's own)."""
+    cache = [] if cache_dir is None else ["--compilation-config", f'{{"cache_dir": "{cache_dir}"}}']
     return [sys.executable, "-m", "web.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", SERVED_NAME, "--compilation-config", f'{{"cache_dir": "{cache_dir}"}}', *extra]
+            "--served-model-name", SERVED_NAME, *cache, *extra]
 
 
 async def one_stream(url: str, output_len: int, vocab: int) -> LevelResult:
@@ -65,7 +70,7 @@ async def first_start(model: str, port: int, cache_dir: Path, extra: list[str], 
         return result
 
 
-async def warm_start(model: str, port: int, cache_dir: Path, extra: list[str], log: Path) -> float:
+async def warm_start(model: str, port: int, cache_dir: Path | None, extra: list[str], log: Path) -> float:
     async with served("trio-llm", serve_command(model, port, cache_dir, extra), port, str(log)) as (_, healthy):
         return healthy
 
@@ -80,6 +85,24 @@ async def run(model: str, extra: list[str], repeats: int, output_len: int, vocab
                                             output_len, vocab))
         warms = [await warm_start(model, port, root / "round-1", extra, root / f"warm-{i}.log")
                  for i in range(repeats)]
+    return report(model, extra, repeats, firsts, warms)
+
+
+async def run_warm(model: str, extra: list[str], repeats: int, port: int = 8190) -> str:
+    """Warm starts on serve's own cache, after one start (not timed) that fills it."""
+    with tempfile.TemporaryDirectory(prefix="warm-start-") as scratch:
+        logs = Path(scratch)
+        await warm_start(model, port, None, [*extra, "--no-compile-in-background"], logs / "priming.log")
+        warms = [await warm_start(model, port, None, extra, logs / f"warm-{i}.log") for i in range(repeats)]
+    return "\n".join([f"model={model} trio-llm serve {' '.join(extra)} (serve's own compile cache); rounds={repeats}",
+                      _warm_line(warms)])
+
+
+def _warm_line(warms: list[float]) -> str:
+    return f"warm start to healthy: median {statistics.median(warms):.1f} s ({', '.join(f'{w:.1f}' for w in warms)})"
+
+
+def report(model: str, extra: list[str], repeats: int, firsts: list[FirstStart], warms: list[float]) -> str:
     first = firsts[0]
     assert first.eager is not None and first.compiled is not None and first.adopted is not None
     return "\n".join([
@@ -90,5 +113,5 @@ async def run(model: str, extra: list[str], repeats: int, output_len: int, vocab
         f"first start until steps run on the compiled graphs: {first.adopted:.1f} s (round 1)",
         f"one stream meanwhile, eager: {rate(first.eager):.1f} tok/s; after, compiled: {rate(first.compiled):.1f} "
         f"tok/s",
-        f"warm start to healthy: median {statistics.median(warms):.1f} s ({', '.join(f'{w:.1f}' for w in warms)})",
+        _warm_line(warms),
     ])
