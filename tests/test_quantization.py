@@ -419,6 +419,33 @@ def test_hostile_gguf_files_are_refused_in_one_line(reference, tmp_path):
         assert "\n" not in str(refused.value), str(refused.value)
 
 
+def test_a_gguf_header_reads_as_ggufs_own_reader_reads_it_with_its_arrays_stepped_over(tmp_path):
+    import gguf
+
+    from engine.models.gguf_file import _value, gguf_reader
+
+    file = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(file), "llama")
+    writer.add_block_count(3)
+    writer.add_token_list([f"token{i}" * (i % 7) for i in range(3000)])  # strings of every length, empty too
+    writer.add_token_types([i % 5 for i in range(3000)])
+    writer.add_eos_token_id(7)
+    writer.add_tensor("token_embd.weight", np.arange(64, dtype=np.float32).reshape(4, 16))
+    writer.add_tensor("output_norm.weight", np.ones(16, dtype=np.float32))
+    _finish(writer)
+    ours, theirs = gguf_reader(str(file)), gguf.GGUFReader(str(file))
+    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in ours.tensors] == \
+           [(t.name, t.tensor_type, t.data.tobytes()) for t in theirs.tensors]
+    for key in ("llama.block_count", "tokenizer.ggml.eos_token_id"):
+        assert _value(ours, key) == theirs.get_field(key).contents()
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.tokens.*not read"):
+        _value(ours, "tokenizer.ggml.tokens")
+    cut = tmp_path / "cut.gguf"  # the vocabulary cut short: refused, not read past the end
+    cut.write_bytes(file.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        gguf_reader(str(cut))
+
+
 def _finish(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -105,8 +105,10 @@ def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KV
 
 
 # Modules of engine/models that no graph is traced from (make-model's checkpoints, the registry of
-# architectures): editing them must not make every compiled graph compile again.
-NEVER_TRACED = frozenset({"tiny.py", "tiny_spec.py", "tiny_weights.py", "tiny_llava.py", "registry.py"})
+# architectures, reading files: what they read is in the key as the config and the parameters'
+# shapes and dtypes): editing them must not make every compiled graph compile again.
+NEVER_TRACED = frozenset({"tiny.py", "tiny_spec.py", "tiny_weights.py", "tiny_llava.py", "registry.py",
+                          "gguf_file.py", "hf_config.py", "weights.py"})
 
 
 def _modeling_source_digest() -> str:
