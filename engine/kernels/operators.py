@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 NAMESPACE = "trio_llm"
-_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # kept alive: the definitions live as long as it
+# Kept alive: the definitions live as long as it. (torch.library is untyped.)
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # type: ignore[no-untyped-call]
 
 
 class Operator:
@@ -29,8 +30,8 @@ class Operator:
 
     def __init__(self, name: str, function: Callable[..., Any]) -> None:
         self.name = name
-        _LIBRARY.define(name + torch.library.infer_schema(function, mutates_args=()))
-        _LIBRARY.impl(name, function, "CompositeExplicitAutograd")
+        _LIBRARY.define(name + torch.library.infer_schema(function, mutates_args=()))  # type: ignore[no-untyped-call]
+        _LIBRARY.impl(name, function, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
         self.overload: torch._ops.OpOverload = getattr(getattr(torch.ops, NAMESPACE), name).default
         functools.update_wrapper(self, function)
 

@@ -168,16 +168,20 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str,
 _BETWEEN_ITEMS = re.compile(r"[\s,]*")
 
 
+def _past_separators(text: str, at: int) -> int:
+    found = _BETWEEN_ITEMS.match(text, at)
+    return at if found is None else found.end()  # it matches everywhere (possibly nothing)
+
+
 def _whole_items(text: str) -> list[Any]:
     """The items of the JSON array `text` that are whole: all of them, or, where `text` was cut
     short (max_tokens), those before the cut, as a stream has already sent them."""
-    decoder, items = json.JSONDecoder(), []
-    at = _BETWEEN_ITEMS.match(text).end()
+    decoder, items, at = json.JSONDecoder(), list[Any](), _past_separators(text, 0)
     if not text.startswith("[", at):
         return []
     at += 1
     while True:
-        at = _BETWEEN_ITEMS.match(text, at).end()
+        at = _past_separators(text, at)
         try:
             item, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
