@@ -234,9 +234,12 @@ class DecodeGraphs:
         # A package is one graph for every size, run at one and two rows by its agreement check:
         # the largest size once is all it needs (every size twice was 2.5 s of the 0.5B shape's
         # warm start); dynamo's graph runs every size at two widths, so that none recompiles later.
-        runs = (TRACE_ROWS, *sizes) if self._dynamo is not None else sizes[:1]
+        if self._dynamo is not None:  # the second width proves the width dynamic (no recompile)
+            runs, widths = [TRACE_ROWS, *sizes], [8, 2]
+        else:
+            runs, widths = sizes[:1], [8]
         for i, rows in enumerate(runs):
-            for width in (8, 2) if self._dynamo is not None else (8,):  # dynamo: the second proves the width dynamic
+            for width in widths:
                 self.run(*self._scratch_rows(rows, width))
             if i == 0:
                 how = "loaded" if self.loaded_from_disk else "compiled"
