@@ -153,7 +153,7 @@ class DecodeGraphs:
 
     `scratch_block`: a block id no sequence is ever given (the worker allocates one past the
     scheduler's blocks); padding rows use it. `capture_sizes`: the largest is the largest batch
-    the graph runs (the rest only warm it up at start-up). `cache_dir`: where a dense model's
+    the graph runs (the rest warm up a torch.compile graph at start-up). `cache_dir`: where a dense model's
     graph is packaged (None: compiled at each start, not saved)."""
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[KVCache], block_size: int,
@@ -210,9 +210,9 @@ class DecodeGraphs:
         return 1 if self._step is not None else MIN_ROWS
 
     def compile_all(self, progress: Callable[[str], None] = logger.info) -> float:
-        """Compile (or load from disk) the graph, then run it once at every capture size (no
-        compilation: the batch is dynamic); returns the seconds it took. Called once, at
-        start-up."""
+        """Compile (or load from disk) the graph, then warm it up: a loaded or compiled package once
+        at the largest capture size, a torch.compile graph at every size (the batch is dynamic: no
+        size compiles again later); returns the seconds it took. Called once, at start-up."""
         with torch.inference_mode():
             return self._compile_all(progress)
 
