@@ -24,6 +24,7 @@ from engine.config import CompilationConfig
 from engine.models.gguf_file import gguf_config, gguf_weights
 from engine.models.layers import Linear
 from engine.models.loader import load_decoder
+from engine.models.parallel import TensorParallel
 from engine.models.quantized_linear import (
     int8_pack_mm,
     int8_row_times,
@@ -123,6 +124,61 @@ def file_as_float_model(checkpoint, gguf_file, tmp_path):
     save_file({name: t.contiguous() for name, t in gguf_weights(gguf_file, gguf_config(gguf_file))},
               str(as_stored / "model.safetensors"))
     return load_decoder(as_stored, "float32")
+
+
+def test_a_q8_0_files_blocks_are_held_byte_for_byte_with_no_float_weight_beside_them(reference, tmp_path):
+    """Each Q8_0 tensor's blocks go into its layer as they are: q, k and v (and gate and up) at
+    their rows of the fused layer, Llama's Q and K rows put back in HF order, a tied table's blocks
+    the LM head's (its floats the embedding's). The file's steps stop at 100, which a float round
+    trip would not give back (requantizing makes each block's largest step 127)."""
+    import gguf
+
+    from engine.models.gguf_file import gguf_reader, unpermute_rotary
+
+    path, _ = reference
+    rng = np.random.default_rng(0)
+    source = gguf_reader(str(export_gguf(path, tmp_path / "f32.gguf", "F32")))
+    blocks = {}
+    for tensor in source.tensors:
+        if len(tensor.shape) == 2:
+            rows, features = int(tensor.shape[1]), int(tensor.shape[0])
+            scales = rng.uniform(1e-3, 1e-2, (rows, features // 32, 1)).astype(np.float16)
+            steps = rng.integers(-100, 101, (rows, features // 32, 32), dtype=np.int8)
+            raw = np.concatenate([scales.view(np.uint8), steps.view(np.uint8)], axis=-1)
+            blocks[tensor.name] = raw.reshape(rows, -1)
+    q8_file = tmp_path / "hand-made-q8.gguf"
+    _rewrite_with(path, q8_file, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    model = load_decoder(q8_file, "float32")
+    config = model.config
+
+    def file_blocks(name: str, heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        steps, scales = _q8_0_blocks(q8_file, name)
+        if heads is not None and config.architecture == "LlamaForCausalLM":
+            steps, scales = (unpermute_rotary(part, heads, name) for part in (steps, scales))
+        return steps, scales
+
+    layer = model.layers[0]
+    expected = {
+        layer.qkv_proj: [file_blocks("blk.0.attn_q.weight", config.num_heads),
+                         file_blocks("blk.0.attn_k.weight", config.num_kv_heads), file_blocks("blk.0.attn_v.weight")],
+        layer.mlp.gate_up_proj: [file_blocks("blk.0.ffn_gate.weight"), file_blocks("blk.0.ffn_up.weight")],
+        layer.mlp.down_proj: [file_blocks("blk.0.ffn_down.weight")],
+        model.lm_head: [file_blocks("token_embd.weight" if config.tie_word_embeddings else "output.weight")],
+    }
+    for linear, parts in expected.items():
+        assert linear.qmethod == "q8_0"
+        assert torch.equal(linear.qweight, torch.cat([steps for steps, _ in parts]))
+        assert torch.equal(linear.qscales, torch.cat([scales for _, scales in parts]))
+        assert (linear.weight.device.type == "meta") != (linear is model.lm_head and config.tie_word_embeddings)
+    steps, scales = file_blocks("token_embd.weight")
+    table = (steps.float().reshape(*scales.shape, 32) * scales[..., None]).reshape(steps.shape)
+    assert torch.equal(model.embed_tokens.weight, table)
+    # Tensor parallelism's second rank: its half of down's features (whole blocks), of o's too.
+    second = load_decoder(q8_file, "float32", tp=TensorParallel(rank=1, size=2)).layers[0]
+    for linear, name in ((second.mlp.down_proj, "blk.0.ffn_down.weight"), (second.o_proj, "blk.0.attn_output.weight")):
+        steps, scales = file_blocks(name)
+        assert torch.equal(linear.qweight, steps.chunk(2, dim=1)[1])
+        assert torch.equal(linear.qscales, scales.chunk(2, dim=1)[1])
 
 
 def test_a_q4_0_file_keeps_its_steps_and_scales(reference, tmp_path):
@@ -340,18 +396,18 @@ async def test_tensor_parallel_ranks_quantize_their_own_shards(tmp_path_factory)
 
 
 def test_q8_0_blocks_read_in_torch_equal_ggufs_own_dequantization():
-    """`q8_0_as_float` (torch's threads) against gguf's `dequantize`, bit for bit, on blocks of
+    """`Q8_0Blocks.dequantized` (torch's threads) against gguf's `dequantize`, bit for bit, on blocks of
     random float16 scales (zero, negative and subnormal ones among them) and int8 values."""
     from gguf import GGMLQuantizationType, quants
 
-    from engine.models.gguf_file import q8_0_as_float
+    from engine.models.weights import Q8_0Blocks
     rng = np.random.default_rng(0)
     scales = rng.standard_normal(96).astype(np.float16)
     scales[:3] = [0.0, -0.0, 1e-7]
     values = rng.integers(-128, 128, size=(96, 32), dtype=np.int8)
     blocks = np.concatenate([scales.view(np.uint8).reshape(96, 2), values.view(np.uint8)], axis=1).reshape(3, -1)
     want = quants.dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(-1)
-    got = q8_0_as_float(blocks).numpy()
+    got = Q8_0Blocks.from_raw(torch.from_numpy(blocks), 3).dequantized().numpy().reshape(-1)
     assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
@@ -453,8 +509,9 @@ def _finish(writer) -> None:
     writer.close()
 
 
-def _rewrite_with(model_dir, out, replaced: dict) -> None:
-    """A GGUF of `model_dir` (F32) whose named tensors are replaced by others."""
+def _rewrite_with(model_dir, out, replaced: dict, raw_dtype=None) -> None:
+    """A GGUF of `model_dir` (F32) whose named tensors are replaced by others (raw bytes of
+    `raw_dtype`, if given)."""
     import gguf
 
     from engine.models.gguf_file import gguf_reader
@@ -467,7 +524,10 @@ def _rewrite_with(model_dir, out, replaced: dict) -> None:
         if field.name.startswith((f"{arch}.", "tokenizer.ggml.eos")):
             writer.add_key_value(field.name, field.contents(), field.types[0])
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, replaced.get(tensor.name, tensor.data))
+        if tensor.name in replaced:
+            writer.add_tensor(tensor.name, replaced[tensor.name], raw_dtype=raw_dtype)
+        else:
+            writer.add_tensor(tensor.name, tensor.data)
     _finish(writer)
 
 

@@ -10,7 +10,8 @@ the checkpoint's separate tensors; so is each expert's gate/up pair.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,7 +32,17 @@ from engine.models.mla import MlaAttention
 from engine.models.moe import ExpertLayout, FusedExperts, SparseMoeBlock
 from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.rope import RotaryEmbedding
-from engine.models.weights import checked_copy, load_named_weights, split_fused, split_stacked_experts
+from engine.models.weights import (
+    CheckpointTensor,
+    Q8_0Blocks,
+    T,
+    as_floats,
+    checked_copy,
+    copied_blocks,
+    load_named_weights,
+    split_fused,
+    split_stacked_experts,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -267,13 +278,28 @@ class DecoderForCausalLM(nn.Module):
         it: tiny, and an error there changes which experts run, not a logit's last digits."""
         if method is None:
             return
+        if only is None:
+            for module in self.modules():
+                if isinstance(module, FusedExperts):
+                    module.quantize(method)
+        for _, linear in self._quantizable_linears(only):
+            linear.quantize(method, keep_weight=linear is self.lm_head and self.config.tie_word_embeddings)
+
+    def hold_q8_0_blocks(self, only: set[str]) -> set[str]:
+        """Before loading a GGUF file: the linear layers named in `only` (its Q8_0 layers) hold
+        `q8_0` storage that loading fills with the file's blocks as they are (`_copy_into`), not a
+        float weight quantized again after. Returns the layers that do; the rest load as float."""
+        tied = self.config.tie_word_embeddings
+        return {name for name, linear in self._quantizable_linears(only)
+                if linear.hold_q8_0_blocks(keep_weight=linear is self.lm_head and tied)}
+
+    def _quantizable_linears(self, only: set[str] | None) -> Iterator[tuple[str, Linear]]:
+        """Every linear layer but routers (or those of them named in `only`), by name."""
         routers = {id(gate) for block in self.modules() if isinstance(block, SparseMoeBlock)
                    for gate in (block.gate, block.shared_expert_gate)}
         for name, module in self.named_modules():
-            if isinstance(module, FusedExperts) and only is None:
-                module.quantize(method)
             if isinstance(module, Linear) and id(module) not in routers and (only is None or name in only):
-                module.quantize(method, keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+                yield name, module
 
     def linears_of(self, hf_names: set[str]) -> set[str]:
         """Our linear layers that hold the checkpoint weights `hf_names` (a fused layer is named once
@@ -318,19 +344,20 @@ class DecoderForCausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ---- weight loading ---------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy HF-named checkpoint tensors into our (partly fused) parameters.
 
-        Raises `ModelLoadError` naming the tensor for a shape mismatch, an
-        unexpected tensor, or parameters the checkpoint never provided.
+        A GGUF file's Q8_0 blocks (`Q8_0Blocks`) go as they are into the layers that hold them
+        (`hold_q8_0_blocks`); elsewhere they are dequantized. Raises `ModelLoadError` naming the
+        tensor for a shape mismatch, an unexpected tensor, or parameters the checkpoint never provided.
         """
         params = dict(self.named_parameters())
         expected = {slot for name in params for slot in self._slots_of(name)}
         cfg = self.config
-        if cfg.fused_checkpoint:
-            weights = split_fused(weights, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        if cfg.fused_checkpoint:  # safetensors checkpoints: no blocks
+            weights = split_fused(as_floats(weights), cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
         if cfg.family == "gpt_oss":
-            weights = split_stacked_experts(weights)
+            weights = split_stacked_experts(as_floats(weights))
         load_named_weights(params, weights, self._map_name, self._copy_into, expected, self.config.architecture)
         self.tie_weights()
 
@@ -396,15 +423,36 @@ class DecoderForCausalLM(nn.Module):
         return name
 
     def _copy_into(self, param: torch.Tensor, name: str, slot: int | None,
-                   tensor: torch.Tensor, hf_name: str) -> None:
+                   tensor: CheckpointTensor, hf_name: str) -> None:
+        if isinstance(tensor, Q8_0Blocks):
+            self._copy_blocks(param, name, slot, tensor, hf_name)
+            if param.device.type == "meta":  # only the blocks are held
+                return
         if ".experts." in name and slot is not None:
-            self._copy_expert(param, name, slot, tensor, hf_name)
+            self._copy_expert(param, name, slot, tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor,
+                              hf_name)
             return
-        target = param.data
-        if slot is not None:
-            sizes = self._slot_sizes(name, param)
-            target = target.narrow(0, sum(sizes[:slot]), sizes[slot])
-        checked_copy(target, self._shard(name, tensor), hf_name)
+        checked_copy(self._slot_of(param, name, slot), self._sharded(name, tensor), hf_name)
+
+    def _slot_of(self, tensor: torch.Tensor, name: str, slot: int | None) -> torch.Tensor:
+        """The rows of a fused parameter's `tensor` (or of its quantized rows or scales) that `slot`
+        fills; all of it for a parameter that is not fused."""
+        if slot is None:
+            return tensor.data
+        sizes = self._slot_sizes(name, tensor)
+        return tensor.data.narrow(0, sum(sizes[:slot]), sizes[slot])
+
+    def _copy_blocks(self, param: torch.Tensor, name: str, slot: int | None, blocks: Q8_0Blocks,
+                     hf_name: str) -> None:
+        """A Q8_0 tensor's blocks into the layer that holds them as they are (`hold_q8_0_blocks`):
+        the parameter's own layer, or for a tied embedding table the LM head. None does: nothing."""
+        tied_head = name == "embed_tokens.weight" and self.config.tie_word_embeddings
+        layer = self.lm_head if tied_head else self.get_submodule(name.rsplit(".", 1)[0])
+        if not (isinstance(layer, Linear) and layer.qmethod == "q8_0" and name.endswith(".weight")):
+            return
+        assert layer.qweight is not None and layer.qscales is not None
+        copied_blocks(self._slot_of(layer.qweight, name, slot), self._slot_of(layer.qscales, name, slot),
+                      self._sharded(name, blocks), hf_name)
 
     def _copy_expert(self, param: torch.Tensor, name: str, slot: int, tensor: torch.Tensor, hf_name: str) -> None:
         """One logical expert's tensor into every local slot that holds a replica of it."""
@@ -430,6 +478,10 @@ class DecoderForCausalLM(nn.Module):
     _ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
     _COLUMN_PARALLEL = (".qkv_proj.", ".gate_up_proj.", "embed_tokens.weight", "lm_head.weight", ".sinks",
                         ".q_b_proj.", ".kv_b_proj.", ".self_attn.q_proj.")  # MLA's heads split likewise
+
+    def _sharded(self, name: str, tensor: T) -> T:
+        """`_shard` of a tensor or of Q8_0 blocks (their rows and blocks split as the features are)."""
+        return tensor.map(partial(self._shard, name)) if isinstance(tensor, Q8_0Blocks) else self._shard(name, tensor)
 
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (the identity without tensor parallelism;

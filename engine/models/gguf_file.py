@@ -1,22 +1,23 @@
 """GGUF files (llama.cpp's format), read with the `gguf` package: an HF-style config from the
-file's metadata, and its tensors under HF names, dequantized to float32 (`trio-llm serve
-model.gguf --tokenizer HF_DIR`, as vLLM takes them).
+file's metadata, and its tensors under HF names (`trio-llm serve model.gguf --tokenizer HF_DIR`,
+as vLLM takes them).
 
-Quantized tensors are dequantized once at load. Q8_0 and Q4_0 tensors are then quantized back to
-their blocks (`q8_0`: int8 with a scale per 32 weights; `q4_0`: 4-bit steps with a scale per 32;
-both reproduce the file's steps exactly); other block formats (Q4_K, Q6_K, ...) run by default as
+A Q8_0 tensor comes as its blocks (`gguf_tensors`, `Q8_0Blocks`: int8 steps with a scale per 32
+weights), which a `q8_0` layer keeps as they are. Other quantized tensors are dequantized to
+float32 once at load; Q4_0 ones are then quantized back to their blocks (`q4_0`: 4-bit steps with
+a scale per 32, the file's steps exactly); other block formats (Q4_K, Q6_K, ...) run by default as
 int8 weight-only, one scale per row (engine/models/loader.py `file_block_methods`;
 docs/decisions.md, "Quantized weights"), which the start-up log says, since that rounds the file's
-weights again. llama.cpp stores the Llama family's Q and K rows
-permuted for its rotary layout; they are put back in HF order. Anything malformed (a truncated
-file, an unknown quantization type, a tensor of the wrong shape, a header claiming absurd
-counts) is a `ModelLoadError` of one line.
+weights again. llama.cpp stores the Llama family's Q and K rows permuted for its rotary layout;
+they are put back in HF order. Anything malformed (a truncated file, an unknown quantization type,
+a tensor of the wrong shape, a header claiming absurd counts) is a `ModelLoadError` of one line.
 """
 
 from __future__ import annotations
 
 import functools
 import struct
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.models.weights import CheckpointTensor, Q8_0Blocks, as_floats
 
 # The block formats (and plain ones) this loader dequantizes; the names are GGML's.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -207,6 +209,12 @@ def block_formats(path: str | Path) -> dict[str, str]:
 
 def gguf_weights(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor under its HF name, as float32, in HF layout."""
+    return as_floats(gguf_tensors(path, config))
+
+
+def gguf_tensors(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor under its HF name in HF layout: a 2-D Q8_0 tensor as its blocks (views of the
+    file: `Q8_0Blocks`), any other as float32."""
     from gguf import quants
 
     quantization_types(path)
@@ -217,8 +225,11 @@ def gguf_weights(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str
             raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r}")
         try:
             shape = tuple(int(d) for d in reversed(tensor.shape))  # GGML lists the fastest dimension first
-            if tensor.tensor_type.name == "Q8_0":
-                value = q8_0_as_float(np.asarray(tensor.data)).reshape(shape)
+            value: CheckpointTensor
+            if tensor.tensor_type.name == "Q8_0" and len(shape) == 2:
+                value = Q8_0Blocks.from_raw(_read_only_view(tensor.data), shape[0])
+                if value.shape != shape:
+                    raise ValueError(f"{value.shape[1]} features in its blocks, {shape[1]} in its shape")
             else:
                 data = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
                 # A copy: the file is read-only.
@@ -231,17 +242,12 @@ def gguf_weights(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str
         yield hf_name, value
 
 
-Q8_0_BLOCK_BYTES = 34  # a float16 scale, then 32 int8 values
-
-
-def q8_0_as_float(data: np.ndarray) -> torch.Tensor:
-    """Q8_0 blocks (raw bytes, any shape) as float32 values, `scale * value`, flat: what gguf's
-    `dequantize` gives, in torch's threads rather than numpy's one (the 0.5B shape's file: ~1 s
-    less of each start on 2 cores, docs/benchmarks.md)."""
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(-1, Q8_0_BLOCK_BYTES)
-    scales = raw[:, :2].contiguous().view(torch.float16).float()
-    values = raw[:, 2:].contiguous().view(torch.int8).float()
-    return (values * scales).reshape(-1)
+def _read_only_view(data: np.ndarray) -> torch.Tensor:
+    """A tensor over the file's mapped bytes, without a copy. torch warns that it cannot protect a
+    read-only array from writes: nothing writes to it (loading copies out of it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.asarray(data, dtype=np.uint8))
 
 
 def hf_tensor_name(name: str) -> str | None:
@@ -254,10 +260,17 @@ def hf_tensor_name(name: str) -> str | None:
     return None
 
 
-def unpermute_rotary(weight: torch.Tensor, heads: int, name: str) -> torch.Tensor:
+def unpermute_rotary(weight: CheckpointTensor, heads: int, name: str) -> CheckpointTensor:
     """Undo llama.cpp's permutation of a Llama Q or K projection (its rows, per head, interleave
     the two rotary halves)."""
     rows = weight.shape[0]
     if heads < 1 or rows % (2 * heads):
         raise ModelLoadError(f"GGUF tensor {name} has {rows} rows, which {heads} heads cannot split")
+    if isinstance(weight, Q8_0Blocks):
+        return weight.map(lambda part: _unpermuted_rows(part, heads))
+    return _unpermuted_rows(weight, heads)
+
+
+def _unpermuted_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    rows = weight.shape[0]
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)

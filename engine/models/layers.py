@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
-from engine.models.quantized_linear import QUANTIZED_MATMULS, can_quantize, quantize_weight
+from engine.models.quantized_linear import Q8_0_BLOCK, QUANTIZED_MATMULS, can_quantize, quantize_weight
 
 
 class OutputDelta(Protocol):
@@ -146,12 +146,27 @@ class Linear(nn.Module):
         unless `keep_weight` (a tied LM head: the embedding still reads it)."""
         if not can_quantize(self.weight, method):
             return False
-        self.qweight, self.qscales = quantize_weight(self.weight, method)
+        self._hold_quantized(method, *quantize_weight(self.weight, method), keep_weight=keep_weight)
+        return True
+
+    def hold_q8_0_blocks(self, keep_weight: bool = False) -> bool:
+        """Before loading: hold empty `q8_0` storage in place of the float weight, for loading to
+        fill with a GGUF file's Q8_0 blocks as they are (`engine.models.weights.copied_blocks`);
+        returns whether the kernel takes the weight's shape (if not, nothing changed).
+        `keep_weight` as in `quantize`."""
+        if not can_quantize(self.weight, "q8_0"):
+            return False
+        rows, features = self.weight.shape
+        self._hold_quantized("q8_0", torch.empty(rows, features, dtype=torch.int8),
+                             torch.empty(rows, features // Q8_0_BLOCK, dtype=torch.float32), keep_weight=keep_weight)
+        return True
+
+    def _hold_quantized(self, method: str, qweight: torch.Tensor, qscales: torch.Tensor, keep_weight: bool) -> None:
+        self.qweight, self.qscales = qweight, qscales
         self.packed = self.row_weight = None  # a method's tensors go with it
         self._choose(Quantized(method))
         if not keep_weight:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
-        return True
 
     def pack(self, keep_weight: bool = False) -> bool:
         """Lay the weight out for oneDNN, where that applies (`packed_linear.can_pack`); returns

@@ -16,7 +16,7 @@ from engine.errors import ModelLoadError
 from engine.models.bert import BertEncoder, EncoderConfig
 from engine.models.compressed_tensors import dequantized, read_scheme
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.gguf_file import block_formats, gguf_weights, is_gguf
+from engine.models.gguf_file import block_formats, gguf_tensors, is_gguf
 from engine.models.hf_config import (
     DecoderConfig,
     LlavaConfig,
@@ -29,6 +29,7 @@ from engine.models.moe import ExpertLayout
 from engine.models.mxfp4 import mxfp4_dequantized
 from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.vision import LlavaVision, VisionConfig
+from engine.models.weights import CheckpointTensor
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     scheme = None if is_gguf(model_dir) or mxfp4 else read_scheme(raw, str(model_dir))
     quantized: set[str] = set()  # HF names of the weights a compressed-tensors checkpoint stores as int8
     if is_gguf(model_dir):
-        weights = gguf_weights(model_dir, raw)
+        weights: Iterator[tuple[str, CheckpointTensor]] = gguf_tensors(model_dir, raw)
     elif mxfp4:  # the experts dequantized as they are read
         weights = mxfp4_dequantized(iterate_weights(safetensors_files(model_dir)))
     elif scheme is not None:
@@ -106,11 +107,14 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     except ValueError as exc:  # a dimension tensor parallelism cannot split
         raise ModelLoadError(str(exc)) from None
     with torch.no_grad():
-        model.load_weights(weights)
         if is_gguf(model_dir) and quantization is None:  # only what the file quantized, each as its blocks say
-            for kept, linears in file_block_methods(model, block_formats(model_dir)).items():
-                model.quantize_linears(kept, linears)
+            methods = file_block_methods(model, block_formats(model_dir))
+            held = model.hold_q8_0_blocks(methods.get("q8_0", set()))  # loading copies their blocks in
+            model.load_weights(weights)
+            for kept, linears in methods.items():
+                model.quantize_linears(kept, linears - held)
         else:
+            model.load_weights(weights)
             method = resolve_quantization(quantization, model_dir, scheme.method if scheme else None)
             model.quantize_linears(method, model.linears_of(quantized) if quantization is None and quantized else None)
     model.setup_rope(max_positions or cfg.max_position_embeddings)

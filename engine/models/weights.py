@@ -3,17 +3,67 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from engine.errors import ModelLoadError
 
 Slot = tuple[str, int | None]  # (our parameter name, part of a fused parameter or None)
+Q8_0_BLOCK_BYTES = 34  # a float16 scale, then 32 int8 steps
 
 
-def load_named_weights(params: dict[str, torch.nn.Parameter], weights: Iterable[tuple[str, torch.Tensor]],
+@dataclass(frozen=True)
+class Q8_0Blocks:
+    """A GGUF Q8_0 tensor [rows, features] as the file holds it: each row in blocks of 32 int8
+    steps with one float16 scale. Loading copies the blocks into a `q8_0` layer as they are (the
+    file's steps exactly, and no float round trip: the 0.5B shape's warm start, docs/benchmarks.md);
+    anything else takes them `dequantized`. Both tensors index rows, then blocks, so one change of
+    those dimensions (a shard, a permutation of rows) applies to both (`map`)."""
+
+    values: torch.Tensor  # int8 [rows, blocks, 32]
+    scales: torch.Tensor  # float16 [rows, blocks]
+
+    @classmethod
+    def from_raw(cls, raw: torch.Tensor, rows: int) -> Q8_0Blocks:
+        """The blocks of `raw`, the file's uint8 bytes of `rows` rows (views: nothing is copied)."""
+        blocks = raw.reshape(rows, -1, Q8_0_BLOCK_BYTES)
+        return cls(blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape[0], self.values.shape[1] * self.values.shape[2]
+
+    def map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> Q8_0Blocks:
+        return Q8_0Blocks(change(self.values), change(self.scales))
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [rows, features], `scale * step`: what gguf's `dequantize` gives, bit for bit."""
+        return self.dequantize_into(torch.empty(self.shape))
+
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        """`dequantized` written into `out` (contiguous, [rows, features], any float dtype: each
+        value rounded once), in two passes over it rather than through temporaries."""
+        blocks = out.view(self.values.shape)
+        blocks.copy_(self.values)
+        blocks.mul_(self.scales.float().unsqueeze(-1))
+        return out
+
+
+CheckpointTensor = torch.Tensor | Q8_0Blocks
+T = TypeVar("T", torch.Tensor, Q8_0Blocks, CheckpointTensor)
+
+
+def as_floats(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with any Q8_0 blocks dequantized."""
+    for name, tensor in weights:
+        yield name, tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor
+
+
+def load_named_weights(params: dict[str, torch.nn.Parameter], weights: Iterable[tuple[str, T]],
                        map_name: Callable[[str], Slot | None],
-                       copy_into: Callable[[torch.nn.Parameter, str, int | None, torch.Tensor, str], None],
+                       copy_into: Callable[[torch.nn.Parameter, str, int | None, T, str], None],
                        expected: set[Slot], architecture: str) -> None:
     """Put each checkpoint tensor where `map_name` says (None: skip it); every expected slot must be filled.
 
@@ -34,12 +84,30 @@ def load_named_weights(params: dict[str, torch.nn.Parameter], weights: Iterable[
         raise ModelLoadError(f"checkpoint lacks {len(names)} weights, e.g. {names[:6]}")
 
 
-def checked_copy(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
-    """Copy a checkpoint tensor into (part of) a parameter; `ModelLoadError` naming it if the shapes differ."""
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+def checked_copy(target: torch.Tensor, tensor: CheckpointTensor, hf_name: str) -> None:
+    """Copy a checkpoint tensor into (part of) a parameter (Q8_0 blocks dequantized straight into
+    it); `ModelLoadError` naming it if the shapes differ."""
+    _check_fits(target, tuple(tensor.shape), hf_name)
+    if isinstance(tensor, Q8_0Blocks) and target.is_contiguous():
+        tensor.dequantize_into(target)
+    else:
+        target.copy_(tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor)
+
+
+def copied_blocks(qweight: torch.Tensor, qscales: torch.Tensor, blocks: Q8_0Blocks, hf_name: str) -> None:
+    """Copy a checkpoint's Q8_0 blocks into (rows of) a `q8_0` layer's int8 steps [rows, features]
+    and float32 scales [rows, features / 32]; `ModelLoadError` naming it if the shapes differ."""
+    _check_fits(qweight, blocks.shape, hf_name)
+    qweight.view(blocks.values.shape).copy_(blocks.values)
+    qscales.copy_(blocks.scales)
+
+
+def _check_fits(target: torch.Tensor, shape: tuple[int, ...], hf_name: str) -> None:
+    if tuple(target.shape) != shape:
+        raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {shape}, "
                              f"the model expects {tuple(target.shape)}")
-    target.copy_(tensor)
+    if target.device.type == "meta":  # a copy into it would be dropped without a word
+        raise ModelLoadError(f"checkpoint tensor {hf_name!r} goes to a weight that holds no values")
 
 
 def split_fused(weights: Iterable[tuple[str, torch.Tensor]], q_size: int,
