@@ -210,9 +210,9 @@ class DecodeGraphs:
         return 1 if self._step is not None else MIN_ROWS
 
     def compile_all(self, progress: Callable[[str], None] = logger.info) -> float:
-        """Compile (or load from disk) the graph, then warm it up: a loaded or compiled package once
-        at the largest capture size, a torch.compile graph at every size (the batch is dynamic: no
-        size compiles again later); returns the seconds it took. Called once, at start-up."""
+        """Compile (or load from disk) the graph; a torch.compile graph is then warmed at every
+        size (the batch is dynamic: no size compiles again later), while a package has run in its
+        agreement check. Returns the seconds it took. Called once, at start-up."""
         with torch.inference_mode():
             return self._compile_all(progress)
 
@@ -231,21 +231,21 @@ class DecodeGraphs:
         # the sizes it traces with, and its cache key does not include them. A graph traced at
         # two rows ran single-threaded kernels at every size (13.7 against 12.1 ms a step at
         # batch 64 on two threads, 5.4 against 3.6 at 16), and a cached one would be reused so.
-        # A package is one graph for every size, run at one and two rows by its agreement check:
-        # the largest size once is all it needs (every size twice was 2.5 s of the 0.5B shape's
-        # warm start); dynamo's graph runs every size at two widths, so that none recompiles later.
-        if self._dynamo is not None:  # the second width proves the width dynamic (no recompile)
-            runs, widths = [TRACE_ROWS, *sizes], [8, 2]
-        else:
-            runs, widths = sizes[:1], [8]
-        for i, rows in enumerate(runs):
-            for width in widths:
-                self.run(*self._scratch_rows(rows, width))
-            if i == 0:
-                how = "loaded" if self.loaded_from_disk else "compiled"
-                progress(f"{how} the decode graph (batch sizes 1-{self.max_batch}) in "
-                         f"{time.perf_counter() - start:.1f} s")
+        # A package is one graph for every size, already run at one and two rows by its agreement
+        # check: nothing is left to warm (a run at the largest size was 1.3 s of the 0.5B shape's
+        # warm start: the first touch of a 64-row step's memory, which the first such step pays
+        # if one ever comes). Dynamo's graph runs every size at two widths, so that none
+        # recompiles later (the second width proves the width dynamic).
+        if self._dynamo is not None:
+            self._warm_every_size(sizes)
+        how = "loaded" if self.loaded_from_disk else "compiled"
+        progress(f"{how} the decode graph (batch sizes 1-{self.max_batch}) in {time.perf_counter() - start:.1f} s")
         return time.perf_counter() - start
+
+    def _warm_every_size(self, sizes: list[int]) -> None:
+        for rows in [TRACE_ROWS, *sizes]:
+            for width in (8, 2):
+                self.run(*self._scratch_rows(rows, width))
 
     def _precompiled_step(self, progress: Callable[[str], None]) -> DecodeStep | None:
         """The saved graph if there is one and it agrees with the eager model; else exported,
