@@ -14,6 +14,11 @@
  * GCC turns the extensions' int8-to-float conversion of a whole vector into one scalar conversion
  * per lane, and the kernel read 1.3-2 GB/s of weights; AVX-512's sign extension converts 16
  * weights in one instruction (7-10 GB/s, one thread).
+ *
+ * Every loop asks for the weight PREFETCH_AHEAD bytes ahead of where it reads. The weight streams
+ * from memory once per step, and the core's own prefetchers did not run far enough ahead of four
+ * interleaved rows: the 0.5B shape's weights at one row took 36-48 ms on two threads without,
+ * 26 ms with (a plain read of the same bytes: 24 ms; docs/benchmarks.md).
  */
 #include <stdint.h>
 #include <string.h>
@@ -25,6 +30,10 @@
 
 #define BLOCK 32
 #define MAX_ROWS 16 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
+#define PREFETCH_AHEAD 4096 /* bytes; 1,024 gained a little, 4,096 and 8,192 all of it */
+
+/* Ask for the weight bytes PREFETCH_AHEAD past p (a hint: past the end of the weight it reads nothing). */
+static inline void fetch_ahead(const int8_t *p) { __builtin_prefetch(p + PREFETCH_AHEAD, 0, 3); }
 
 struct rows_job {
     const float *x;
@@ -65,6 +74,7 @@ static void row_times(const struct rows_job *job) {
         for (long b = 0; b < blocks; b++) {
             const int8_t *wb = w + b * BLOCK;
             const float *xb = x + b * BLOCK;
+            fetch_ahead(wb);
             v8f part = load8(xb) * widen8(wb) + load8(xb + 8) * widen8(wb + 8) + load8(xb + 16) * widen8(wb + 16)
                        + load8(xb + 24) * widen8(wb + 24);
             total += part * s[b];
@@ -85,6 +95,7 @@ static void rows_times(const struct rows_job *job) {
         v8f total[MAX_ROWS] = {{0}};
         for (long b = 0; b < blocks; b++) {
             const int8_t *wb = w + b * BLOCK;
+            fetch_ahead(wb);
             v8f w0 = widen8(wb), w1 = widen8(wb + 8), w2 = widen8(wb + 16), w3 = widen8(wb + 24);
             for (long r = 0; r < job->rows; r++) {
                 const float *xb = job->x + r * job->k + b * BLOCK;
@@ -124,6 +135,8 @@ static inline __attribute__((always_inline)) void pair_times(const struct rows_j
     for (long r = 0; r < ROWS; r++)
         a[r] = b[r] = _mm512_setzero_ps();
     for (long blk = 0; blk < blocks; blk++) {
+        fetch_ahead(w0 + blk * BLOCK);
+        fetch_ahead(w1 + blk * BLOCK);
         __m512 sa = _mm512_set1_ps(s0[blk]), sb = _mm512_set1_ps(s1[blk]);
         __m512 a0 = _mm512_mul_ps(widen16(w0 + blk * BLOCK), sa), a1 = _mm512_mul_ps(widen16(w0 + blk * BLOCK + 16), sa);
         __m512 b0 = _mm512_mul_ps(widen16(w1 + blk * BLOCK), sb), b1 = _mm512_mul_ps(widen16(w1 + blk * BLOCK + 16), sb);
@@ -172,6 +185,10 @@ static void rows_times(const struct rows_job *job) {
             for (long b = 0; b < blocks; b++) {
                 const float *x = job->x + b * BLOCK;
                 const int8_t *wb = w + b * BLOCK;
+                fetch_ahead(wb);
+                fetch_ahead(wb + k);
+                fetch_ahead(wb + 2 * k);
+                fetch_ahead(wb + 3 * k);
                 a0 = block_times(a0, x, wb, s[b]);
                 a1 = block_times(a1, x, wb + k, s[blocks + b]);
                 a2 = block_times(a2, x, wb + 2 * k, s[2 * blocks + b]);
@@ -192,6 +209,7 @@ static void rows_times(const struct rows_job *job) {
         /* Each block dequantized once (times its scale), then two products a row: the weight is
          * read once for the whole batch. */
         for (long b = 0; b < blocks; b++) {
+            fetch_ahead(w + b * BLOCK);
             __m512 scale = _mm512_set1_ps(s[b]);
             __m512 low = _mm512_mul_ps(widen16(w + b * BLOCK), scale);
             __m512 high = _mm512_mul_ps(widen16(w + b * BLOCK + 16), scale);
