@@ -88,8 +88,8 @@ def checked_copy(target: torch.Tensor, tensor: CheckpointTensor, hf_name: str) -
     """Copy a checkpoint tensor into (part of) a parameter (Q8_0 blocks dequantized straight into
     it); `ModelLoadError` naming it if the shapes differ."""
     _check_fits(target, tuple(tensor.shape), hf_name)
-    if isinstance(tensor, Q8_0Blocks) and target.is_contiguous():
-        tensor.dequantize_into(target)
+    if isinstance(tensor, Q8_0Blocks) and target.is_contiguous() and target.device.type == "cpu":
+        tensor.dequantize_into(target)  # in place; a GPU's weight takes the float copy (the blocks are on the CPU)
     else:
         target.copy_(tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor)
 
