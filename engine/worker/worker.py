@@ -39,7 +39,7 @@ from engine.models.pooler import read_pooler_config
 from engine.models.vision import LlavaVision
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.compile_child import CompileJob
-from engine.worker.cpu_allocator import keep_freed_memory_in_heap
+from engine.worker.cpu_allocator import keep_freed_memory_in_heap, lazily_zeroed
 from engine.worker.cuda_graphs import CallThrough, CapturedDecode, CudaGraphCapture, max_table_blocks
 from engine.worker.decode_graphs import DecodeGraphs, use_compile_cache
 from engine.worker.encoder_runner import EncoderRunner
@@ -347,9 +347,11 @@ class Worker:
         position in a KV cache group (engine/kv_groups.py)."""
         assert isinstance(self.model, DecoderForCausalLM)
         keys, values = self.model.kv_cache_shapes(slots)
+        dtype = self.model.dtype
+        if torch.device(self.device).type == "cpu" and self.zeroed_caches:  # zero pages, written on first use
+            return [(lazily_zeroed(keys, dtype), lazily_zeroed(values, dtype)) for _ in range(self.model.num_kv_caches)]
         allocate = torch.zeros if self.zeroed_caches else torch.empty  # empty: no memory until written
-        return [(allocate(keys, dtype=self.model.dtype, device=self.device),
-                 allocate(values, dtype=self.model.dtype, device=self.device))
+        return [(allocate(keys, dtype=dtype, device=self.device), allocate(values, dtype=dtype, device=self.device))
                 for _ in range(self.model.num_kv_caches)]
 
     def _profile_step(self) -> None:
