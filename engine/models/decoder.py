@@ -36,6 +36,7 @@ from engine.models.weights import (
     CheckpointTensor,
     Q8_0Blocks,
     T,
+    as_float,
     as_floats,
     checked_copy,
     copied_blocks,
@@ -429,8 +430,7 @@ class DecoderForCausalLM(nn.Module):
             if param.device.type == "meta":  # only the blocks are held
                 return
         if ".experts." in name and slot is not None:
-            self._copy_expert(param, name, slot, tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor,
-                              hf_name)
+            self._copy_expert(param, name, slot, as_float(tensor), hf_name)
             return
         checked_copy(self._slot_of(param, name, slot), self._sharded(name, tensor), hf_name)
 

@@ -55,10 +55,15 @@ CheckpointTensor = torch.Tensor | Q8_0Blocks
 T = TypeVar("T", torch.Tensor, Q8_0Blocks, CheckpointTensor)
 
 
+def as_float(tensor: CheckpointTensor) -> torch.Tensor:
+    """The tensor, or Q8_0 blocks dequantized."""
+    return tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor
+
+
 def as_floats(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with any Q8_0 blocks dequantized."""
     for name, tensor in weights:
-        yield name, tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor
+        yield name, as_float(tensor)
 
 
 def load_named_weights(params: dict[str, torch.nn.Parameter], weights: Iterable[tuple[str, T]],
@@ -91,7 +96,7 @@ def checked_copy(target: torch.Tensor, tensor: CheckpointTensor, hf_name: str) -
     if isinstance(tensor, Q8_0Blocks) and target.is_contiguous() and target.device.type == "cpu":
         tensor.dequantize_into(target)  # in place; a GPU's weight takes the float copy (the blocks are on the CPU)
     else:
-        target.copy_(tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor)
+        target.copy_(as_float(tensor))
 
 
 def copied_blocks(qweight: torch.Tensor, qscales: torch.Tensor, blocks: Q8_0Blocks, hf_name: str) -> None:
