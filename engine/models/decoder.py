@@ -34,7 +34,7 @@ from engine.models.parallel import PipelineStage, TensorParallel
 from engine.models.rope import RotaryEmbedding
 from engine.models.weights import (
     CheckpointTensor,
-    Q8_0Blocks,
+    FileBlocks,
     T,
     as_float,
     as_floats,
@@ -286,13 +286,14 @@ class DecoderForCausalLM(nn.Module):
         for _, linear in self._quantizable_linears(only):
             linear.quantize(method, keep_weight=linear is self.lm_head and self.config.tie_word_embeddings)
 
-    def hold_q8_0_blocks(self, only: set[str]) -> set[str]:
-        """Before loading a GGUF file: the linear layers named in `only` (its Q8_0 layers) hold
-        `q8_0` storage that loading fills with the file's blocks as they are (`_copy_into`), not a
-        float weight quantized again after. Returns the layers that do; the rest load as float."""
+    def hold_file_blocks(self, method: str, only: set[str]) -> set[str]:
+        """Before loading a GGUF file: the linear layers named in `only` (its layers of one block
+        format) hold `method`'s storage ("q8_0", "q4_0", "q4_1", "q4_k"), which loading fills with
+        the file's blocks as they are (`_copy_into`), not a float weight quantized again after.
+        Returns the layers that do; the rest load as float."""
         tied = self.config.tie_word_embeddings
         return {name for name, linear in self._quantizable_linears(only)
-                if linear.hold_q8_0_blocks(keep_weight=linear is self.lm_head and tied)}
+                if linear.hold_file_blocks(method, keep_weight=linear is self.lm_head and tied)}
 
     def _quantizable_linears(self, only: set[str] | None) -> Iterator[tuple[str, Linear]]:
         """Every linear layer but routers (or those of them named in `only`), by name."""
@@ -348,8 +349,8 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy HF-named checkpoint tensors into our (partly fused) parameters.
 
-        A GGUF file's Q8_0 blocks (`Q8_0Blocks`) go as they are into the layers that hold them
-        (`hold_q8_0_blocks`); elsewhere they are dequantized. Raises `ModelLoadError` naming the
+        A GGUF file's blocks (`Q8_0Blocks`, `Q4Blocks`) go as they are into the layers that hold them
+        (`hold_file_blocks`); elsewhere they are dequantized. Raises `ModelLoadError` naming the
         tensor for a shape mismatch, an unexpected tensor, or parameters the checkpoint never provided.
         """
         params = dict(self.named_parameters())
@@ -425,7 +426,7 @@ class DecoderForCausalLM(nn.Module):
 
     def _copy_into(self, param: torch.Tensor, name: str, slot: int | None,
                    tensor: CheckpointTensor, hf_name: str) -> None:
-        if isinstance(tensor, Q8_0Blocks):
+        if isinstance(tensor, FileBlocks):
             self._copy_blocks(param, name, slot, tensor, hf_name)
             if param.device.type == "meta":  # only the blocks are held
                 return
@@ -442,13 +443,13 @@ class DecoderForCausalLM(nn.Module):
         sizes = self._slot_sizes(name, tensor)
         return tensor.data.narrow(0, sum(sizes[:slot]), sizes[slot])
 
-    def _copy_blocks(self, param: torch.Tensor, name: str, slot: int | None, blocks: Q8_0Blocks,
+    def _copy_blocks(self, param: torch.Tensor, name: str, slot: int | None, blocks: FileBlocks,
                      hf_name: str) -> None:
-        """A Q8_0 tensor's blocks into the layer that holds them as they are (`hold_q8_0_blocks`):
+        """A file tensor's blocks into the layer that holds them as they are (`hold_file_blocks`):
         the parameter's own layer, or for a tied embedding table the LM head. None does: nothing."""
         tied_head = name == "embed_tokens.weight" and self.config.tie_word_embeddings
         layer = self.lm_head if tied_head else self.get_submodule(name.rsplit(".", 1)[0])
-        if not (isinstance(layer, Linear) and layer.qmethod == "q8_0" and name.endswith(".weight")):
+        if not (isinstance(layer, Linear) and layer.qmethod == blocks.method and name.endswith(".weight")):
             return
         assert layer.qweight is not None and layer.qscales is not None
         copied_blocks(self._slot_of(layer.qweight, name, slot), self._slot_of(layer.qscales, name, slot),
@@ -480,8 +481,8 @@ class DecoderForCausalLM(nn.Module):
                         ".q_b_proj.", ".kv_b_proj.", ".self_attn.q_proj.")  # MLA's heads split likewise
 
     def _sharded(self, name: str, tensor: T) -> T:
-        """`_shard` of a tensor or of Q8_0 blocks (their rows and blocks split as the features are)."""
-        return tensor.map(partial(self._shard, name)) if isinstance(tensor, Q8_0Blocks) else self._shard(name, tensor)
+        """`_shard` of a tensor or of a file's blocks (their rows and blocks split as the features are)."""
+        return tensor.map(partial(self._shard, name)) if isinstance(tensor, FileBlocks) else self._shard(name, tensor)
 
     def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (the identity without tensor parallelism;

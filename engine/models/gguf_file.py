@@ -3,14 +3,15 @@ file's metadata, and its tensors under HF names (`trio-llm serve model.gguf --to
 as vLLM takes them).
 
 A Q8_0 tensor comes as its blocks (`gguf_tensors`, `Q8_0Blocks`: int8 steps with a scale per 32
-weights), which a `q8_0` layer keeps as they are. Other quantized tensors are dequantized to
-float32 once at load; Q4_0 ones are then quantized back to their blocks (`q4_0`: 4-bit steps with
-a scale per 32, the file's steps exactly); other block formats (Q4_K, Q6_K, ...) run by default as
-int8 weight-only, one scale per row (engine/models/loader.py `file_block_methods`;
-docs/decisions.md, "Quantized weights"), which the start-up log says, since that rounds the file's
-weights again. llama.cpp stores the Llama family's Q and K rows permuted for its rotary layout;
-they are put back in HF order. Anything malformed (a truncated file, an unknown quantization type,
-a tensor of the wrong shape, a header claiming absurd counts) is a `ModelLoadError` of one line.
+weights), which a `q8_0` layer keeps as they are, and so a Q5_0 one (its steps less 16 are int8
+steps with the block's scale); a Q4_0, Q4_1 or Q4_K one as 4-bit steps with a
+scale and a low per 32 (`Q4Blocks`), which a `q4_0`, `q4_1` or `q4_k` layer keeps as they are.
+Other quantized tensors are dequantized to float32 once at load, and by default run as `q8_0`
+(engine/models/loader.py `file_block_methods`; docs/decisions.md, "Quantized weights"), which the
+start-up log says, since that rounds the file's weights again (finely: 8 bits per 32 weights).
+llama.cpp stores the Llama family's Q and K rows permuted for its rotary layout; they are put back
+in HF order. Anything malformed (a truncated file, an unknown quantization type, a tensor of the
+wrong shape, a header claiming absurd counts) is a `ModelLoadError` of one line.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
-from engine.models.weights import CheckpointTensor, Q8_0Blocks, as_floats
+from engine.models.weights import CheckpointTensor, FileBlocks, Q4Blocks, Q8_0Blocks, as_floats
 
 # The block formats (and plain ones) this loader dequantizes; the names are GGML's.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HELD_AS_BLOCKS = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K")  # formats whose blocks a layer keeps as they are
 MAX_COUNT = 1 << 16  # tensors, or metadata keys, a header may claim
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -213,8 +215,9 @@ def gguf_weights(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str
 
 
 def gguf_tensors(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Every tensor under its HF name in HF layout: a 2-D Q8_0 tensor as its blocks (views of the
-    file: `Q8_0Blocks`), any other as float32."""
+    """Every tensor under its HF name in HF layout: a 2-D tensor of a `HELD_AS_BLOCKS` format as
+    its blocks (`Q8_0Blocks`, `Q4Blocks`: views of the file where its layout is the layers'), any
+    other as float32."""
     from gguf import quants
 
     quantization_types(path)
@@ -226,8 +229,10 @@ def gguf_tensors(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str
         try:
             shape = tuple(int(d) for d in reversed(tensor.shape))  # GGML lists the fastest dimension first
             value: CheckpointTensor
-            if tensor.tensor_type.name == "Q8_0" and len(shape) == 2:
-                value = Q8_0Blocks.from_raw(_read_only_view(tensor.data), shape[0])
+            kind = tensor.tensor_type.name
+            if kind in HELD_AS_BLOCKS and len(shape) == 2:
+                raw = _read_only_view(tensor.data)
+                value = _file_blocks(raw, shape[0], kind)
                 if value.shape != shape:
                     raise ValueError(f"{value.shape[1]} features in its blocks, {shape[1]} in its shape")
             else:
@@ -240,6 +245,15 @@ def gguf_tensors(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str
             heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
             value = unpermute_rotary(value, heads, name)
         yield hf_name, value
+
+
+def _file_blocks(raw: torch.Tensor, rows: int, kind: str) -> FileBlocks:
+    """The blocks of a `HELD_AS_BLOCKS` tensor: Q8_0's, and Q5_0's as Q8_0's; 4-bit ones as `Q4Blocks`."""
+    if kind == "Q8_0":
+        return Q8_0Blocks.from_raw(raw, rows)
+    if kind == "Q5_0":
+        return Q8_0Blocks.from_q5_0(raw, rows)
+    return Q4Blocks.from_raw(raw, rows, kind)
 
 
 def _read_only_view(data: np.ndarray) -> torch.Tensor:
@@ -266,7 +280,7 @@ def unpermute_rotary(weight: CheckpointTensor, heads: int, name: str) -> Checkpo
     rows = weight.shape[0]
     if heads < 1 or rows % (2 * heads):
         raise ModelLoadError(f"GGUF tensor {name} has {rows} rows, which {heads} heads cannot split")
-    if isinstance(weight, Q8_0Blocks):
+    if isinstance(weight, FileBlocks):
         return weight.map(lambda part: _unpermuted_rows(part, heads))
     return _unpermuted_rows(weight, heads)
 

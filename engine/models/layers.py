@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
-from engine.models.quantized_linear import Q8_0_BLOCK, QUANTIZED_MATMULS, can_quantize, quantize_weight
+from engine.models.quantized_linear import QUANTIZED_MATMULS, can_quantize, empty_block_storage, quantize_weight
 
 
 class OutputDelta(Protocol):
@@ -65,7 +65,7 @@ class Packed:
 class Quantized:
     """Quantized rows and their scales (`layer.qweight`, `layer.qscales`), multiplied by the
     method's kernel: "int8" weight-only, "w8a8" with activations quantized per row, "int4", "q8_0"
-    or "q4_0" (engine/models/quantized_linear.py `QUANTIZED_MATMULS`)."""
+    or "q4_0", "q4_1", "q4_k" (engine/models/quantized_linear.py `QUANTIZED_MATMULS`)."""
 
     name: str
 
@@ -130,7 +130,8 @@ class Linear(nn.Module):
 
     @property
     def qmethod(self) -> str | None:
-        """The quantization method's name ("int8", "w8a8", "int4", "q8_0", "q4_0") once quantized; else None."""
+        """The quantization method's name ("int8", "w8a8", "int4", "q8_0", "q4_0", "q4_1", "q4_k") once
+        quantized; else None."""
         base = self.method.inner if isinstance(self.method, WithLoRA) else self.method
         return base.name if isinstance(base, Quantized) else None
 
@@ -149,16 +150,14 @@ class Linear(nn.Module):
         self._hold_quantized(method, *quantize_weight(self.weight, method), keep_weight=keep_weight)
         return True
 
-    def hold_q8_0_blocks(self, keep_weight: bool = False) -> bool:
-        """Before loading: hold empty `q8_0` storage in place of the float weight, for loading to
-        fill with a GGUF file's Q8_0 blocks as they are (`engine.models.weights.copied_blocks`);
-        returns whether the kernel takes the weight's shape (if not, nothing changed).
-        `keep_weight` as in `quantize`."""
-        if not can_quantize(self.weight, "q8_0"):
+    def hold_file_blocks(self, method: str, keep_weight: bool = False) -> bool:
+        """Before loading: hold empty `method` storage ("q8_0", or "q4_0", "q4_1", "q4_k") in place
+        of the float weight, for loading to fill with a GGUF file's blocks as they are
+        (`engine.models.weights.copied_blocks`); returns whether the kernel takes the weight's shape
+        (if not, nothing changed). `keep_weight` as in `quantize`."""
+        if not can_quantize(self.weight, method):
             return False
-        rows, features = self.weight.shape
-        self._hold_quantized("q8_0", torch.empty(rows, features, dtype=torch.int8),
-                             torch.empty(rows, features // Q8_0_BLOCK, dtype=torch.float32), keep_weight=keep_weight)
+        self._hold_quantized(method, *empty_block_storage(method, *self.weight.shape), keep_weight=keep_weight)
         return True
 
     def _hold_quantized(self, method: str, qweight: torch.Tensor, qscales: torch.Tensor, keep_weight: bool) -> None:

@@ -108,11 +108,11 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
         raise ModelLoadError(str(exc)) from None
     with torch.no_grad():
         if is_gguf(model_dir) and quantization is None:  # only what the file quantized, each as its blocks say
-            methods = file_block_methods(model, block_formats(model_dir))
-            held = model.hold_q8_0_blocks(methods.get("q8_0", set()))  # loading copies their blocks in
+            kept, requantized = file_block_methods(model, block_formats(model_dir))
+            for format_method, linears in kept.items():
+                model.hold_file_blocks(format_method, linears)  # loading copies their blocks in
             model.load_weights(weights)
-            for kept, linears in methods.items():
-                model.quantize_linears(kept, linears - held)
+            model.quantize_linears(REQUANTIZED, requantized)
         else:
             model.load_weights(weights)
             method = resolve_quantization(quantization, model_dir, scheme.method if scheme else None)
@@ -122,29 +122,39 @@ def load_decoder(model_dir: str | Path, dtype: str = "auto", device: str = "cpu"
     return model.eval()
 
 
-# GGUF block formats a linear layer keeps as they are (their steps exact), by our method's name.
-BLOCKWISE = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
+# GGUF block formats a linear layer keeps as they are (their steps exact), by our method's name;
+# a layer of any other format, or fused from tensors of two, is quantized again as REQUANTIZED.
+BLOCKWISE = {"Q8_0": "q8_0", "Q5_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
+REQUANTIZED = "q8_0"
 
 
-def file_block_methods(model: DecoderForCausalLM, formats: dict[str, str]) -> dict[str, set[str]]:
-    """For a GGUF file's quantized tensors (HF name -> GGML type): method -> our linear layers it
-    quantizes. A layer whose tensors are all Q8_0, or all Q4_0, keeps their blocks (q8_0, q4_0);
-    a layer of any other format, or fused from tensors of two formats, runs as int8 (one scale per
-    row: rounded again, which the log says)."""
+def file_block_methods(model: DecoderForCausalLM, formats: dict[str, str]) -> tuple[dict[str, set[str]], set[str]]:
+    """For a GGUF file's quantized tensors (HF name -> GGML type): (method -> our linear layers that
+    keep the file's blocks as that method, the layers quantized again). A layer whose tensors are
+    of formats one `BLOCKWISE` method holds keeps their blocks (a Q4_K_M file of the 0.5B shape:
+    q, k Q5_0 and v Q8_0, all q8_0); a layer of another format (Q6_K, Q5_K, ...), or fused from
+    tensors of two methods, is dequantized and quantized again as `REQUANTIZED` (8 bits per block
+    of 32: rounded again, finely, which the log says)."""
     kinds: dict[str, set[str]] = {}
     for hf_name, kind in formats.items():
         for linear in model.linears_of({hf_name}):
             kinds.setdefault(linear, set()).add(kind)
-    methods: dict[str, set[str]] = {}
+    kept: dict[str, set[str]] = {}
     requantized: set[str] = set()
+    rounded: set[str] = set()
     for linear, found in kinds.items():
-        method = BLOCKWISE.get(next(iter(found)), "int8") if len(found) == 1 else "int8"
-        methods.setdefault(method, set()).add(linear)
-        requantized |= found if method == "int8" else set()
-    if requantized:
-        logger.info("the GGUF file's %s blocks are requantized as int8, one scale per weight row: rounded again, "
-                    "less faithful than the file", "/".join(sorted(requantized)))
-    return methods
+        methods = {BLOCKWISE.get(kind) for kind in found}
+        method = methods.pop() if len(methods) == 1 else None
+        if method is None:
+            requantized.add(linear)
+            rounded |= found
+        else:
+            kept.setdefault(method, set()).add(linear)
+    if rounded:
+        logger.info("%d linear layers of the GGUF file (%s blocks, or fused from two formats) are quantized again as "
+                    "%s, a scale per 32 weights: rounded again, finely", len(requantized), "/".join(sorted(rounded)),
+                    REQUANTIZED)
+    return kept, requantized
 
 
 def resolve_quantization(requested: str | None, model_dir: Path, stored: str | None) -> str | None:

@@ -36,21 +36,34 @@ its float32 one).
 minimum and maximum, run by `aten._weight_int4pack_mm_for_cpu` (bfloat16 activations). It is the
 fastest at one row (the 0.5B shape's LM head: 3.8 ms against 8.2 for int8) and slower than w8a8
 from a few rows on (26 against 14 ms at 16), and it rounds more (a few percent of a logit).
-`q4_0` is the same kernel on llama.cpp's Q4_0 blocks (a scale per 32, no zero point): the default
-for a GGUF file's Q4_0 tensors, whose steps it keeps exactly.
+`q4_0`, `q4_1` and `q4_k` hold a GGUF file's 4-bit blocks as they are: per block of 32, the steps
+two a byte and a float32 scale and low (weight = scale * step + low), which Q4_0's, Q4_1's and
+Q4_K's blocks all come to exactly. Up to 16 rows run our kernel over them (engine/kernels/q4_rows.c,
+float32 activations and sums, as q8_0's), more rows dequantize and matmul. They are the default for
+a file's Q4_0, Q4_1 and Q4_K tensors; `--quantization q4_0` makes Q4_0's blocks of a float model.
+(Before this layout, `q4_0` ran torch's int4 kernel: bfloat16 scales and activations, and slow at
+prompts; docs/decisions.md, "4-bit files keep their blocks".)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from engine.kernels import q4_rows as q4_kernel
 from engine.kernels import q8_0_quantize
 from engine.kernels import q8_0_rows as q8_0_kernel
 from engine.kernels.operators import operator
 
 INT4_GROUP = 32  # weights per scale and zero point in int4 (the kernel takes 32, 64, 128 or 256)
 INT4_ROW_BLOCK = 16  # the int4 kernel packs output rows in blocks of 16
-Q8_0_BLOCK = 32  # weights per scale in q8_0 (GGUF's Q8_0 block)
+Q8_0_BLOCK = 32  # weights per scale in q8_0 (GGUF's Q8_0 block), and per (scale, low) in q4_*
+Q4_BLOCK_BYTES = 16  # a q4_* block's 32 steps, two a byte
+# 4-bit steps with a float32 scale and low per 32 (`q4_linear`): GGUF's Q4_0, Q4_1 and Q4_K, each
+# exactly; `q4_0` is also what `--quantization q4_0` makes of a float model.
+Q4_METHODS = ("q4_0", "q4_1", "q4_k")
+Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 # The kernel's bfloat16 path reads the input features in blocks of 16: any other count gives wrong
 # sums without an error (measured: 24 or 40 features), so such a layer stays float.
 FEATURE_BLOCK = 16
@@ -175,6 +188,38 @@ def q8_0_kernel_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return torch.ops.trio_llm.q8_0_rows(rows.float().contiguous(), qweight, scales).to(rows.dtype)
 
 
+def q4_linear(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` with W a `q4_*` weight (`Q4_METHODS`: packed 4-bit steps [n, k / 2] and
+    float32 (scale, low) per block of 32, [n, k / 32, 2]), in x's dtype. Up to 16 rows take our C
+    kernel over the packed steps (engine/kernels/q4_rows.c; in an exported graph as an operator, by
+    a `torch.cond` on the row count), summing in float32; more rows `q4_dequantized_mm`."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if torch.compiler.is_exporting() and q4_kernel.available():
+        y = torch.cond(rows.shape[0] <= q4_kernel.MAX_ROWS, q4_kernel_rows, q4_dequantized_mm, (rows, qweight, params))
+    else:
+        few = None if torch.compiler.is_compiling() else q4_kernel.row_times(rows.float(), qweight, params,
+                                                                             torch.get_num_threads())
+        y = few.to(rows.dtype) if few is not None else q4_dequantized_mm(rows, qweight, params)
+    y = y.reshape(*x.shape[:-1], qweight.shape[0])
+    return y if bias is None else y + bias
+
+
+def q4_kernel_rows(rows: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """A few rows times a `q4_*` weight in an exported graph: `trio_llm::q4_rows`, through its C shim."""
+    return torch.ops.trio_llm.q4_rows(rows.float().contiguous(), qweight, params).to(rows.dtype)
+
+
+def empty_block_storage(method: str, rows: int, features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (qweight, qscales) of a `rows` x `features` weight held as `method`'s blocks:
+    int8 steps and a float32 scale per 32 (q8_0); packed 4-bit steps and a float32 (scale, low) per 32
+    (`Q4_METHODS`)."""
+    if method in Q4_METHODS:
+        return (torch.empty(rows, features // 2, dtype=torch.uint8),
+                torch.empty(rows, features // Q8_0_BLOCK, 2, dtype=torch.float32))
+    return torch.empty(rows, features, dtype=torch.int8), torch.empty(rows, features // Q8_0_BLOCK)
+
+
 def q8_0_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """One row times the blockwise weight, written as one product and one sum for inductor to fuse
     (as `int8_row_times`, in equal pieces of at most 4096): each weight times its block's scale and
@@ -198,23 +243,46 @@ def q8_0_dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch
     whole, the 0.5B shape's tied LM head was 545 MB of float32 temporaries written and read back
     every token, and its eager steps (a first start's, while the graphs compile in the background)
     ran 0.4 tokens a second. In a graph inductor fuses the dequantization into one pass."""
-    count, features = qweight.shape
+    return _sliced_dequantized_mm(rows, qweight, scales, q8_0_weight)
+
+
+def q4_dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """`q8_0_dequantized_mm` for a `q4_*` weight: many rows (prompts)."""
+    return _sliced_dequantized_mm(rows, qweight, params, q4_weight)
+
+
+def _sliced_dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor,
+                           dequantize: Dequantize) -> torch.Tensor:
+    count, features = qweight.shape[0], rows.shape[-1]
     dtype = q8_0_matmul_dtype(rows.dtype)
     step = max(1, EAGER_SLICE_WEIGHTS // features)
     if torch.compiler.is_compiling() or count <= step:
-        return _dequantized_mm(rows, qweight, scales, dtype)
+        return _dequantized_mm(rows, qweight, params, dtype, dequantize)
     out = torch.empty(rows.shape[0], count, dtype=rows.dtype, device=rows.device)
     for start in range(0, count, step):
         part = slice(start, start + step)
-        out[:, part] = _dequantized_mm(rows, qweight[part], scales[part], dtype)
+        out[:, part] = _dequantized_mm(rows, qweight[part], params[part], dtype, dequantize)
     return out
 
 
-def _dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
+def _dequantized_mm(rows: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, dtype: torch.dtype,
+                    dequantize: Dequantize) -> torch.Tensor:
+    return (rows.to(dtype) @ dequantize(qweight, params, dtype).t()).to(rows.dtype)
+
+
+def q8_0_weight(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A `q8_0` weight [n, k] in `dtype`: each step times its block's scale (rounded once)."""
     count, features = qweight.shape
-    weight = (qweight.reshape(count, -1, Q8_0_BLOCK).float() * scales[..., None]).to(dtype).reshape(count, features)
-    return (rows.to(dtype) @ weight.t()).to(rows.dtype)
+    return (qweight.reshape(count, -1, Q8_0_BLOCK).float() * scales[..., None]).to(dtype).reshape(count, features)
+
+
+def q4_weight(qweight: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A `q4_*` weight [n, k] in `dtype`: each step times its block's scale plus its low, as
+    `engine.models.weights.Q4Blocks.dequantized` (and gguf) compute it."""
+    count = qweight.shape[0]
+    packed = qweight.reshape(count, -1, Q4_BLOCK_BYTES)
+    steps = torch.cat([packed & 15, packed >> 4], dim=-1).float()
+    return (steps * params[..., :1] + params[..., 1:]).to(dtype).reshape(count, -1)
 
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -236,9 +304,9 @@ def can_quantize(weight: torch.Tensor, method: str = "int8") -> bool:
     groups of 32 features and rows in blocks of 16)."""
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[1] % FEATURE_BLOCK:
         return False
-    if method == "q8_0":
+    if method == "q8_0" or method in Q4_METHODS:
         return weight.shape[1] % Q8_0_BLOCK == 0
-    return method not in ("int4", "q4_0") or (weight.shape[1] % INT4_GROUP == 0
+    return method != "int4" or (weight.shape[1] % INT4_GROUP == 0
                                               and weight.shape[0] % INT4_ROW_BLOCK == 0)
 
 
@@ -272,13 +340,12 @@ def q4_0_steps(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`q4_0_steps` in `quantize_int4`'s layout (the kernel's (step - 8) * scale + zero, with zero
-    0). The scales, float16 in a Q4_0 file, are held in bfloat16, as the kernel takes them with
-    bfloat16 rows (a relative change of at most 2^-9; its float32 path is ~35x slower)."""
+    """`q4_0_steps` as a `q4_*` weight (`q4_linear`): the steps packed two a byte (a block's first
+    16 in the low halves, GGUF's layout), and per block (scale, -8 scale)."""
     steps, scales = q4_0_steps(weight)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(steps, 2)
-    scales_and_zeros = torch.stack([scales.t(), torch.zeros_like(scales).t()], dim=-1)
-    return packed, scales_and_zeros.to(torch.bfloat16).contiguous()
+    blocks = steps.to(torch.uint8).reshape(steps.shape[0], -1, Q8_0_BLOCK)
+    packed = blocks[..., :Q4_BLOCK_BYTES] | (blocks[..., Q4_BLOCK_BYTES:] << 4)
+    return packed.reshape(steps.shape[0], -1).contiguous(), torch.stack([scales, -8 * scales], dim=-1).contiguous()
 
 
 @operator("trio_llm::int4pack_mm")
@@ -311,13 +378,14 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 
 
 QUANTIZED_MATMULS = {"int8": int8_linear, "w8a8": w8a8_linear, "int4": int4_linear, "q8_0": q8_0_linear,
-                     "q4_0": int4_linear}
+                     **dict.fromkeys(Q4_METHODS, q4_linear)}
 
 
 def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, scales) of `weight` [N, K] as `QUANTIZED_MATMULS[method]` takes them: int8 rows with
     float32 scales (w8a8) or scales in the kernel's dtype (int8); int8 rows with a float32 scale per
-    block of 32 (q8_0); packed 4-bit groups with their scales and zero points (int4, q4_0)."""
+    block of 32 (q8_0); packed 4-bit groups with their scales and zero points (int4); packed 4-bit
+    steps with a scale and low per 32 (q4_0). q4_1 and q4_k hold a file's blocks only."""
     if method == "int4":
         return quantize_int4(weight)
     if method == "q4_0":

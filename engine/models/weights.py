@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -12,6 +12,10 @@ from engine.errors import ModelLoadError
 
 Slot = tuple[str, int | None]  # (our parameter name, part of a fused parameter or None)
 Q8_0_BLOCK_BYTES = 34  # a float16 scale, then 32 int8 steps
+Q5_0_BLOCK_BYTES = 22  # a float16 scale d, 32 high bits, 32 low 4-bit halves: w = d * (step - 16)
+Q4_0_BLOCK_BYTES = 18  # a float16 scale d, then 32 4-bit steps two a byte: w = d * (step - 8)
+Q4_1_BLOCK_BYTES = 20  # float16 d and m, then 32 4-bit steps: w = d * step + m
+Q4_K_BLOCK_BYTES = 144  # 256 weights: float16 d and dmin, 8 x 6-bit (sc, m), 256 4-bit steps: w = d sc step - dmin m
 
 
 @dataclass(frozen=True)
@@ -24,12 +28,24 @@ class Q8_0Blocks:
 
     values: torch.Tensor  # int8 [rows, blocks, 32]
     scales: torch.Tensor  # float16 [rows, blocks]
+    method: ClassVar[str] = "q8_0"  # the linear method that holds them as they are
 
     @classmethod
     def from_raw(cls, raw: torch.Tensor, rows: int) -> Q8_0Blocks:
         """The blocks of `raw`, the file's uint8 bytes of `rows` rows (views: nothing is copied)."""
         blocks = raw.reshape(rows, -1, Q8_0_BLOCK_BYTES)
         return cls(blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1))
+
+    @classmethod
+    def from_q5_0(cls, raw: torch.Tensor, rows: int) -> Q8_0Blocks:
+        """A Q5_0 tensor's blocks as Q8_0's, exactly: its steps less 16 (-16..15) are int8 steps
+        with the block's own float16 scale. Its 32 high bits are a little-endian uint32, bit j
+        step j's; its 16 bytes hold steps j (low half) and j + 16 (high half), as Q4_0's."""
+        blocks = raw.reshape(rows, -1, Q5_0_BLOCK_BYTES)
+        high = (blocks[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        low = torch.cat([blocks[..., 6:] & 15, blocks[..., 6:] >> 4], dim=-1)
+        steps = (low | (high.reshape(*low.shape) << 4)).to(torch.int8) - 16
+        return cls(steps, blocks[..., :2].view(torch.float16).squeeze(-1))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,17 +67,88 @@ class Q8_0Blocks:
         return out
 
 
-CheckpointTensor = torch.Tensor | Q8_0Blocks
-T = TypeVar("T", torch.Tensor, Q8_0Blocks, CheckpointTensor)
+@dataclass(frozen=True)
+class Q4Blocks:
+    """A GGUF Q4_0, Q4_1 or Q4_K tensor [rows, features] as 4-bit steps in blocks of 32 with a
+    float32 scale and low each, weight = scale * step + low: Q4_0's (d, -8 d), Q4_1's (d, m), and
+    for each 32 of a Q4_K super-block of 256 (d * sc, -dmin * m), all exact in float32. A `q4_*`
+    layer holds them as they are (engine/models/quantized_linear.py; its kernel reads them so:
+    engine/kernels/q4_rows.c); anything else takes them `dequantized`, which is gguf's own
+    `dequantize` bit for bit. Q4_0 and Q4_1 steps are the file's bytes (views); Q4_K's are
+    rearranged into the same layout."""
+
+    values: torch.Tensor  # uint8 [rows, blocks, 16]: byte j holds step j (low half) and step j + 16
+    scales: torch.Tensor  # float32 [rows, blocks, 2]: (scale, low)
+    method: str  # "q4_0", "q4_1" or "q4_k": the linear method that holds them
+
+    @classmethod
+    def from_raw(cls, raw: torch.Tensor, rows: int, kind: str) -> Q4Blocks:
+        """The blocks of `raw`, the file's uint8 bytes of `rows` rows of GGML type `kind`."""
+        if kind == "Q4_K":
+            return cls._from_q4_k(raw.reshape(rows, -1, Q4_K_BLOCK_BYTES))
+        size = Q4_0_BLOCK_BYTES if kind == "Q4_0" else Q4_1_BLOCK_BYTES
+        blocks = raw.reshape(rows, -1, size)
+        d = _float16s(blocks, 0)
+        low = -8 * d if kind == "Q4_0" else _float16s(blocks, 2)
+        return cls(blocks[..., size - 16:], torch.stack([d, low], dim=-1), kind.lower())
+
+    @classmethod
+    def _from_q4_k(cls, supers: torch.Tensor) -> Q4Blocks:
+        """llama.cpp's `get_scale_min_k4` on each super-block's 12 bytes of 6-bit scales and mins
+        (as gguf's `Q4_K.get_scale_min`); its 128 bytes of steps hold 64 weights per 32 bytes, the
+        first 32 in the low halves, which become two blocks of this layout."""
+        rows, count = supers.shape[:2]
+        d, dmin = _float16s(supers, 0), _float16s(supers, 2)
+        packed = supers[..., 4:16].reshape(rows, count, 3, 4)
+        first, second, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+        sc = torch.cat([first & 63, (rest & 15) | ((first >> 2) & 48)], dim=-1)
+        mins = torch.cat([second & 63, (rest >> 4) | ((second >> 2) & 48)], dim=-1)
+        params = torch.stack([d[..., None] * sc.float(), -(dmin[..., None] * mins.float())], dim=-1)
+        quads = supers[..., 16:].reshape(rows, count, 4, 1, 32)
+        steps = torch.cat([quads & 15, quads >> 4], dim=-2).reshape(rows, count * 8, 32)
+        values = steps[..., :16] | (steps[..., 16:] << 4)
+        return cls(values, params.reshape(rows, count * 8, 2), "q4_k")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape[0], self.values.shape[1] * 32
+
+    def map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> Q4Blocks:
+        return Q4Blocks(change(self.values), change(self.scales), self.method)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [rows, features], `scale * step + low` (two roundings, as gguf's numpy)."""
+        return self.dequantize_into(torch.empty(self.shape))
+
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        """`dequantized` written into `out` (contiguous, [rows, features], any float dtype)."""
+        blocks = out.view(*self.values.shape[:2], 32)
+        blocks[..., :16].copy_(self.values & 15)
+        blocks[..., 16:].copy_(self.values >> 4)
+        if out.dtype == torch.float32:
+            blocks.mul_(self.scales[..., :1]).add_(self.scales[..., 1:])
+        else:  # each value rounded once
+            blocks.copy_(blocks.float() * self.scales[..., :1] + self.scales[..., 1:])
+        return out
+
+
+def _float16s(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The float16 at byte `offset` of each block (the last dimension: bytes), as float32."""
+    return blocks[..., offset:offset + 2].view(torch.float16).squeeze(-1).float()
+
+
+FileBlocks = Q8_0Blocks | Q4Blocks
+CheckpointTensor = torch.Tensor | Q8_0Blocks | Q4Blocks
+T = TypeVar("T", torch.Tensor, Q8_0Blocks, Q4Blocks, FileBlocks, CheckpointTensor)
 
 
 def as_float(tensor: CheckpointTensor) -> torch.Tensor:
-    """The tensor, or Q8_0 blocks dequantized."""
-    return tensor.dequantized() if isinstance(tensor, Q8_0Blocks) else tensor
+    """The tensor, or a file's blocks dequantized."""
+    return tensor.dequantized() if isinstance(tensor, FileBlocks) else tensor
 
 
 def as_floats(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with any Q8_0 blocks dequantized."""
+    """The checkpoint's tensors with any file blocks dequantized."""
     for name, tensor in weights:
         yield name, as_float(tensor)
 
@@ -90,27 +177,32 @@ def load_named_weights(params: dict[str, torch.nn.Parameter], weights: Iterable[
 
 
 def checked_copy(target: torch.Tensor, tensor: CheckpointTensor, hf_name: str) -> None:
-    """Copy a checkpoint tensor into (part of) a parameter (Q8_0 blocks dequantized straight into
-    it); `ModelLoadError` naming it if the shapes differ."""
+    """Copy a checkpoint tensor into (part of) a parameter (a file's blocks dequantized straight
+    into it); `ModelLoadError` naming it if the shapes differ."""
     _check_fits(target, tuple(tensor.shape), hf_name)
-    if isinstance(tensor, Q8_0Blocks) and target.is_contiguous() and target.device.type == "cpu":
+    if isinstance(tensor, FileBlocks) and target.is_contiguous() and target.device.type == "cpu":
         tensor.dequantize_into(target)  # in place; a GPU's weight takes the float copy (the blocks are on the CPU)
     else:
         target.copy_(as_float(tensor))
 
 
-def copied_blocks(qweight: torch.Tensor, qscales: torch.Tensor, blocks: Q8_0Blocks, hf_name: str) -> None:
-    """Copy a checkpoint's Q8_0 blocks into (rows of) a `q8_0` layer's int8 steps [rows, features]
-    and float32 scales [rows, features / 32]; `ModelLoadError` naming it if the shapes differ."""
-    _check_fits(qweight, blocks.shape, hf_name)
+def copied_blocks(qweight: torch.Tensor, qscales: torch.Tensor, blocks: FileBlocks, hf_name: str) -> None:
+    """Copy a file's blocks into (rows of) the layer that holds them as they are: a `q8_0` layer's
+    int8 steps [rows, features] and float32 scales [rows, features / 32], or a `q4_*` layer's packed
+    steps [rows, features / 2] and float32 (scale, low) [rows, features / 32, 2]; `ModelLoadError`
+    naming the tensor if the shapes differ."""
+    features_per_item = 32 // blocks.values.shape[-1]  # int8 steps one a byte, 4-bit ones two
+    _check_fits(qweight, blocks.shape, hf_name, (qweight.shape[0], qweight.shape[1] * features_per_item))
     qweight.view(blocks.values.shape).copy_(blocks.values)
     qscales.copy_(blocks.scales)
 
 
-def _check_fits(target: torch.Tensor, shape: tuple[int, ...], hf_name: str) -> None:
-    if tuple(target.shape) != shape:
-        raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {shape}, "
-                             f"the model expects {tuple(target.shape)}")
+def _check_fits(target: torch.Tensor, shape: tuple[int, ...], hf_name: str,
+                target_shape: tuple[int, ...] | None = None) -> None:
+    """`target` (whose values are `target_shape`, if given: packed steps) can take `shape`'s tensor."""
+    expected = tuple(target.shape) if target_shape is None else target_shape
+    if expected != shape:
+        raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {shape}, the model expects {expected}")
     if target.device.type == "meta":  # a copy into it would be dropped without a word
         raise ModelLoadError(f"checkpoint tensor {hf_name!r} goes to a weight that holds no values")
 

@@ -55,7 +55,7 @@ from torch import nn
 
 import engine.lora
 import engine.models
-from engine.kernels import native, q8_0_rows
+from engine.kernels import native, q4_rows, q8_0_rows
 from engine.lora.serving import LinearLoRA, graph_inputs, traced_inputs
 from engine.models.attention import GRAPHED, DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
@@ -76,9 +76,9 @@ MAX_TABLE_WIDTH = 1 << 20
 # No weights in the package (see the module doc), and C++ loops that use as many threads as torch
 # has at each call rather than those it had when compiled: the worker changes the count while
 # serving (engine/worker/thread_tuner.py).
-# Our kernels' graph operators are called through their C shims (engine/kernels/q8_0_rows.py).
+# Our kernels' graph operators are called through their C shims (engine/kernels/block_rows.py).
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "cpp.dynamic_threads": True,
-                    "aot_inductor.custom_ops_to_c_shims": q8_0_rows.c_shims()}
+                    "aot_inductor.custom_ops_to_c_shims": {**q8_0_rows.c_shims(), **q4_rows.c_shims()}}
 KEEP_PACKAGES = 16  # compiled graphs kept on disk (one per model, dtype, cache shape, torch, ...)
 
 # torch 2.13's own pytree code warns when an exported program is pickled or loaded; not ours to fix.

@@ -1,0 +1,233 @@
+/* Up to 16 float32 rows (a batch of decodes) times a 4-bit block weight (`q4_0`, `q4_1`, `q4_k`:
+ * engine/models/quantized_linear.py), reading the weight's packed steps as they are, once for the
+ * whole batch: eagerly through ctypes and in the compiled graphs as the operator
+ * `trio_llm::q4_rows` (its C shim is at the end of this file). The 4-bit sibling of q8_0_rows.c,
+ * laid out the same way; see that file for why each loop is shaped as it is.
+ *
+ * Weight: uint8 [n, k / 2], row-major, each block of 32 weights of a row in 16 bytes: byte j holds
+ * step j in its low half and step j + 16 in its high half (GGUF's Q4_0 layout, which Q4_1's shares
+ * and Q4_K's is rearranged into at load). Params: float32 [n, k / 32, 2], per block (scale, low):
+ * weight = scale * step + low. GGUF's Q4_0 (d, -8 d), Q4_1 (d, m) and Q4_K (d * sc, -dmin * m per
+ * 32 of its 256) all come to this exactly in float32. out[r, o] = sum over the row of x[r] * w[o],
+ * each block's weights formed as fma(step, scale, low), summed in float32.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <omp.h>
+
+#define BLOCK 32
+#define BLOCK_BYTES 16
+#define MAX_ROWS 16 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
+#define PREFETCH_AHEAD 4096 /* bytes, as in q8_0_rows.c */
+
+static inline void fetch_ahead(const uint8_t *p) { __builtin_prefetch(p + PREFETCH_AHEAD, 0, 3); }
+
+struct rows_job {
+    const float *x;
+    const uint8_t *w;
+    const float *params;
+    float *out;
+    long rows, n, k, first, end;
+};
+
+#ifndef __AVX512F__
+/* Portable form for CPUs without AVX-512: each block of a weight row dequantized into 32 floats
+ * once, then one dot product per input row. */
+static void rows_times(const struct rows_job *job) {
+    long blocks = job->k / BLOCK;
+    for (long o = job->first; o < job->end; o++) {
+        const uint8_t *w = job->w + o * (job->k / 2);
+        const float *p = job->params + o * blocks * 2;
+        float total[MAX_ROWS] = {0};
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *wb = w + b * BLOCK_BYTES;
+            float weights[BLOCK];
+            fetch_ahead(wb);
+            for (int j = 0; j < BLOCK_BYTES; j++) {
+                weights[j] = (float)(wb[j] & 15) * p[2 * b] + p[2 * b + 1];
+                weights[j + 16] = (float)(wb[j] >> 4) * p[2 * b] + p[2 * b + 1];
+            }
+            for (long r = 0; r < job->rows; r++) {
+                const float *xb = job->x + r * job->k + b * BLOCK;
+                float sum = 0;
+                for (int j = 0; j < BLOCK; j++)
+                    sum += xb[j] * weights[j];
+                total[r] += sum;
+            }
+        }
+        for (long r = 0; r < job->rows; r++)
+            job->out[r * job->n + o] = total[r];
+    }
+}
+
+#else
+/* One block of a weight row as two vectors of 16 weights: the steps widened from their half-bytes,
+ * then scale * step + low. */
+static inline void block_weights(const uint8_t *w, const float *p, __m512 *first, __m512 *second) {
+    __m128i bytes = _mm_loadu_si128((const void *)w), mask = _mm_set1_epi8(15);
+    __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+    __m512 scale = _mm512_set1_ps(p[0]), offset = _mm512_set1_ps(p[1]);
+    *first = _mm512_fmadd_ps(low, scale, offset);
+    *second = _mm512_fmadd_ps(high, scale, offset);
+}
+
+/* Input rows [first_row, first_row + ROWS) against weight rows o and o + 1, each block of the two
+ * dequantized once (q8_0_rows.c's `pair_times`). */
+static inline __attribute__((always_inline)) void pair_times(const struct rows_job *job, long o, long first_row,
+                                                             const long ROWS) {
+    long k = job->k, blocks = k / BLOCK;
+    const uint8_t *w0 = job->w + o * (k / 2), *w1 = w0 + k / 2;
+    const float *p0 = job->params + o * blocks * 2, *p1 = p0 + blocks * 2;
+    __m512 a[8], b[8];
+    for (long r = 0; r < ROWS; r++)
+        a[r] = b[r] = _mm512_setzero_ps();
+    for (long blk = 0; blk < blocks; blk++) {
+        fetch_ahead(w0 + blk * BLOCK_BYTES);
+        fetch_ahead(w1 + blk * BLOCK_BYTES);
+        __m512 a0, a1, b0, b1;
+        block_weights(w0 + blk * BLOCK_BYTES, p0 + 2 * blk, &a0, &a1);
+        block_weights(w1 + blk * BLOCK_BYTES, p1 + 2 * blk, &b0, &b1);
+        for (long r = 0; r < ROWS; r++) {
+            const float *x = job->x + (first_row + r) * k + blk * BLOCK;
+            __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+            a[r] = _mm512_fmadd_ps(x1, a1, _mm512_fmadd_ps(x0, a0, a[r]));
+            b[r] = _mm512_fmadd_ps(x1, b1, _mm512_fmadd_ps(x0, b0, b[r]));
+        }
+    }
+    for (long r = 0; r < ROWS; r++) {
+        job->out[(first_row + r) * job->n + o] = _mm512_reduce_add_ps(a[r]);
+        job->out[(first_row + r) * job->n + o + 1] = _mm512_reduce_add_ps(b[r]);
+    }
+}
+
+static void pairs_times(const struct rows_job *job, long o) {
+    for (long first = 0; first < job->rows; first += 8) {
+        switch (job->rows - first < 8 ? job->rows - first : 8) {
+        case 1: pair_times(job, o, first, 1); break;
+        case 2: pair_times(job, o, first, 2); break;
+        case 3: pair_times(job, o, first, 3); break;
+        case 4: pair_times(job, o, first, 4); break;
+        case 5: pair_times(job, o, first, 5); break;
+        case 6: pair_times(job, o, first, 6); break;
+        case 7: pair_times(job, o, first, 7); break;
+        default: pair_times(job, o, first, 8); break;
+        }
+    }
+}
+
+/* One block of weight row w (params p) times the input row's block x, added to acc. */
+static inline __m512 block_times(__m512 acc, const float *x, const uint8_t *w, const float *p) {
+    __m512 first, second;
+    block_weights(w, p, &first, &second);
+    return _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), second, _mm512_fmadd_ps(_mm512_loadu_ps(x), first, acc));
+}
+
+/* One input row against four weight rows at a time (four independent sums); several input rows
+ * against two weight rows at a time; a last odd weight row against every input row. */
+static void rows_times(const struct rows_job *job) {
+    long blocks = job->k / BLOCK, k = job->k, bytes = k / 2, o = job->first;
+    if (job->rows > 1)
+        for (; o + 2 <= job->end; o += 2)
+            pairs_times(job, o);
+    if (job->rows == 1) {
+        for (; o + 4 <= job->end; o += 4) {
+            const uint8_t *w = job->w + o * bytes;
+            const float *p = job->params + o * blocks * 2;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (long b = 0; b < blocks; b++) {
+                const float *x = job->x + b * BLOCK;
+                const uint8_t *wb = w + b * BLOCK_BYTES;
+                if ((b & 3) == 0) { /* a cache line holds four blocks of a row */
+                    fetch_ahead(wb);
+                    fetch_ahead(wb + bytes);
+                    fetch_ahead(wb + 2 * bytes);
+                    fetch_ahead(wb + 3 * bytes);
+                }
+                a0 = block_times(a0, x, wb, p + 2 * b);
+                a1 = block_times(a1, x, wb + bytes, p + 2 * (blocks + b));
+                a2 = block_times(a2, x, wb + 2 * bytes, p + 2 * (2 * blocks + b));
+                a3 = block_times(a3, x, wb + 3 * bytes, p + 2 * (3 * blocks + b));
+            }
+            job->out[o] = _mm512_reduce_add_ps(a0);
+            job->out[o + 1] = _mm512_reduce_add_ps(a1);
+            job->out[o + 2] = _mm512_reduce_add_ps(a2);
+            job->out[o + 3] = _mm512_reduce_add_ps(a3);
+        }
+    }
+    for (; o < job->end; o++) {
+        const uint8_t *w = job->w + o * bytes;
+        const float *p = job->params + o * blocks * 2;
+        __m512 total[MAX_ROWS];
+        for (long r = 0; r < job->rows; r++)
+            total[r] = _mm512_setzero_ps();
+        for (long b = 0; b < blocks; b++) {
+            fetch_ahead(w + b * BLOCK_BYTES);
+            __m512 first, second;
+            block_weights(w + b * BLOCK_BYTES, p + 2 * b, &first, &second);
+            for (long r = 0; r < job->rows; r++) {
+                const float *x = job->x + r * k + b * BLOCK;
+                total[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16), second,
+                                           _mm512_fmadd_ps(_mm512_loadu_ps(x), first, total[r]));
+            }
+        }
+        for (long r = 0; r < job->rows; r++)
+            job->out[r * job->n + o] = _mm512_reduce_add_ps(total[r]);
+    }
+}
+#endif
+
+/* Rows [first, end) of the output for thread t of `threads`: equal runs of whole cache lines of `out`. */
+static void thread_range(long n, long t, long threads, long *first, long *end) {
+    long lines = (n + 15) / 16;
+    *first = t * lines / threads * 16;
+    *end = (t + 1) * lines / threads * 16;
+    if (*end > n)
+        *end = n;
+}
+
+/* x: float32 [rows, k]; w, params as above; out: float32 [rows, n]; on `threads` threads of
+ * OpenMP's team (torch's). Returns 0, or -1 for a shape this kernel does not take. */
+int q4_rows_f32(const float *x, const uint8_t *w, const float *params, float *out, long rows, long n, long k,
+                long threads) {
+    if (k % BLOCK != 0 || rows < 1 || rows > MAX_ROWS)
+        return -1;
+    threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
+#pragma omp parallel num_threads(threads)
+    {
+        struct rows_job job = {x, w, params, out, rows, n, k, 0, 0};
+        thread_range(n, omp_get_thread_num(), omp_get_num_threads(), &job.first, &job.end);
+        rows_times(&job);
+    }
+    return 0;
+}
+
+/* The kernel as an operator of AOTInductor's packages (`trio_llm::q4_rows`, engine/kernels/q4_rows.py),
+ * called by name as q8_0_rows.c's shim is. Takes float32 rows [rows, k], contiguous. */
+typedef void *AtenTensorHandle;
+typedef int32_t AOTITorchError;
+extern AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle tensor, void **ret);
+extern AOTITorchError aoti_torch_get_sizes(AtenTensorHandle tensor, int64_t **ret);
+extern AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t *sizes, const int64_t *strides,
+                                               int32_t dtype, int32_t device_type, int32_t device_index,
+                                               AtenTensorHandle *ret);
+extern int32_t aoti_torch_dtype_float32(void);
+extern int32_t aoti_torch_device_type_cpu(void);
+
+AOTITorchError aoti_torch_cpu_q4_rows(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
+                                      AtenTensorHandle *ret0) {
+    int64_t *row_sizes, *weight_sizes;
+    void *x, *w, *p, *out;
+    if (aoti_torch_get_sizes(rows, &row_sizes) || aoti_torch_get_sizes(qweight, &weight_sizes))
+        return 1;
+    int64_t sizes[2] = {row_sizes[0], weight_sizes[0]}, strides[2] = {weight_sizes[0], 1};
+    if (aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, ret0)
+        || aoti_torch_get_data_ptr(rows, &x) || aoti_torch_get_data_ptr(qweight, &w)
+        || aoti_torch_get_data_ptr(params, &p) || aoti_torch_get_data_ptr(*ret0, &out))
+        return 1;
+    return q4_rows_f32(x, w, p, out, sizes[0], sizes[1], row_sizes[1], omp_get_max_threads()) != 0;
+}
