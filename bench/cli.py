@@ -362,8 +362,8 @@ def _add_bench_gguf_fidelity(bench: Subcommands) -> None:
     gf.add_argument("--tokens", type=int, default=32, help="greedy tokens generated per prompt")
     gf.add_argument("--threads", type=int, default=2, help="threads on both sides")
     gf.add_argument("--port", type=int, default=8012, help="llama-server's port")
-    gf.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0"],
-                    help="the file's format (Q4_0: llama-quantize's, from the converter's float32 file)")
+    gf.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_K_M"],
+                    help="the file's format (Q4_0, Q4_K_M: llama-quantize's, from the converter's float32 file)")
     gf.set_defaults(run=_bench_gguf_fidelity)
 
 

@@ -1,17 +1,21 @@
-"""`trio-llm bench gguf-fidelity`: how faithfully each side runs one Q8_0 (or Q4_0) GGUF file, as
-the greedy tokens of the float model they keep.
+"""`trio-llm bench gguf-fidelity`: how faithfully each side runs one Q8_0 (or Q4_0, Q4_K_M) GGUF
+file, as the greedy tokens of the float model they keep.
 
 One HF checkpoint; its Q8_0 file made by llama.cpp's own converter (`convert_hf_to_gguf.py`, from
-the sources `../shared/tools/llama-server` builds), or with `--type Q4_0` its float32 file made by
-the converter and quantized by llama.cpp's `llama-quantize` with its defaults (which keep the LM
-head in Q6_K, as users' Q4_0 files have it); the reference is transformers' float32 greedy
-continuation of each prompt from the checkpoint. Each side then runs the file on the same prompts
+the sources `../shared/tools/llama-server` builds), or with `--type Q4_0` (`Q4_K_M`) its float32
+file made by the converter and quantized by llama.cpp's `llama-quantize` with its defaults (which
+keep the LM head in Q6_K, as users' files have it); the reference is transformers' float32 greedy
+continuation of each prompt from the checkpoint, and a second reference is the same of the file's
+weights dequantized to float32 (what the file means: on a random-weight checkpoint at 4 bits the
+format's own rounding leaves the float model within a token or two on every side, and only this
+one tells the sides apart). Each side then runs the file on the same prompts
 (token ids, so no tokenizer stands between them) for the same number of greedy tokens, and a
 prompt's figure is how many leading tokens equal the reference's (past the first difference the
-sequences part, whatever follows). Sides: llama.cpp's own server (`llama-server`, which computes
-Q8_0 x Q8_0: activations rounded to int8 per block of 32), trio-llm's default for the file (`q8_0`
-or `q4_0`: the file's blocks; run eagerly with the prompts together, its products are the many-row path's,
-in bfloat16) and trio-llm's `--quantization int8` (the blocks requantized to one scale per row).
+sequences part, whatever follows). Sides: llama.cpp's own server (`llama-server`, which rounds
+the activations to int8 per block: Q8_0 for Q8_0 and Q4_0 weights, Q8_K for K-quants), trio-llm's
+default for the file (its blocks as they are: `q8_0`, `q4_0`, `q4_k`; run eagerly with the prompts
+together, its products are the many-row path's, in bfloat16 where the CPU has it natively) and
+trio-llm's `--quantization int8` (the blocks requantized to one scale per row).
 Greedy decoding is deterministic, so one run is the figure; the prompts are passages of the
 engine's corpus (engine/data/corpus.txt).
 """
@@ -123,6 +127,23 @@ async def llama_cpp(gguf: Path, server: Path, prompts: list[list[int]], tokens: 
     return out
 
 
+def dequantized_checkpoint(gguf: Path, model_dir: str, workdir: Path) -> Path:
+    """What the file means, as an HF checkpoint: its weights dequantized to float32 (HF names and
+    layout), beside the original's config."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from engine.models.gguf_file import gguf_config, gguf_weights
+
+    out = workdir / "dequantized"
+    out.mkdir(exist_ok=True)
+    shutil.copy(Path(model_dir) / "config.json", out)
+    weights = {name: t.contiguous() for name, t in gguf_weights(gguf, gguf_config(gguf))}
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
 def kept(reference_tokens: list[int], tokens: list[int]) -> int:
     """Leading tokens equal to the reference's."""
     return next((i for i, (a, b) in enumerate(zip(reference_tokens, tokens, strict=False)) if a != b),
@@ -137,17 +158,21 @@ def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: 
     texts = corpus_prompts(model_dir, prompts, prompt_len)
     want = reference(model_dir, texts, tokens)
     sides = {
-        f"llama.cpp llama-server ({qtype} x Q8_0)": trio.run(llama_cpp, gguf, llama_dir / "build" / "bin" /
+        f"llama.cpp llama-server ({qtype}, int8 activations)": trio.run(llama_cpp, gguf, llama_dir / "build" / "bin" /
                                                             "llama-server", texts, tokens, threads, port),
         "trio-llm default (the file's blocks)": trio.run(ours, gguf, model_dir, texts, tokens, None, threads),
         "trio-llm --quantization int8 (per row)": trio.run(ours, gguf, model_dir, texts, tokens, "int8", threads),
     }
     made = "convert_hf_to_gguf.py" if qtype == "Q8_0" else "convert_hf_to_gguf.py (f32) + llama-quantize"
     lines = [f"{Path(model_dir).name}: {qtype} file ({formats} tensors) by llama.cpp's {made}; {prompts} corpus "
-             f"prompts of {prompt_len} tokens; greedy tokens of transformers' float32 model kept, of {tokens}; "
-             f"threads={threads} both sides; trio-llm a float32 model, eager, prompts together",
-             f"{'side':<44}{'kept per prompt':>28}{'mean':>7}"]
-    for name, got in sides.items():
-        each = [kept(w, g) for w, g in zip(want, got, strict=True)]
-        lines.append(f"{name:<44}{', '.join(map(str, each)):>28}{sum(each) / len(each):>7.1f}")
+             f"prompts of {prompt_len} tokens; greedy tokens kept, of {tokens}; threads={threads} both sides; "
+             f"trio-llm a float32 model, eager, prompts together"]
+    references = {"transformers' float32 model of the checkpoint": want,
+                  "transformers' float32 model of the file's dequantized weights": reference(
+                      str(dequantized_checkpoint(gguf, model_dir, workdir)), texts, tokens)}
+    for title, wanted in references.items():
+        lines += ["", f"kept of {title}", f"{'side':<52}{'kept per prompt':>28}{'mean':>7}"]
+        for name, got in sides.items():
+            each = [kept(w, g) for w, g in zip(wanted, got, strict=True)]
+            lines.append(f"{name:<52}{', '.join(map(str, each)):>28}{sum(each) / len(each):>7.1f}")
     return "\n".join(lines)

@@ -596,15 +596,15 @@ class EngineConfig:
     # Quantized linear layers, quantized at load (vLLM's --quantization): "int8" (weight-only), "w8a8"
     # (activations quantized per row too), "int4" (weight-only, groups of 32), "q8_0" (int8 with a
     # scale per block of 32, GGUF's Q8_0) or "q4_0" (4-bit steps with a scale per block of 32, GGUF's
-    # Q4_0); None: as stored (a GGUF file's Q8_0 and Q4_0 tensors keep their blocks as q8_0 and q4_0,
-    # tensors of other block formats run as int8 unless this says otherwise).
+    # Q4_0); None: as stored (a GGUF file's Q8_0/Q5_0 and Q4_0/Q4_1/Q4_K tensors keep their blocks as
+    # q8_0 and q4_0/q4_1/q4_k, tensors of other block formats run as q8_0 unless this says otherwise).
     # engine/models/quantized_linear.py.
     quantization: str | None = flag(
         "quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
         "activations quantized per row at run time too, int4 weight-only in groups of 32, q8_0: "
         "int8 with a scale per block of 32, or q4_0: 4-bit steps with a scale per block of 32 (default: "
-        "as stored; a GGUF file's Q8_0 and Q4_0 tensors keep their blocks, other block formats run as "
-        "int8)",
+        "as stored; a GGUF file's Q8_0, Q5_0, Q4_0, Q4_1 and Q4_K tensors keep their blocks, other block "
+        "formats run as q8_0)",
         default=None,
         names=("--quantization", "-q",),
         metavar="{" + ",".join(QUANTIZATIONS) + "}")

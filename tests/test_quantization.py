@@ -19,9 +19,10 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from bench.gguf_export import export_gguf
+from bench.gguf_fidelity import dequantized_checkpoint
 from engine import EngineConfig, ModelLoadError, open_engine
 from engine.config import CompilationConfig
-from engine.models.gguf_file import gguf_config, gguf_weights
+from engine.models.gguf_file import gguf_config
 from engine.models.layers import Linear
 from engine.models.loader import load_decoder
 from engine.models.parallel import TensorParallel
@@ -118,12 +119,7 @@ async def test_a_gguf_file_generates_what_its_checkpoint_does(reference, tmp_pat
 def file_as_float_model(checkpoint, gguf_file, tmp_path):
     """What a GGUF file means, in float32: its weights dequantized, as a checkpoint of their own
     (the original checkpoint's config)."""
-    as_stored = tmp_path / "as-stored"
-    as_stored.mkdir()
-    shutil.copy(checkpoint / "config.json", as_stored)
-    save_file({name: t.contiguous() for name, t in gguf_weights(gguf_file, gguf_config(gguf_file))},
-              str(as_stored / "model.safetensors"))
-    return load_decoder(as_stored, "float32")
+    return load_decoder(dequantized_checkpoint(gguf_file, checkpoint, tmp_path), "float32")
 
 
 def test_a_q8_0_files_blocks_are_held_byte_for_byte_with_no_float_weight_beside_them(reference, tmp_path):
@@ -651,9 +647,8 @@ def write_compressed_tensors(source, out, activations=None) -> None:
     """`source` (an HF checkpoint) as llm-compressor writes int8 W8A16 (or W8A8): each decoder
     linear weight as int8 rows with a `weight_scale` per row; the LM head left float (ignored)."""
     import json
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from engine.models.quantized_linear import quantize_per_channel
 
