@@ -300,7 +300,8 @@ def test_eagerly_a_large_q8_0_weight_is_dequantized_a_slice_at_a_time_and_comput
     generator = torch.Generator().manual_seed(1)
     qweight, scales = quantize_weight(torch.randn(300, 96, generator=generator), "q8_0")
     rows = torch.randn(3, 96, generator=generator)
-    whole = quantized_linear._dequantized_mm(rows, qweight, scales, quantized_linear.q8_0_matmul_dtype(rows.dtype))
+    whole = quantized_linear._dequantized_mm(rows, qweight, scales, quantized_linear.q8_0_matmul_dtype(rows.dtype),
+                                             quantized_linear.q8_0_weight)
     calls = []
     original = quantized_linear._dequantized_mm
     monkeypatch.setattr(quantized_linear, "EAGER_SLICE_WEIGHTS", 64 * 96)
