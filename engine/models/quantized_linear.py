@@ -306,8 +306,7 @@ def can_quantize(weight: torch.Tensor, method: str = "int8") -> bool:
         return False
     if method == "q8_0" or method in Q4_METHODS:
         return weight.shape[1] % Q8_0_BLOCK == 0
-    return method != "int4" or (weight.shape[1] % INT4_GROUP == 0
-                                              and weight.shape[0] % INT4_ROW_BLOCK == 0)
+    return method != "int4" or (weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % INT4_ROW_BLOCK == 0)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
