@@ -310,14 +310,21 @@ def test_eagerly_a_large_q8_0_weight_is_dequantized_a_slice_at_a_time_and_comput
     assert calls == [64, 64, 64, 64, 44]
 
 
-@pytest.mark.parametrize("method", ["int8", "w8a8", "int4", "q8_0", "q4_0"])
+MIXED = "q8_0+q4_0"  # a GGUF file of Q8_0 and Q4_0 layers: both of our kernels in one package
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8", "int4", MIXED])
 async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_factory, method):
     path, _ = save_hf_checkpoint(tmp_path_factory, f"compiled-{method}", LlamaConfig, LlamaForCausalLM, COMMON)
+    model = {"model_dir": str(path), "quantization": method}
+    if method == MIXED:
+        mixed = mixed_q8_0_q4_0_file(path, tmp_path_factory.mktemp("mixed") / "mixed.gguf")
+        model = {"model_dir": str(mixed), "tokenizer": str(path)}
     compilation = CompilationConfig(cudagraph_capture_sizes=(4,), compile_prompts=False)
     tokens = {}
     for eager in (True, False):
-        config = engine_config(str(path), dtype="float32", quantization=method, enforce_eager=eager,
-                               max_num_seqs=4, compilation_config=compilation)
+        config = engine_config(**model, dtype="float32", enforce_eager=eager, max_num_seqs=4,
+                               compilation_config=compilation)
         async with open_engine(config) as engine:
             # One request at a time: every decode is a batch of one (int8's one-row kernel).
             tokens[eager] = [(await final_output(engine, p, greedy(8))).outputs[0].token_ids for p in PROMPTS]
@@ -327,14 +334,31 @@ async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_fac
             # Every method's package loads back (int4's kernel is an opaque op in it), and its graph
             # runs one row as it is (dynamo's padded one row to two).
             assert graphs.min_rows == 1
-            assert graphs.head_compiled == (method in ("int8", "q8_0"))
-            if method in OUR_KERNELS:
-                assert_one_row_calls_our_kernel(graphs, OUR_KERNELS[method])
+            assert graphs.head_compiled == (method in ("int8", MIXED))  # the mixed file's head is Q8_0
+            if method == MIXED:
+                assert {graphs.model.layers[0].qkv_proj.qmethod, graphs.model.layers[0].mlp.down_proj.qmethod} == \
+                    {"q8_0", "q4_0"}
+                assert_one_row_calls_our_kernels(graphs, ["aoti_torch_cpu_q8_0_rows(", "aoti_torch_cpu_q4_rows("])
                 assert a_new_process_loads_the_saved_graphs(config)
     assert tokens[False] == tokens[True]  # int8 and w8a8 also equal transformers' (the test above)
 
 
-OUR_KERNELS = {"q8_0": "aoti_torch_cpu_q8_0_rows(", "q4_0": "aoti_torch_cpu_q4_rows("}  # the C shims packages call
+def mixed_q8_0_q4_0_file(path, out):
+    """A GGUF file of checkpoint `path` with its MLP weights in Q4_0 and every other 2-D weight in
+    Q8_0 (gguf's own quantizers)."""
+    import gguf
+
+    from engine.models.gguf_file import gguf_reader
+
+    source = gguf_reader(str(export_gguf(path, out.with_suffix(".f32.gguf"), "F32")))
+    kinds = {t.name: gguf.GGMLQuantizationType.Q4_0 if ".ffn_" in t.name else gguf.GGMLQuantizationType.Q8_0
+             for t in source.tensors if len(t.shape) == 2}
+    blocks = {t.name: gguf.quants.quantize(np.asarray(t.data), kinds[t.name])
+              for t in source.tensors if t.name in kinds}
+    _rewrite_with(path, out, blocks, raw_dtype=kinds)
+    return out
+
+
 OPEN_AND_SAY_IF_LOADED = """
 import pickle, sys, trio
 from engine import open_engine
@@ -355,15 +379,17 @@ def a_new_process_loads_the_saved_graphs(config: EngineConfig) -> bool:
     return run.stdout.decode().split() == ["True"]
 
 
-def assert_one_row_calls_our_kernel(graphs, shim: str) -> None:
-    """The q8_0 (q4_0) decode package runs a few rows on our kernel, called through its C shim
-    `shim`: no extern kernels beside the library (no proxy executor), so the GIL-free runner runs it."""
+def assert_one_row_calls_our_kernels(graphs, shims: list[str]) -> None:
+    """The decode package runs a few rows of its q8_0 and q4_0 layers on our kernels, called through
+    their C shims: no extern kernels beside the library (no proxy executor), so the GIL-free runner
+    runs it."""
     package = precompiled_graph.artefact_path(graphs.cache_dir, graphs.model, graphs.kv_caches, graphs.block_size,
                                               TRACE_ROWS)
     with zipfile.ZipFile(package) as archive:
         names = archive.namelist()
         (wrapper,) = (name for name in names if name.endswith(".wrapper.cpp"))
-        assert shim in archive.read(wrapper).decode()
+        code = archive.read(wrapper).decode()
+        assert all(shim in code for shim in shims)
     assert aoti_runner._library_member(names) is not None
 
 
@@ -624,7 +650,7 @@ def _finish(writer) -> None:
 
 def _rewrite_with(model_dir, out, replaced: dict, raw_dtype=None) -> None:
     """A GGUF of `model_dir` (F32) whose named tensors are replaced by others (raw bytes of
-    `raw_dtype`, if given)."""
+    `raw_dtype`, if given: one GGML type, or one per tensor name)."""
     import gguf
 
     from engine.models.gguf_file import gguf_reader
@@ -638,7 +664,8 @@ def _rewrite_with(model_dir, out, replaced: dict, raw_dtype=None) -> None:
             writer.add_key_value(field.name, field.contents(), field.types[0])
     for tensor in reader.tensors:
         if tensor.name in replaced:
-            writer.add_tensor(tensor.name, replaced[tensor.name], raw_dtype=raw_dtype)
+            kind = raw_dtype.get(tensor.name) if isinstance(raw_dtype, dict) else raw_dtype
+            writer.add_tensor(tensor.name, replaced[tensor.name], raw_dtype=kind)
         else:
             writer.add_tensor(tensor.name, tensor.data)
     _finish(writer)
