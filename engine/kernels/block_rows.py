@@ -71,4 +71,4 @@ class BlockRowsKernel:
     def c_shim(self) -> str:
         """The shim's declaration, as inductor writes it into a package that calls the op."""
         return (f"AOTITorchError aoti_torch_cpu_{self.library}(AtenTensorHandle rows, AtenTensorHandle qweight, "
-                f"AtenTensorHandle {'scales' if self.library == 'q8_0_rows' else 'params'}, AtenTensorHandle* ret0)")
+                "AtenTensorHandle params, AtenTensorHandle* ret0)")
