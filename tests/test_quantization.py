@@ -468,15 +468,16 @@ def test_4_bit_and_q5_0_blocks_read_in_torch_equal_ggufs_own_dequantization(kind
 
 
 def test_a_few_rows_times_a_4_bit_weight_run_our_kernel_on_the_steps_as_they_are(monkeypatch):
-    """Up to 16 rows take engine/kernels/q4_rows.c (float32 sums of scale * step + low), on one
-    thread or split over several; more rows, or rows it does not take, the dequantized matmul."""
+    """Up to 16 rows take engine/kernels/q4_rows.c (float32 sums of scale * step + low; one row
+    sums the steps' products and the lows apart, which nearly cancel), on one thread or split over
+    several; more rows, or rows it does not take, the dequantized matmul."""
     from engine.kernels import q4_rows
     from engine.models import quantized_linear
 
     generator = torch.Generator().manual_seed(4)
     qweight = torch.randint(0, 256, (301, 96), dtype=torch.uint8, generator=generator)  # 192 features
-    params = torch.stack([torch.rand(301, 6, generator=generator) * 0.1,
-                          torch.randn(301, 6, generator=generator) * 0.1], dim=-1)
+    scales = torch.rand(301, 6, generator=generator) * 0.1  # lows near -8 scales, as Q4_0's and Q4_K's are:
+    params = torch.stack([scales, -8 * scales + torch.randn(301, 6, generator=generator) * 0.01], dim=-1)
     weight = quantized_linear.q4_weight(qweight, params, torch.float64)
     for rows in (1, 2, 5, 9, 16):
         x = torch.randn(rows, 192, generator=generator)

@@ -9,7 +9,10 @@
  * and Q4_K's is rearranged into at load). Params: float32 [n, k / 32, 2], per block (scale, low):
  * weight = scale * step + low. GGUF's Q4_0 (d, -8 d), Q4_1 (d, m) and Q4_K (d * sc, -dmin * m per
  * 32 of its 256) all come to this exactly in float32. out[r, o] = sum over the row of x[r] * w[o],
- * each block's weights formed as fma(step, scale, low), summed in float32.
+ * summed in float32. Several input rows form each block's weights once, fma(step, scale, low), for
+ * all of them; one input row instead sums each block's steps times x, scales that once, and adds
+ * low * (the sum of x's block) as a scalar: one vector multiply-add fewer per 16 weights, which is
+ * what this loop is bound by (standalone, one row of the 0.5B shape's weights: 5-20% faster).
  */
 #include <stdint.h>
 #include <string.h>
@@ -120,6 +123,16 @@ static void pairs_times(const struct rows_job *job, long o) {
     }
 }
 
+/* One block of weight row w (scale s) times the input row's block x (x0, x1), its steps' products
+ * scaled once and added to acc; the block's low times the sum of x's block is added by the caller
+ * (`rows_times`), a scalar per block: one multiply-add fewer per 16 weights than dequantizing. */
+static inline __m512 steps_times(__m512 acc, __m512 x0, __m512 x1, const uint8_t *w, float scale) {
+    __m128i bytes = _mm_loadu_si128((const void *)w), mask = _mm_set1_epi8(15);
+    __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(x1, high, _mm512_mul_ps(x0, low)), _mm512_set1_ps(scale), acc);
+}
+
 /* One block of weight row w (params p) times the input row's block x, added to acc. */
 static inline __m512 block_times(__m512 acc, const float *x, const uint8_t *w, const float *p) {
     __m512 first, second;
@@ -135,10 +148,16 @@ static void rows_times(const struct rows_job *job) {
         for (; o + 2 <= job->end; o += 2)
             pairs_times(job, o);
     if (job->rows == 1) {
+        float sums[blocks]; /* each block of the row summed, for the lows */
+        for (long b = 0; b < blocks; b++)
+            sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(job->x + b * BLOCK),
+                                                         _mm512_loadu_ps(job->x + b * BLOCK + 16)));
         for (; o + 4 <= job->end; o += 4) {
             const uint8_t *w = job->w + o * bytes;
-            const float *p = job->params + o * blocks * 2;
+            const float *p0 = job->params + o * blocks * 2, *p1 = p0 + 2 * blocks, *p2 = p1 + 2 * blocks,
+                        *p3 = p2 + 2 * blocks;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            float l0 = 0, l1 = 0, l2 = 0, l3 = 0;
             for (long b = 0; b < blocks; b++) {
                 const float *x = job->x + b * BLOCK;
                 const uint8_t *wb = w + b * BLOCK_BYTES;
@@ -148,15 +167,20 @@ static void rows_times(const struct rows_job *job) {
                     fetch_ahead(wb + 2 * bytes);
                     fetch_ahead(wb + 3 * bytes);
                 }
-                a0 = block_times(a0, x, wb, p + 2 * b);
-                a1 = block_times(a1, x, wb + bytes, p + 2 * (blocks + b));
-                a2 = block_times(a2, x, wb + 2 * bytes, p + 2 * (2 * blocks + b));
-                a3 = block_times(a3, x, wb + 3 * bytes, p + 2 * (3 * blocks + b));
+                __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+                a0 = steps_times(a0, x0, x1, wb, p0[2 * b]);
+                a1 = steps_times(a1, x0, x1, wb + bytes, p1[2 * b]);
+                a2 = steps_times(a2, x0, x1, wb + 2 * bytes, p2[2 * b]);
+                a3 = steps_times(a3, x0, x1, wb + 3 * bytes, p3[2 * b]);
+                l0 += p0[2 * b + 1] * sums[b];
+                l1 += p1[2 * b + 1] * sums[b];
+                l2 += p2[2 * b + 1] * sums[b];
+                l3 += p3[2 * b + 1] * sums[b];
             }
-            job->out[o] = _mm512_reduce_add_ps(a0);
-            job->out[o + 1] = _mm512_reduce_add_ps(a1);
-            job->out[o + 2] = _mm512_reduce_add_ps(a2);
-            job->out[o + 3] = _mm512_reduce_add_ps(a3);
+            job->out[o] = _mm512_reduce_add_ps(a0) + l0;
+            job->out[o + 1] = _mm512_reduce_add_ps(a1) + l1;
+            job->out[o + 2] = _mm512_reduce_add_ps(a2) + l2;
+            job->out[o + 3] = _mm512_reduce_add_ps(a3) + l3;
         }
     }
     for (; o < job->end; o++) {
