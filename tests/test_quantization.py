@@ -255,13 +255,7 @@ def test_eagerly_a_few_rows_times_a_q8_0_weight_run_our_kernel_on_the_blocks_as_
     generator = torch.Generator().manual_seed(2)
     qweight, scales = quantize_weight(torch.randn(301, 128, generator=generator), "q8_0")
     weight = (qweight.double().reshape(301, -1, 32) * scales.double()[..., None]).reshape(301, 128)
-    for rows in (1, 5, 16):
-        x = torch.randn(rows, 128, generator=generator)
-        exact = (x.double() @ weight.t()).float()
-        for threads in (1, 3):
-            ours = q8_0_rows.row_times(x, qweight, scales, threads)
-            assert ours is not None
-            torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)
+    x, exact = assert_few_rows_equal_float64s(q8_0_rows.row_times, qweight, scales, weight, (1, 5, 16), generator)
     row = x[:1]
     torch.testing.assert_close(q8_0_rows.row_times(row, qweight, scales, 1), q8_0_row_times(row, qweight, scales),
                                rtol=1e-5, atol=1e-5)
@@ -273,6 +267,20 @@ def test_eagerly_a_few_rows_times_a_q8_0_weight_run_our_kernel_on_the_blocks_as_
     quantized_linear.q8_0_linear(torch.cat([x, row]), qweight, scales, None)
     assert q8_0_rows.row_times(row.bfloat16(), qweight, scales, 1) is None
     assert calls == [(17, 128)]
+
+
+def assert_few_rows_equal_float64s(row_times, qweight, params, weight, counts, generator):
+    """A block kernel's `row_times` on random rows of each count in `counts`, on one thread and
+    split over three, against float64's product with the dequantized `weight`; returns the last
+    rows and that product."""
+    for rows in counts:
+        x = torch.randn(rows, weight.shape[1], generator=generator)
+        exact = (x.double() @ weight.t()).float()
+        for threads in (1, 3):
+            ours = row_times(x, qweight, params, threads)
+            assert ours is not None
+            torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)
+    return x, exact
 
 
 def test_many_q8_0_rows_multiply_in_bfloat16_only_where_the_cpu_does_it_in_hardware(monkeypatch):
@@ -479,13 +487,7 @@ def test_a_few_rows_times_a_4_bit_weight_run_our_kernel_on_the_steps_as_they_are
     scales = torch.rand(301, 6, generator=generator) * 0.1  # lows near -8 scales, as Q4_0's and Q4_K's are:
     params = torch.stack([scales, -8 * scales + torch.randn(301, 6, generator=generator) * 0.01], dim=-1)
     weight = quantized_linear.q4_weight(qweight, params, torch.float64)
-    for rows in (1, 2, 5, 9, 16):
-        x = torch.randn(rows, 192, generator=generator)
-        exact = (x.double() @ weight.t()).float()
-        for threads in (1, 3):
-            ours = q4_rows.row_times(x, qweight, params, threads)
-            assert ours is not None
-            torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)
+    x, exact = assert_few_rows_equal_float64s(q4_rows.row_times, qweight, params, weight, (1, 2, 5, 9, 16), generator)
     assert q4_rows.row_times(x.bfloat16(), qweight, params, 1) is None
     assert q4_rows.row_times(x[:, :128], qweight, params, 1) is None  # not the weight's features
     calls = []

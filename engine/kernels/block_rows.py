@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels import native
+from engine.kernels.operators import Operator, operator
 
 MAX_ROWS = 16  # the C kernels' MAX_ROWS: a batch of decodes
 
@@ -67,6 +68,26 @@ class BlockRowsKernel:
             raise RuntimeError(f"the {self.library} kernel does not take rows {tuple(rows.shape)} {rows.dtype} "
                                f"times {tuple(qweight.shape)} {qweight.dtype}")
         return out
+
+    def define_operator(self) -> Operator:
+        """`trio_llm::<library>`: the kernel as an operator of exported graphs, with its shapes for
+        tracing. Called from Python only where a graph runs outside a package (dynamo, tracing); a
+        package calls the C shim (`c_shims`)."""
+
+        def graph_row_times(rows: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+            return self.in_graph(rows, qweight, params)
+
+        defined = operator(f"trio_llm::{self.library}")(graph_row_times)
+
+        @defined.register_fake
+        def _shape(rows: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+            return rows.new_empty((rows.shape[0], qweight.shape[0]), dtype=torch.float32)
+
+        return defined
+
+    def c_shims(self) -> dict[torch._ops.OpOverload, list[str]]:
+        """Inductor's `aot_inductor.custom_ops_to_c_shims` for the kernel's operator."""
+        return {getattr(torch.ops.trio_llm, self.library).default: [self.c_shim()]}
 
     def c_shim(self) -> str:
         """The shim's declaration, as inductor writes it into a package that calls the op."""

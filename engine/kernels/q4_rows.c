@@ -20,14 +20,9 @@
 #include <immintrin.h>
 #endif
 
-#include <omp.h>
+#include "block_rows.h" /* BLOCK, MAX_ROWS, fetch_ahead, the split over threads, the C shim */
 
-#define BLOCK 32
 #define BLOCK_BYTES 16
-#define MAX_ROWS 16 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
-#define PREFETCH_AHEAD 4096 /* bytes, as in q8_0_rows.c */
-
-static inline void fetch_ahead(const uint8_t *p) { __builtin_prefetch(p + PREFETCH_AHEAD, 0, 3); }
 
 struct rows_job {
     const float *x;
@@ -205,53 +200,22 @@ static void rows_times(const struct rows_job *job) {
 }
 #endif
 
-/* Rows [first, end) of the output for thread t of `threads`: equal runs of whole cache lines of `out`. */
-static void thread_range(long n, long t, long threads, long *first, long *end) {
-    long lines = (n + 15) / 16;
-    *first = t * lines / threads * 16;
-    *end = (t + 1) * lines / threads * 16;
-    if (*end > n)
-        *end = n;
+/* One thread's share of a call (block_rows.h `split_rows`). */
+static void share(const float *x, const void *w, const float *params, float *out, long rows, long n, long k, long first,
+                  long end) {
+    struct rows_job job = {x, w, params, out, rows, n, k, first, end};
+    rows_times(&job);
 }
 
 /* x: float32 [rows, k]; w, params as above; out: float32 [rows, n]; on `threads` threads of
- * OpenMP's team (torch's). Returns 0, or -1 for a shape this kernel does not take. */
-int q4_rows_f32(const float *x, const uint8_t *w, const float *params, float *out, long rows, long n, long k,
+ * OpenMP's team. Returns 0, or -1 for a shape this kernel does not take. */
+int q4_rows_f32(const float *x, const void *w, const float *params, float *out, long rows, long n, long k,
                 long threads) {
-    if (k % BLOCK != 0 || rows < 1 || rows > MAX_ROWS)
-        return -1;
-    threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
-#pragma omp parallel num_threads(threads)
-    {
-        struct rows_job job = {x, w, params, out, rows, n, k, 0, 0};
-        thread_range(n, omp_get_thread_num(), omp_get_num_threads(), &job.first, &job.end);
-        rows_times(&job);
-    }
-    return 0;
+    return split_rows(share, x, w, params, out, rows, n, k, threads);
 }
 
-/* The kernel as an operator of AOTInductor's packages (`trio_llm::q4_rows`, engine/kernels/q4_rows.py),
- * called by name as q8_0_rows.c's shim is. Takes float32 rows [rows, k], contiguous. */
-typedef void *AtenTensorHandle;
-typedef int32_t AOTITorchError;
-extern AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle tensor, void **ret);
-extern AOTITorchError aoti_torch_get_sizes(AtenTensorHandle tensor, int64_t **ret);
-extern AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t *sizes, const int64_t *strides,
-                                               int32_t dtype, int32_t device_type, int32_t device_index,
-                                               AtenTensorHandle *ret);
-extern int32_t aoti_torch_dtype_float32(void);
-extern int32_t aoti_torch_device_type_cpu(void);
-
+/* The kernel as the operator `trio_llm::q4_rows` (engine/kernels/q4_rows.py; block_rows.h). */
 AOTITorchError aoti_torch_cpu_q4_rows(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
-                                      AtenTensorHandle *ret0) {
-    int64_t *row_sizes, *weight_sizes;
-    void *x, *w, *p, *out;
-    if (aoti_torch_get_sizes(rows, &row_sizes) || aoti_torch_get_sizes(qweight, &weight_sizes))
-        return 1;
-    int64_t sizes[2] = {row_sizes[0], weight_sizes[0]}, strides[2] = {weight_sizes[0], 1};
-    if (aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, ret0)
-        || aoti_torch_get_data_ptr(rows, &x) || aoti_torch_get_data_ptr(qweight, &w)
-        || aoti_torch_get_data_ptr(params, &p) || aoti_torch_get_data_ptr(*ret0, &out))
-        return 1;
-    return q4_rows_f32(x, w, p, out, sizes[0], sizes[1], row_sizes[1], omp_get_max_threads()) != 0;
+                                   AtenTensorHandle *ret0) {
+    return shim_rows(q4_rows_f32, rows, qweight, params, ret0);
 }

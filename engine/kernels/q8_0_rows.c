@@ -1,7 +1,8 @@
 /* Up to 16 float32 rows (a batch of decodes) times a q8_0 weight, reading the weight's int8
  * blocks as they are, once for the whole batch: `engine.models.quantized_linear.q8_0_linear`'s
  * product for a few rows, eagerly through ctypes and in the compiled graphs as the operator
- * `trio_llm::q8_0_rows` (its C shim is at the end of this file). Torch has no product of rows with
+ * `trio_llm::q8_0_rows` (its C shim is at the end of this file; the split over threads and the
+ * shim's body are block_rows.h's). Torch has no product of rows with
  * int8 blocks and their scales: it dequantizes the whole weight (to bfloat16, then a matmul), which
  * writes and reads the weight again in a wider type on every step.
  *
@@ -26,14 +27,7 @@
 #include <immintrin.h>
 #endif
 
-#include <omp.h>
-
-#define BLOCK 32
-#define MAX_ROWS 16 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
-#define PREFETCH_AHEAD 4096 /* bytes; 1,024 gained a little, 4,096 and 8,192 all of it */
-
-/* Ask for the weight bytes PREFETCH_AHEAD past p (a hint: past the end of the weight it reads nothing). */
-static inline void fetch_ahead(const int8_t *p) { __builtin_prefetch(p + PREFETCH_AHEAD, 0, 3); }
+#include "block_rows.h" /* BLOCK, MAX_ROWS, fetch_ahead, the split over threads, the C shim */
 
 struct rows_job {
     const float *x;
@@ -225,60 +219,22 @@ static void rows_times(const struct rows_job *job) {
 }
 #endif
 
-/* Rows [first, end) of the output, for thread `t` of `threads`: equal runs, each starting on a
- * multiple of 16 outputs (whole cache lines of `out`, so no two threads write one line). */
-static void thread_range(long n, long t, long threads, long *first, long *end) {
-    long lines = (n + 15) / 16;
-    *first = t * lines / threads * 16;
-    *end = (t + 1) * lines / threads * 16;
-    if (*end > n)
-        *end = n;
+/* One thread's share of a call (block_rows.h `split_rows`). */
+static void share(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k, long first,
+                  long end) {
+    struct rows_job job = {x, w, scales, out, rows, n, k, first, end};
+    rows_times(&job);
 }
 
-/* x: float32 [rows, k]; w, scales as above; out: float32 [rows, n]. The output rows are split
- * among `threads` threads of OpenMP's team: the one the compiled graphs' own loops run on (this
- * library links torch's OpenMP runtime, see native.py). Returns 0, or -1 for a shape this kernel
- * does not take (k not a multiple of 32, more than MAX_ROWS rows). */
-int q8_0_rows_f32(const float *x, const int8_t *w, const float *scales, float *out, long rows, long n, long k,
+/* x: float32 [rows, k]; w, scales as above; out: float32 [rows, n]; on `threads` threads of
+ * OpenMP's team. Returns 0, or -1 for a shape this kernel does not take. */
+int q8_0_rows_f32(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
                   long threads) {
-    if (k % BLOCK != 0 || rows < 1 || rows > MAX_ROWS)
-        return -1;
-    threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
-#pragma omp parallel num_threads(threads)
-    {
-        struct rows_job job = {x, w, scales, out, rows, n, k, 0, 0};
-        thread_range(n, omp_get_thread_num(), omp_get_num_threads(), &job.first, &job.end);
-        rows_times(&job);
-    }
-    return 0;
+    return split_rows(share, x, w, scales, out, rows, n, k, threads);
 }
 
-/* The kernel as an operator of AOTInductor's packages (`trio_llm::q8_0_rows`,
- * engine/kernels/q8_0_rows.py): a package compiled with the op in inductor's
- * `custom_ops_to_c_shims` calls this function by name, as it calls torch's own C shims, with no
- * Python and no proxy executor between (so our ctypes runner still runs the package, GIL released).
- * The library is loaded with its symbols global before any package is. Takes float32 rows
- * [rows, k], contiguous; threads: the caller's OpenMP count (torch.set_num_threads, per step). */
-typedef void *AtenTensorHandle;
-typedef int32_t AOTITorchError;
-extern AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle tensor, void **ret);
-extern AOTITorchError aoti_torch_get_sizes(AtenTensorHandle tensor, int64_t **ret);
-extern AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t *sizes, const int64_t *strides,
-                                               int32_t dtype, int32_t device_type, int32_t device_index,
-                                               AtenTensorHandle *ret);
-extern int32_t aoti_torch_dtype_float32(void);
-extern int32_t aoti_torch_device_type_cpu(void);
-
-AOTITorchError aoti_torch_cpu_q8_0_rows(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle scales,
-                                        AtenTensorHandle *ret0) {
-    int64_t *row_sizes, *weight_sizes;
-    void *x, *w, *s, *out;
-    if (aoti_torch_get_sizes(rows, &row_sizes) || aoti_torch_get_sizes(qweight, &weight_sizes))
-        return 1;
-    int64_t sizes[2] = {row_sizes[0], weight_sizes[0]}, strides[2] = {weight_sizes[0], 1};
-    if (aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, ret0)
-        || aoti_torch_get_data_ptr(rows, &x) || aoti_torch_get_data_ptr(qweight, &w)
-        || aoti_torch_get_data_ptr(scales, &s) || aoti_torch_get_data_ptr(*ret0, &out))
-        return 1;
-    return q8_0_rows_f32(x, w, s, out, sizes[0], sizes[1], weight_sizes[1], omp_get_max_threads()) != 0;
+/* The kernel as the operator `trio_llm::q8_0_rows` (engine/kernels/q8_0_rows.py; block_rows.h). */
+AOTITorchError aoti_torch_cpu_q8_0_rows(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
+                                     AtenTensorHandle *ret0) {
+    return shim_rows(q8_0_rows_f32, rows, qweight, params, ret0);
 }

@@ -10,26 +10,11 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.block_rows import MAX_ROWS, BlockRowsKernel
-from engine.kernels.operators import operator
 
 __all__ = ["MAX_ROWS", "KERNEL", "available", "row_times", "graph_row_times", "c_shims"]
 
 KERNEL = BlockRowsKernel("q8_0_rows", torch.int8, 1)
 available = KERNEL.available
 row_times = KERNEL.row_times  # int8 [n, k] and float32 scales [n, k / 32]
-
-
-@operator("trio_llm::q8_0_rows")
-def graph_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`row_times` as an operator of exported graphs, on torch's thread count."""
-    return KERNEL.in_graph(rows, qweight, scales)
-
-
-@graph_row_times.register_fake
-def _graph_row_times_shape(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return rows.new_empty((rows.shape[0], qweight.shape[0]), dtype=torch.float32)
-
-
-def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
-    """Inductor's `aot_inductor.custom_ops_to_c_shims` for this op."""
-    return {torch.ops.trio_llm.q8_0_rows.default: [KERNEL.c_shim()]}
+graph_row_times = KERNEL.define_operator()
+c_shims = KERNEL.c_shims

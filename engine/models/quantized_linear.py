@@ -55,6 +55,7 @@ from engine.kernels import q4_rows as q4_kernel
 from engine.kernels import q8_0_quantize
 from engine.kernels import q8_0_rows as q8_0_kernel
 from engine.kernels.operators import operator
+from engine.models.weights import unpacked_steps
 
 INT4_GROUP = 32  # weights per scale and zero point in int4 (the kernel takes 32, 64, 128 or 256)
 INT4_ROW_BLOCK = 16  # the int4 kernel packs output rows in blocks of 16
@@ -281,7 +282,7 @@ def q4_weight(qweight: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -
     `engine.models.weights.Q4Blocks.dequantized` (and gguf) compute it."""
     count = qweight.shape[0]
     packed = qweight.reshape(count, -1, Q4_BLOCK_BYTES)
-    steps = torch.cat([packed & 15, packed >> 4], dim=-1).float()
+    steps = unpacked_steps(packed).float()
     return (steps * params[..., :1] + params[..., 1:]).to(dtype).reshape(count, -1)
 
 

@@ -34,7 +34,7 @@ class Q8_0Blocks:
     def from_raw(cls, raw: torch.Tensor, rows: int) -> Q8_0Blocks:
         """The blocks of `raw`, the file's uint8 bytes of `rows` rows (views: nothing is copied)."""
         blocks = raw.reshape(rows, -1, Q8_0_BLOCK_BYTES)
-        return cls(blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1))
+        return cls(blocks[..., 2:].view(torch.int8), float16_field(blocks, 0))
 
     @classmethod
     def from_q5_0(cls, raw: torch.Tensor, rows: int) -> Q8_0Blocks:
@@ -43,9 +43,9 @@ class Q8_0Blocks:
         step j's; its 16 bytes hold steps j (low half) and j + 16 (high half), as Q4_0's."""
         blocks = raw.reshape(rows, -1, Q5_0_BLOCK_BYTES)
         high = (blocks[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
-        low = torch.cat([blocks[..., 6:] & 15, blocks[..., 6:] >> 4], dim=-1)
+        low = unpacked_steps(blocks[..., 6:])
         steps = (low | (high.reshape(*low.shape) << 4)).to(torch.int8) - 16
-        return cls(steps, blocks[..., :2].view(torch.float16).squeeze(-1))
+        return cls(steps, float16_field(blocks, 0))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -88,8 +88,8 @@ class Q4Blocks:
             return cls._from_q4_k(raw.reshape(rows, -1, Q4_K_BLOCK_BYTES))
         size = Q4_0_BLOCK_BYTES if kind == "Q4_0" else Q4_1_BLOCK_BYTES
         blocks = raw.reshape(rows, -1, size)
-        d = _float16s(blocks, 0)
-        low = -8 * d if kind == "Q4_0" else _float16s(blocks, 2)
+        d = float16_field(blocks, 0).float()
+        low = -8 * d if kind == "Q4_0" else float16_field(blocks, 2).float()
         return cls(blocks[..., size - 16:], torch.stack([d, low], dim=-1), kind.lower())
 
     @classmethod
@@ -98,7 +98,7 @@ class Q4Blocks:
         (as gguf's `Q4_K.get_scale_min`); its 128 bytes of steps hold 64 weights per 32 bytes, the
         first 32 in the low halves, which become two blocks of this layout."""
         rows, count = supers.shape[:2]
-        d, dmin = _float16s(supers, 0), _float16s(supers, 2)
+        d, dmin = float16_field(supers, 0).float(), float16_field(supers, 2).float()
         packed = supers[..., 4:16].reshape(rows, count, 3, 4)
         first, second, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
         sc = torch.cat([first & 63, (rest & 15) | ((first >> 2) & 48)], dim=-1)
@@ -132,9 +132,15 @@ class Q4Blocks:
         return out
 
 
-def _float16s(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The float16 at byte `offset` of each block (the last dimension: bytes), as float32."""
-    return blocks[..., offset:offset + 2].view(torch.float16).squeeze(-1).float()
+def float16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The float16 at byte `offset` of each block (the last dimension: bytes; a view)."""
+    return blocks[..., offset:offset + 2].view(torch.float16).squeeze(-1)
+
+
+def unpacked_steps(packed: torch.Tensor) -> torch.Tensor:
+    """4-bit steps held two a byte, byte j holding step j (low half) and step j + len (high half):
+    all the steps, in order along the last dimension (GGUF Q4_0's and Q5_0's layout, and `q4_*`'s)."""
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
 
 
 FileBlocks = Q8_0Blocks | Q4Blocks
