@@ -21,6 +21,8 @@ _POLICIES = ("fcfs", "priority")
 _EXECUTORS = ("inproc", "mp", "ray")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.prefix_hash.HASH_ALGOS
 QUANTIZATIONS = ("int8", "w8a8", "int4", "q8_0", "q4_0")
+# --kv-cache-dtype: vLLM's auto and bfloat16, and float16 (what llama.cpp holds its cache in); fp8 is not implemented
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 TRUST_REMOTE_CODE_REFUSED = ("trust_remote_code: trio-llm runs no code from model directories; it loads the "
                              "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
                              "LLaVA, BERT and its cross-encoders, ColBERT) from their weights")
@@ -599,6 +601,13 @@ class EngineConfig:
     # Q4_0); None: as stored (a GGUF file's Q8_0/Q5_0 and Q4_0/Q4_1/Q4_K tensors keep their blocks as
     # q8_0 and q4_0/q4_1/q4_k, tensors of other block formats run as q8_0 unless this says otherwise).
     # engine/models/quantized_linear.py.
+    kv_cache_dtype: str = flag(
+        "the KV cache's dtype: auto (the model's, as in vLLM), bfloat16 or float16. A 16-bit cache "
+        "under a float32 model (a GGUF file's default) holds twice the tokens in the same memory, and "
+        "decode attention reads half the bytes; attention still computes in the model's dtype "
+        "(llama.cpp holds its cache in float16). fp8 caches are not implemented",
+        default="auto",
+        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}")
     quantization: str | None = flag(
         "quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
         "activations quantized per row at run time too, int4 weight-only in groups of 32, q8_0: "
@@ -707,6 +716,8 @@ class EngineConfig:
             raise ValueError(f"pooling_type must be mean, cls or last, got {self.pooling_type!r}")
         if self.pooling_type is not None and self.pooler_config.pooling_type is None:
             object.__setattr__(self, "pooler_config", replace(self.pooler_config, pooling_type=self.pooling_type))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got "
                              f"{self.quantization!r}")

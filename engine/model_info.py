@@ -51,6 +51,7 @@ class ModelInfo:
     image_rows: int = 0
     quantization: str | None = None  # the linear layers' weight-only quantization ("int8"), if any
     weight_bytes: int = 0  # this rank's weights as held (quantized layers as int8 rows and scales)
+    kv_cache_dtype: str = ""  # the KV cache's dtype (--kv-cache-dtype), where it has one
     # Set by the engine, not the worker:
     num_kv_blocks: int = 0
     max_model_len: int = 0

@@ -268,6 +268,41 @@ async def test_decodes_of_mixed_steps_run_compiled_beside_the_prompt_chunks(tmp_
     assert prompt_steps == (4 if compile_prompts else 0)
 
 
+F16_TIE = 0.002  # top two logits within 0.2% of the largest: a float16 cache's rounding may decide
+
+
+async def test_a_float16_kv_cache_under_a_float32_model_decodes_compiled_as_eagerly(tmp_path_factory):
+    """--kv-cache-dtype float16 (llama.cpp's cache) under a float32 model: the compiled decode
+    graph reads the 16-bit cache and computes what the eager path does, both transformers' tokens
+    up to its first near tie (keys and values rounded to float16 move the logits by ~1e-3)."""
+    path, hf_model = _dense(tmp_path_factory)
+    rng = random.Random(13)
+    prompts = [rng.choices(range(3, VOCAB), k=n) for n in (6, 23, 35)]
+    expected = transformers_greedy(hf_model, prompts, 16)
+    decided = [decided_prefix(hf_model, p, e, F16_TIE) for p, e in zip(prompts, expected, strict=True)]
+    assert sum(decided) >= 16 * len(prompts) // 3
+    compiled, steps = await engine_greedy(compiled_config(path, sizes=(1, 4), kv_cache_dtype="float16"), prompts, 16)
+    eager, _ = await engine_greedy(compiled_config(path, enforce_eager=True, kv_cache_dtype="float16"), prompts, 16)
+    assert steps >= 12  # the decodes did run compiled
+    for got in (compiled, eager):
+        assert [g[:n] for g, n in zip(got, decided, strict=True)] == [e[:n] for e, n in zip(expected, decided,
+                                                                                            strict=True)]
+
+
+def test_a_16_bit_kv_cache_holds_twice_a_float32_models_tokens_in_the_same_bytes(tmp_path_factory):
+    path, _ = _dense(tmp_path_factory)
+    infos, caches = {}, {}
+    for choice in ("auto", "float16", "bfloat16"):
+        worker = Worker(EngineConfig(model=str(path), dtype="float32", enforce_eager=True, kv_cache_dtype=choice))
+        infos[choice] = worker.load_model()
+        worker.initialize_kv_cache(4)
+        caches[choice] = {t.dtype for pair in worker.runner.kv_caches for t in pair}
+    assert caches == {"auto": {torch.float32}, "float16": {torch.float16}, "bfloat16": {torch.bfloat16}}
+    assert infos["float16"].kv_bytes_per_block * 2 == infos["auto"].kv_bytes_per_block
+    assert infos["bfloat16"].kv_bytes_per_block == infos["float16"].kv_bytes_per_block
+    assert (infos["auto"].kv_cache_dtype, infos["float16"].kv_cache_dtype) == ("float32", "float16")
+
+
 def decode_graphs(path, cache_dir) -> DecodeGraphs:
     """The decode graph (batches up to 4) of the checkpoint at `path` over a small KV cache,
     saved under `cache_dir`; not yet compiled."""
@@ -622,6 +657,40 @@ def test_decode_attention_equals_the_eager_attention_over_ragged_sequences(dtype
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[:-1].float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("decode_attention", [paged_decode_attention, gathered_decode_attention])
+def test_a_16_bit_kv_cache_under_float32_queries_is_attended_in_float32(cache_dtype, decode_attention):
+    """--kv-cache-dtype: keys and values are rounded once, when written; every path then computes
+    in the queries' float32 over the rounded values, as over a float32 cache holding them. The
+    eager path (a decode beside a prompt chunk over cached positions) and both decode formulas."""
+    generator = torch.Generator().manual_seed(7)
+    block_size, num_heads, num_kv_heads, dim = 4, 4, 2, 8
+    narrow = [torch.zeros(12 * block_size, num_kv_heads, dim, dtype=cache_dtype) for _ in range(2)]
+    wide = [torch.zeros(12 * block_size, num_kv_heads, dim) for _ in range(2)]
+    chunks = [SequenceChunk(9, 1, [1, 2, 3]), SequenceChunk(5, 6, [4, 5, 6])]  # a decode, a prompt chunk
+    meta = build_metadata(chunks, block_size, torch.device("cpu"), torch.float32)
+    cached = [SequenceChunk(0, 9, [1, 2, 3]), SequenceChunk(0, 5, [4, 5, 6])]  # their earlier positions
+    earlier = build_metadata(cached, block_size, torch.device("cpu"), torch.float32)
+    for slots in (earlier.slot_mapping, meta.slot_mapping):  # float32 rows written to both
+        k, v = torch.randn(2, slots.numel(), num_kv_heads, dim, generator=generator)
+        attention.write_kv(*narrow, slots, k, v)
+        attention.write_kv(*wide, slots, k, v)
+    for rounded, exact in zip(narrow, wide, strict=True):
+        assert rounded.dtype == cache_dtype and torch.equal(rounded, exact.to(cache_dtype))  # rounded as written
+        exact.copy_(rounded)  # the float32 cache now holds what the narrow one does
+    scale = dim ** -0.5
+    q = torch.randn(7, num_heads, dim, generator=generator)
+    new_k, new_v = (c[meta.slot_mapping].float() for c in narrow)
+    got = paged_attention(q, new_k, new_v, *narrow, meta, scale)
+    want = paged_attention(q, new_k, new_v, *wide, meta, scale)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    decode_meta = DecodeMetadata(meta.slot_mapping[:1], torch.tensor([[1, 2, 3]]), torch.tensor([10]), block_size)
+    got = decode_attention(q[:1], *narrow, decode_meta, scale)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want[:1], rtol=1e-5, atol=1e-5)
 
 
 def test_one_fresh_prompt_attends_causally_without_a_mask_and_matches_the_masked_path():

@@ -100,12 +100,15 @@ def test_a_vllm_serve_command_line_carries_over(capsys, caplog):
     assert (chosen["dtype"], chosen["block_size"], chosen["num_kv_blocks"], chosen["max_model_len"]) == \
         ("float16", 32, 100, 64)
     assert engine_options(serve.parse_args(["m", "--dtype", "float"]))["dtype"] == "float32"
+    assert chosen["kv_cache_dtype"] == "auto"
+    assert engine_options(serve.parse_args(["m", "--kv-cache-dtype", "float16"]))["kv_cache_dtype"] == "float16"
     refused = [(["--quantization", "awq"], "--quantization awq: not implemented here; trio-llm quantizes"),
                (["--trust-remote-code"], "runs no code from model directories"),
                (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
                (["--eplb-config", '{"window_size": 10}'], "only with --enable-eplb"),
                (["--speculative-config", "{}"], "speculative decoding is not implemented"),
-               (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: the KV cache is held in the model's dtype"),
+               (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not implemented here; the KV cache is held in the "
+                                             "model's dtype (auto), bfloat16 or float16"),
                (["--model", "other"], "two models given")]
     for extra, said in refused:
         assert main(["serve", "m", *extra]) == 2

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from engine.config import QUANTIZATIONS, SAME_AS_FIELD, TRUST_REMOTE_CODE_REFUSED, EngineConfig, Flag
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, SAME_AS_FIELD, TRUST_REMOTE_CODE_REFUSED, EngineConfig, Flag
 from web.chat.parser_names import REASONING_PARSERS, TOOL_PARSERS
 from web.http.cors import CorsSettings
 from web.http.settings import ServerSettings
@@ -178,6 +178,10 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
         reasons.append(f"--quantization {quantization}: not implemented here; trio-llm quantizes float checkpoints "
                        f"at load ({', '.join(QUANTIZATIONS)}), loads llm-compressor int8 checkpoints and GGUF files "
                        "as they are (no --quantization needed)")
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        reasons.append(f"--kv-cache-dtype {kv_cache_dtype}: not implemented here; the KV cache is held in the model's "
+                       f"dtype (auto), bfloat16 or float16")
     if getattr(args, "trust_remote_code", False):
         reasons.append("--trust-remote-code" + TRUST_REMOTE_CODE_REFUSED.removeprefix("trust_remote_code"))
     if getattr(args, "eplb_config", None) is not None and not getattr(args, "enable_eplb", False):

@@ -6,7 +6,7 @@ flag here is one of:
 - *noted*: what it asks for is already so here, or it tunes something trio-llm does not have
   (`--swap-space`: preempted requests are recomputed, never swapped, as in vLLM v1). It is
   accepted, and start-up logs one line saying it changes nothing and why;
-- *noted for some values*: `--kv-cache-dtype auto` is what trio-llm does; `fp8` is refused;
+- *noted for some values*: `--load-format auto` is what trio-llm does; `pt` is refused;
 - *refused*: it asks for a feature trio-llm lacks (`--speculative-config`). The command stops
   with one line naming the flag and the reason, before anything loads.
 
@@ -50,8 +50,6 @@ ENGINE_FLAGS = (
     ForeignFlag("--tokenizer-pool-size", "long prompts are tokenized in --renderer-workers threads"),
     ForeignFlag("--disable-sliding-window", "not implemented: a model's sliding window (Mistral's) is always "
                 "applied", takes_value=False, harmless=_REFUSED),
-    ForeignFlag("--kv-cache-dtype", "the KV cache is held in the model's dtype (auto); fp8 caches are not "
-                "implemented", harmless=("auto",)),
     ForeignFlag("--load-format", "weights load from safetensors (or a GGUF file given as the model); other "
                 "formats are not read", harmless=("auto", "safetensors", "gguf")),
     ForeignFlag("--tokenizer-mode", "the tokenizer is the model's tokenizer.json, read by the tokenizers "

@@ -314,17 +314,21 @@ def _padded(block_ids: Sequence[int], length: int) -> list[int]:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    """This step's keys and values into their slots, rounded to the cache's dtype where that is
+    narrower than the model's (--kv-cache-dtype)."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_blocks(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
-    """[slots, H, D] cache -> [B, H, nb * block_size, D]: each sequence's blocks, in table order."""
+def gather_blocks(cache: torch.Tensor, group: AttentionGroup, block_size: int,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[slots, H, D] cache -> [B, H, nb * block_size, D]: each sequence's blocks, in table order,
+    in `dtype` (the queries'; None: the cache's)."""
     _, heads, dim = cache.shape
     assert group.block_table is not None
     # On a 2-D view each block is one row: index_select copies rows ~3x faster than 4-D blocks.
     blocks = cache.view(-1, block_size * heads * dim).index_select(0, group.block_table)
-    return blocks.view(group.num_seqs, -1, heads, dim).transpose(1, 2)
+    return blocks.to(dtype or cache.dtype).view(group.num_seqs, -1, heads, dim).transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -377,8 +381,8 @@ def masked_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
         k_batch = k[group.q_index].transpose(1, 2)
         v_batch = v[group.q_index].transpose(1, 2)
     else:
-        k_batch = gather_blocks(k_cache, group, block_size)
-        v_batch = gather_blocks(v_cache, group, block_size)
+        k_batch = gather_blocks(k_cache, group, block_size, q.dtype)
+        v_batch = gather_blocks(v_cache, group, block_size, q.dtype)
     if sinks is None:
         out = F.scaled_dot_product_attention(q_batch.transpose(1, 2), k_batch, v_batch,
                                              attn_mask=group.mask, scale=scale, enable_gqa=True)
@@ -600,6 +604,7 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     length = meta.block_table.shape[1] * meta.block_size
     keys = k_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
     values = v_cache.view(-1, meta.block_size, num_kv_heads, dim)[meta.block_table].view(B, length, num_kv_heads, dim)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a 16-bit cache under a wider model (--kv-cache-dtype)
     allowed = decode_allowed(length, meta.seq_lens, sliding_window)
     if sinks is not None:
         mask = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill_(~allowed, float("-inf"))

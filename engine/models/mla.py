@@ -173,8 +173,8 @@ def _group_attention(q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
     if group.block_table is None:  # fresh prompts: their own rows of this step
         keys, values = expand(latent[group.q_index], k_rot[group.q_index])
     else:
-        keys, values = expand(gather_blocks(kv_cache[0], group, block_size)[:, 0],
-                              gather_blocks(kv_cache[1], group, block_size)[:, 0])
+        keys, values = expand(gather_blocks(kv_cache[0], group, block_size, q.dtype)[:, 0],
+                              gather_blocks(kv_cache[1], group, block_size, q.dtype)[:, 0])
     out = F.scaled_dot_product_attention(q_batch.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=group.mask, scale=scale).transpose(1, 2)  # [B, Lq, H, v]
     return out.squeeze(1) if group.q_index is None else out[group.q_valid]
@@ -189,5 +189,5 @@ def mla_decode_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, kv_cache: KV
     operations, for the compiled decode graph and any device)."""
     batch, length = q_nope.shape[0], meta.block_table.shape[1] * meta.block_size
     latents, rotated = (cache.view(-1, meta.block_size, cache.shape[-1])[meta.block_table].view(batch, length, -1)
-                        for cache in kv_cache)
+                        .to(q_nope.dtype) for cache in kv_cache)
     return absorbed(q_nope, q_rot, latents, rotated, decode_allowed(length, meta.seq_lens, None))

@@ -225,7 +225,7 @@ class Worker:
     def _decoder_info(self) -> ModelInfo:
         assert isinstance(self.model, DecoderForCausalLM)
         cfg = self.model.config
-        element_size = torch.empty((), dtype=self.model.dtype).element_size()
+        element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         # This rank's share: the cache budget applies per rank, as each holds its own heads (and,
         # under pipeline parallelism, its own layers).
         per_block = self.model.num_kv_caches * element_size * sum(
@@ -235,7 +235,8 @@ class Worker:
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes,
-                         kv_group_windows=self.model.kv_layout.group_windows)
+                         kv_group_windows=self.model.kv_layout.group_windows,
+                         kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))
 
     def _load_encoder(self, raw: dict[str, Any]) -> ModelInfo:
         if self.tp.size > 1:
@@ -342,12 +343,20 @@ class Worker:
         assert isinstance(self.model, DecoderForCausalLM)
         return self._kv_caches(self.config.block_size)
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (--kv-cache-dtype): the model's, or a 16-bit one under it. Keys and
+        values are rounded to it as they are written and computed with in the model's dtype."""
+        assert isinstance(self.model, DecoderForCausalLM), "load_model() first (a decoder)"
+        choice = self.config.kv_cache_dtype
+        return self.model.dtype if choice == "auto" else getattr(torch, choice)
+
     def _kv_caches(self, slots: int) -> list[KVCache]:
         """The key and value cache pairs of `slots` token slots, zeroed: one per layer, or one per
         position in a KV cache group (engine/kv_groups.py)."""
         assert isinstance(self.model, DecoderForCausalLM)
         keys, values = self.model.kv_cache_shapes(slots)
-        dtype = self.model.dtype
+        dtype = self.kv_cache_dtype
         if torch.device(self.device).type == "cpu" and self.zeroed_caches:  # zero pages, written on first use
             return [(lazily_zeroed(keys, dtype), lazily_zeroed(values, dtype)) for _ in range(self.model.num_kv_caches)]
         allocate = torch.zeros if self.zeroed_caches else torch.empty  # empty: no memory until written

@@ -56,7 +56,8 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
                                   for rank, part in enumerate(data_parallel_configs(config)))
                         if config.data_parallel_size > 1 else _cpus_line(config)),
             f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "
-            f"({info.num_kv_blocks * config.block_size} tokens)",
+            f"({info.num_kv_blocks * config.block_size} tokens" +
+            (f", {info.kv_cache_dtype})" if info.kv_cache_dtype else ")"),
             f"engine ready in {load_seconds:.1f} s"] + (
         [f"sampling defaults from generation_config.json (a request's own values win): {engine.sampling_defaults}"]
         if engine.sampling_defaults else [])
