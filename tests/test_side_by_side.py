@@ -47,8 +47,10 @@ def test_each_sides_settings_name_its_quantization(tmp_path):
     # today's log lines, and llama.cpp's server's
     ours.write_text("INFO 11-27 05:01:25.679 [web.app] model m.gguf (LlamaForCausalLM), dtype float32, context 2048 "
                     "tokens\nINFO 11-27 05:01:25.679 [web.app] weights: 35.1 MiB per rank, linear layers q8_0 "
-                    "weight-only\n")
-    assert stated_settings("trio-llm", str(ours)) == "float32; linear layers q8_0 weight-only"
+                    "weight-only\nINFO 11-28 15:33:11.947 [web.app] KV cache: 32768 blocks of 16 tokens (524288 "
+                    "tokens, float16)\n")
+    assert stated_settings("trio-llm", str(ours)) == "float32; linear layers q8_0 weight-only; KV cache: 32768 " \
+                                                     "blocks of 16 tokens (524288 tokens, float16)"
     llama = tmp_path / "llama.log"
     llama.write_text("0.00.005.098 I srv    load_model: loading model '/models/m-q8_0.gguf'\n"
                      "0.00.173.951 I cmn          init: llama threadpool init, n_threads = 2\n"
