@@ -101,11 +101,12 @@ def reference(model_dir: str, prompts: list[list[int]], tokens: int) -> list[lis
 
 
 async def ours(gguf: Path, tokenizer: str, prompts: list[list[int]], tokens: int, quantization: str | None,
-               threads: int) -> list[list[int]]:
+               threads: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """trio-llm's greedy tokens on the file, every prompt at once, float32 activations, eager."""
     torch.set_num_threads(threads)
     config = EngineConfig(model=str(gguf), tokenizer=tokenizer, dtype="float32", quantization=quantization,
-                          enforce_eager=True, executor="inproc", num_kv_blocks=len(prompts) * 16 + 16)
+                          enforce_eager=True, executor="inproc", num_kv_blocks=len(prompts) * 16 + 16,
+                          kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     async with open_engine(config) as engine:
         return await tokens_together(engine, prompts, params)
@@ -162,6 +163,8 @@ def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: 
                                                             "llama-server", texts, tokens, threads, port),
         "trio-llm default (the file's blocks)": trio.run(ours, gguf, model_dir, texts, tokens, None, threads),
         "trio-llm --quantization int8 (per row)": trio.run(ours, gguf, model_dir, texts, tokens, "int8", threads),
+        "trio-llm --kv-cache-dtype float16 (llama.cpp's)": trio.run(ours, gguf, model_dir, texts, tokens, None,
+                                                                    threads, "float16"),
     }
     made = "convert_hf_to_gguf.py" if qtype == "Q8_0" else "convert_hf_to_gguf.py (f32) + llama-quantize"
     lines = [f"{Path(model_dir).name}: {qtype} file ({formats} tensors) by llama.cpp's {made}; {prompts} corpus "
