@@ -334,7 +334,10 @@ def _add_bench_quantized(bench: Subcommands) -> None:
     qz.add_argument("--streams", default="1,16", help="comma-separated concurrency levels")
     qz.add_argument("--threads", type=int, default=2, help="threads on both sides")
     qz.add_argument("--repeats", type=int, default=3, help="rounds, alternating the order; the median is printed")
-    qz.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (llama-cpp-python not installed)")
+    qz.add_argument("--llama-cpp", default=os.path.expanduser("~/.cache/llama-cpp"),
+                    help="where ../shared/tools/llama-server built llama.cpp (its sources and build/bin): its "
+                         "converter makes the files, its llama-server serves them")
+    qz.add_argument("--no-llama-cpp", action="store_true", help="our variants alone")
     qz.add_argument("--variants", default=None,
                     help="comma-separated: which of float32,bfloat16,int8,w8a8,int4,q8_0 (default: all; float32 "
                          "always runs, the ratios' base)")
@@ -342,11 +345,14 @@ def _add_bench_quantized(bench: Subcommands) -> None:
 
 
 def _bench_quantized(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from bench import quantized
     streams = tuple(int(s) for s in args.streams.split(","))
     variants = tuple(args.variants.split(",")) if args.variants else tuple(quantized.OURS)
     sides, bandwidth, settings = quantized.run(model_dir(args.model), streams, args.input_len, args.output_len,
-                                               args.repeats, args.threads, not args.no_llama_cpp, variants)
+                                               args.repeats, args.threads,
+                                               None if args.no_llama_cpp else Path(args.llama_cpp), variants)
     print(quantized.report(sides, bandwidth, settings, streams))
     return 0
 

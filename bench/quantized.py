@@ -1,26 +1,28 @@
 """`trio-llm bench quantized`: decode tok/s of float32, bfloat16, int8 (weight-only), w8a8, int4 and q8_0 against
-llama.cpp (llama-cpp-python's `Llama`) on the same weights as GGUF F32 and Q8_0, and against the
-memory-bandwidth floor, in one run.
+llama.cpp's own server on the same weights as GGUF F32 and Q8_0, and against the memory-bandwidth
+floor, in one run.
 
-Like for like: one checkpoint (exported to GGUF for llama.cpp by bench/gguf_export.py), the same
-random token prompts, the same output length (greedy, no early stop), the same thread count on
-both sides, the sides alternating first in each of `repeats` rounds, the median printed. Our side
-runs the compiled engine at 1 and 16 concurrent streams. llama-cpp-python's `Llama` runs one
-sequence at a time (its server serves requests one after another), so its 16-stream figure is 16
-requests back to back: what a client of its server gets. The floor is one token per weight read
-at batch 1: the bytes of the weights over the measured memory bandwidth.
+Like for like: one checkpoint, converted for llama.cpp by llama.cpp's own `convert_hf_to_gguf.py`
+(`--outtype f32` and `q8_0`); the same random token prompts, the same output length (greedy, no
+early stop), the same thread count on both sides, the sides alternating first in each of `repeats`
+rounds, the median printed. Our side runs the compiled engine in this process at 1 and 16
+sequences together; llama.cpp runs as its users serve concurrent clients, `llama-server -np N`
+(continuous batching over N slots), the N sequences sent together, one non-streamed request each
+(`LlamaServer`). The floor is one token per weight read at batch 1: the bytes of the weights over
+the measured memory bandwidth.
 
 tok/s counts every output token over the whole request, the prompt's prefill included (a 32-token
 prompt for 32 tokens out: int8's prefill is a fifth of its time, since torch's int8 kernel is slow
-at 32 rows). The decode column times one stream from its first token to its last, on both sides:
-the rate a decode step runs at, which is what quantized weights speed up.
+at 32 rows). The decode column is one stream's decode rate, its prompt's prefill excluded: ours
+timed from its first token to its last, llama-server's its own `predicted_per_second`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import random
+import signal
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,8 +32,10 @@ from typing import Any
 import torch
 import trio
 
-from bench.gguf_export import export_gguf
+from bench import http
+from bench.gguf_fidelity import convert_q8_0
 from bench.roofline import read_bandwidth
+from bench.side_by_side import _healthy, llama_server_command
 from bench.throughput import BenchSpec, _engine_run
 from engine.api.open import open_engine
 from engine.config import EngineConfig
@@ -81,68 +85,61 @@ class OurEngine:
         return int(getattr(self.worker.model, "step_read_bytes", 0))
 
 
-class LlamaCpp:
-    """llama.cpp in a child process of its own, measured on request: loaded into our process, its
-    threads slowed every variant of ours by 15-33% at one stream (docs/benchmarks.md)."""
+class LlamaServer:
+    """llama.cpp's own server on a file made by llama.cpp's converter: `llama-server -np SLOTS -t
+    THREADS` (continuous batching over its slots, its other defaults), in a process of its own.
+    Each figure comes from requests sent together, as our engine's prompts run together: one
+    non-streamed `/completion` per sequence, so HTTP costs a request and a response per sequence,
+    not per token. tok/s is over the batch's wall time; the decode rate is the server's own
+    (`timings.predicted_per_second`: its decode steps, no HTTP)."""
 
-    def __init__(self, gguf_path: Path, threads: int, context: int) -> None:
+    def __init__(self, binary: Path, gguf_path: Path, threads: int, slots: int, context: int, port: int) -> None:
         self.weight_bytes = gguf_path.stat().st_size - embedding_bytes(gguf_path)
-        spawn = multiprocessing.get_context("spawn")
-        self._conn, child_end = spawn.Pipe()
-        self._child = spawn.Process(target=_serve_llama_cpp, args=(child_end, gguf_path, threads, context),
-                                    daemon=True)
-        self._child.start()
-        child_end.close()
+        self.url = f"http://127.0.0.1:{port}"
+        command = [*llama_server_command(str(binary), str(gguf_path), port, slots), "-t", str(threads),
+                   "-c", str(slots * context)]
+        self.log = Path(tempfile.mkdtemp(prefix="trio-llm-llama-server-")) / "server.log"
+        with self.log.open("wb") as log:  # the child keeps its own descriptor
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        trio.run(self._until_healthy)
 
-    def _ask(self, method: str, *args: Any) -> float:
-        self._conn.send((method, args))
-        answer: float = self._conn.recv()
+    async def _until_healthy(self) -> None:
+        """Poll /health (an external process: there is nothing to await) until it answers 200."""
+        with trio.fail_after(300):
+            while not await _healthy(self.url):
+                if self._process.poll() is not None:
+                    raise RuntimeError(f"llama-server exited with {self._process.returncode}; see {self.log}")
+                await trio.sleep(0.2)
+
+    async def _complete(self, prompt: list[int], output_len: int) -> dict[str, Any]:
+        body = {"prompt": prompt, "n_predict": output_len, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                "cache_prompt": False}
+        response = await http.request(self.url, "POST", "/completion", body)
+        answer: dict[str, Any] = response.json()
+        assert answer["timings"]["predicted_n"] == output_len, answer["timings"]
         return answer
 
+    async def _together(self, prompts: list[list[int]], output_len: int) -> float:
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for prompt in prompts:
+                nursery.start_soon(self._complete, prompt, output_len)
+        return len(prompts) * output_len / (time.perf_counter() - start)
+
     def rate(self, prompts: list[list[int]], spec: BenchSpec) -> float:
-        return self._ask("rate", prompts, spec)
+        return trio.run(self._together, prompts, spec.output_len)
 
     def decode_rate(self, prompt: list[int], output_len: int) -> float:
-        return self._ask("decode_rate", prompt, output_len)
+        """The server's decode tokens/s of one sequence (its prompt's prefill excluded)."""
+        return float(trio.run(self._complete, prompt, output_len)["timings"]["predicted_per_second"])
 
     def close(self) -> None:
-        self._conn.send(None)
-        self._child.join(timeout=60)
-
-
-def _serve_llama_cpp(conn: Any, gguf_path: Path, threads: int, context: int) -> None:
-    """The child's loop: each (method, args) asked is answered with its figure; None ends it."""
-    model = _LlamaCppModel(gguf_path, threads, context)
-    while (request := conn.recv()) is not None:
-        method, args = request
-        conn.send(getattr(model, method)(*args))
-
-
-class _LlamaCppModel:
-    def __init__(self, gguf_path: Path, threads: int, context: int) -> None:
-        from llama_cpp import Llama
-        self.llm: Any = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=context,
-                         n_batch=context, verbose=False, seed=0)
-
-    def rate(self, prompts: list[list[int]], spec: BenchSpec) -> float:
-        """Each prompt's `output_len` greedy tokens, one request after another."""
-        start = time.perf_counter()
-        for prompt in prompts:
-            self.llm.reset()
-            for produced, _ in enumerate(self.llm.generate(prompt, temp=0.0, top_k=1, reset=True), 1):
-                if produced == spec.output_len:
-                    break
-        return len(prompts) * spec.output_len / (time.perf_counter() - start)
-
-    def decode_rate(self, prompt: list[int], output_len: int) -> float:
-        """Tokens/s of one sequence after its first token (the prompt's prefill excluded)."""
-        self.llm.reset()
-        times = []
-        for _ in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            times.append(time.perf_counter())
-            if len(times) == output_len:
-                break
-        return (len(times) - 1) / (times[-1] - times[0])
+        self._process.send_signal(signal.SIGINT)
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
 
 async def _engine_decode_rate(config: EngineConfig, executor: InProcExecutor, prompt: list[int],
@@ -166,18 +163,22 @@ def embedding_bytes(gguf_path: Path) -> int:
 
 
 def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32, output_len: int = 32,
-        repeats: int = 3, threads: int = 2, with_llama_cpp: bool = True,
-        variants: tuple[str, ...] = tuple(OURS)) -> tuple[list[Side], float, str]:
+        repeats: int = 3, threads: int = 2, llama_dir: Path | None = None,
+        variants: tuple[str, ...] = tuple(OURS), port: int = 8093) -> tuple[list[Side], float, str]:
+    """`llama_dir`: where ../shared/tools/llama-server built llama.cpp (its sources and
+    build/bin); None: our variants alone."""
     torch.set_num_threads(threads)
-    contenders: dict[str, OurEngine | LlamaCpp] = {}
+    contenders: dict[str, OurEngine | LlamaServer] = {}
     for name in ("float32", *variants) if "float32" not in variants else variants:  # float32: the ratios' base
         dtype, quantization = OURS[name]
         contenders[name] = OurEngine(model_dir, dtype, quantization, threads, max(streams))
     workdir = Path(tempfile.mkdtemp(prefix="trio-llm-gguf-"))
-    if with_llama_cpp:
-        for qtype in LLAMA_CPP:
-            path = export_gguf(model_dir, workdir / f"model-{qtype}.gguf", qtype)
-            contenders[f"llama.cpp {qtype}"] = LlamaCpp(path, threads, input_len + output_len + 8)
+    if llama_dir is not None:
+        binary = llama_dir / "build" / "bin" / "llama-server"
+        for offset, qtype in enumerate(LLAMA_CPP):  # both served throughout (an idle llama-server computes nothing)
+            path = convert_q8_0(model_dir, workdir / f"model-{qtype}.gguf", llama_dir, qtype.lower())
+            contenders[f"llama.cpp {qtype}"] = LlamaServer(binary, path, threads, max(streams),
+                                                           input_len + output_len + 8, port + offset)
     vocab = int(read_config_json(model_dir)["vocab_size"])
     sides = {name: Side(name) for name in contenders}
     names = list(contenders)
@@ -195,9 +196,10 @@ def run(model_dir: str, streams: tuple[int, ...] = (1, 16), input_len: int = 32,
                 if level == 1:
                     sides[name].decode_rates.append(contenders[name].decode_rate(prompts[0], output_len))
     for contender in contenders.values():
-        if isinstance(contender, LlamaCpp):
+        if isinstance(contender, LlamaServer):
             contender.close()
-    settings = (f"threads={threads} on both sides (llama.cpp in a process of its own), prompts of {input_len} random "
+    settings = (f"threads={threads} on both sides (llama.cpp: llama-server -np {max(streams)} -t {threads} on files "
+                f"made by its convert_hf_to_gguf.py, the sequences sent together), prompts of {input_len} random "
                 f"tokens, {output_len} greedy output tokens each, median of {repeats} rounds alternating the order")
     return list(sides.values()), read_bandwidth(), settings
 
