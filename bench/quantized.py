@@ -35,7 +35,7 @@ import trio
 from bench import http
 from bench.gguf_fidelity import convert_q8_0
 from bench.roofline import read_bandwidth
-from bench.side_by_side import _healthy, llama_server_command
+from bench.side_by_side import healthy, llama_server_command
 from bench.throughput import BenchSpec, _engine_run
 from engine.api.open import open_engine
 from engine.config import EngineConfig
@@ -106,7 +106,7 @@ class LlamaServer:
     async def _until_healthy(self) -> None:
         """Poll /health (an external process: there is nothing to await) until it answers 200."""
         with trio.fail_after(300):
-            while not await _healthy(self.url):
+            while not await healthy(self.url):
                 if self._process.poll() is not None:
                     raise RuntimeError(f"llama-server exited with {self._process.returncode}; see {self.log}")
                 await trio.sleep(0.2)

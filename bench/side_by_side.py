@@ -124,7 +124,7 @@ def stated_settings(name: str, log_path: str) -> str:
     return "; ".join(found) or f"(none stated; see {log_path})"
 
 
-async def _healthy(url: str) -> bool:
+async def healthy(url: str) -> bool:
     try:
         return (await http.request(url, "GET", "/health")).status == 200
     except OSError:
@@ -145,7 +145,7 @@ async def served(name: str, command: list[str], port: int, log_path: str,
                                                    start_new_session=True)
         try:
             with trio.fail_after(start_timeout):
-                while not await _healthy(url):
+                while not await healthy(url):
                     if process.poll() is not None:
                         raise RuntimeError(f"{name} exited with {process.returncode} before serving; see {log_path}")
                     await trio.sleep(0.25)

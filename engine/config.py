@@ -373,6 +373,13 @@ class EngineConfig:
         default="auto",
         choices=[*_DTYPES, *DTYPE_ALIASES],
         from_cli=_dtype_from_cli)
+    kv_cache_dtype: str = flag(
+        "the KV cache's dtype: auto (the model's, as in vLLM), bfloat16 or float16. A 16-bit cache "
+        "under a float32 model (a GGUF file's default) holds twice the tokens in the same memory, and "
+        "decode attention reads half the bytes; attention still computes in the model's dtype "
+        "(llama.cpp holds its cache in float16). fp8 caches are not implemented",
+        default="auto",
+        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}")
     tokenizer: str | None = flag(
         "tokenizer directory or Hugging Face hub id (default: the model's)",
         default=None)
@@ -601,13 +608,6 @@ class EngineConfig:
     # Q4_0); None: as stored (a GGUF file's Q8_0/Q5_0 and Q4_0/Q4_1/Q4_K tensors keep their blocks as
     # q8_0 and q4_0/q4_1/q4_k, tensors of other block formats run as q8_0 unless this says otherwise).
     # engine/models/quantized_linear.py.
-    kv_cache_dtype: str = flag(
-        "the KV cache's dtype: auto (the model's, as in vLLM), bfloat16 or float16. A 16-bit cache "
-        "under a float32 model (a GGUF file's default) holds twice the tokens in the same memory, and "
-        "decode attention reads half the bytes; attention still computes in the model's dtype "
-        "(llama.cpp holds its cache in float16). fp8 caches are not implemented",
-        default="auto",
-        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}")
     quantization: str | None = flag(
         "quantized linear layers, quantized at load: int8 weight-only per output channel, w8a8 with "
         "activations quantized per row at run time too, int4 weight-only in groups of 32, q8_0: "

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -183,6 +184,7 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
     try:
         log = log_until(server, "Running on")
         assert any("engine ready in" in line for line in log), log
+        assert any(re.search(r"KV cache: \d+ blocks of \d+ tokens \(\d+ tokens, float32\)", line) for line in log), log
         url = log[-1].split("Running on ")[1].split()[0]
         body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:

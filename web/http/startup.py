@@ -46,6 +46,7 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
     core = ("in the server process" if not engine_pids
             else f"its own process (pid {engine_pids[0]})" if len(engine_pids) == 1
             else f"{len(engine_pids)} engine processes, data parallel (pids {', '.join(map(str, engine_pids))})")
+    cache_dtype = f", {info.kv_cache_dtype}" if info.kv_cache_dtype else ""  # an encoder has no KV cache dtype
     return [f"trio-llm {trio_llm_version()}",
             f"model {config.model} ({info.architecture or info.kind}), dtype {info.dtype}, "
             f"context {info.max_model_len} tokens",
@@ -56,8 +57,7 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
                                   for rank, part in enumerate(data_parallel_configs(config)))
                         if config.data_parallel_size > 1 else _cpus_line(config)),
             f"KV cache: {info.num_kv_blocks} blocks of {config.block_size} tokens "
-            f"({info.num_kv_blocks * config.block_size} tokens" +
-            (f", {info.kv_cache_dtype})" if info.kv_cache_dtype else ")"),
+            f"({info.num_kv_blocks * config.block_size} tokens{cache_dtype})",
             f"engine ready in {load_seconds:.1f} s"] + (
         [f"sampling defaults from generation_config.json (a request's own values win): {engine.sampling_defaults}"]
         if engine.sampling_defaults else [])
