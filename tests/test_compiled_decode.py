@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -521,6 +522,21 @@ def test_a_warm_start_loads_the_graph_without_importing_the_compiler(tmp_path_fa
                          timeout=300, check=True, env=env).stdout.split()
     assert run == ["True", str(ours), "False", "False"]  # loaded, and no compiler imported
     assert [p.name for p in scratch.iterdir() if p.name.startswith("aotinductor")] == []
+
+
+def test_the_saved_decode_graph_attends_on_our_kernel_through_its_c_shim(first_start):
+    """On CPU the package's decode attention is our kernel (engine/kernels/paged_decode.c), called
+    by name through its C shim: no Python and no proxy executor in the step, so our GIL-free
+    runner still runs the package."""
+    graphs, _ = first_start
+    package = precompiled_graph.artefact_path(graphs.cache_dir, graphs.model, graphs.kv_caches, graphs.block_size,
+                                              TRACE_ROWS)
+    with zipfile.ZipFile(package) as archive:
+        names = archive.namelist()
+        (wrapper,) = (name for name in names if name.endswith(".wrapper.cpp"))
+        code = archive.read(wrapper).decode()
+    assert code.count("aoti_torch_cpu_paged_decode(") >= graphs.model.config.num_layers
+    assert aoti_runner._library_member(names) is not None
 
 
 def test_a_saved_graph_runs_through_ctypes_and_computes_what_torchs_loader_does(first_start, monkeypatch):

@@ -9,6 +9,8 @@
 
 #include <omp.h>
 
+#include "aoti_shim.h" /* AtenTensorHandle and torch's C shim functions */
+
 #define BLOCK 32
 #define MAX_ROWS 16 /* input rows per call: a batch of decodes; more rows dequantize and matmul */
 #define PREFETCH_AHEAD 4096 /* bytes; 1,024 gained a little, 4,096 and 8,192 all of it (q8_0_rows.c) */
@@ -55,15 +57,6 @@ static int split_rows(rows_share share, const float *x, const void *w, const flo
  * Python and no proxy executor between (so our ctypes runner still runs the package, GIL released).
  * The library is loaded with its symbols global before any package is. Takes float32 rows
  * [rows, k], contiguous; threads: the caller's OpenMP count (torch.set_num_threads, per step). */
-typedef void *AtenTensorHandle;
-typedef int32_t AOTITorchError;
-extern AOTITorchError aoti_torch_get_data_ptr(AtenTensorHandle tensor, void **ret);
-extern AOTITorchError aoti_torch_get_sizes(AtenTensorHandle tensor, int64_t **ret);
-extern AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t *sizes, const int64_t *strides,
-                                               int32_t dtype, int32_t device_type, int32_t device_index,
-                                               AtenTensorHandle *ret);
-extern int32_t aoti_torch_dtype_float32(void);
-extern int32_t aoti_torch_device_type_cpu(void);
 
 static AOTITorchError shim_rows(rows_call call, AtenTensorHandle rows, AtenTensorHandle qweight,
                                 AtenTensorHandle params, AtenTensorHandle *ret0) {

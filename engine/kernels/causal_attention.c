@@ -9,8 +9,7 @@
  *
  * The chunk's queries may follow positions already cached: keys and values are read through a
  * map from position to row (the KV cache's slots), or straight from the step's rows when fresh.
- * A second entry point, `paged_decode_attention_f32` (at the end), takes a step's decodes: one
- * query per sequence over its cached blocks, read in place.
+ * (A step's decodes, one query per sequence over its cached blocks, are paged_decode.c's.)
  *
  * Per KV head: its keys are copied once, scaled and transposed, into [dim, tokens] rows, so a
  * chunk of keys' scores is a sum of broadcast query elements times key vectors. Then, for each of
@@ -24,50 +23,19 @@
 #include <string.h>
 
 #include "split_threads.h"
+#include "vector_math.h" /* VW, vf, vexp, lane_sum */
 
 /* Register blocking: a block's scores keep RB x 2 vectors of sums in registers, its weighted
  * sum RB x DC. With AVX-512's 32 vector registers, 6 rows and 4 vectors (64 floats of a head) ran
  * fastest of the shapes tried at 256-1,024 tokens (docs/benchmarks.md); AVX2 has 16 registers. */
 #if defined(__AVX512F__)
-#define VW 16 /* floats per vector */
-#define DC 4  /* value vectors per row in the weighted sum */
-#define RB 6  /* query rows per block */
+#define DC 4 /* value vectors per row in the weighted sum */
+#define RB 6 /* query rows per block */
 #else
-#define VW 8
 #define DC 2
 #define RB 4
 #endif
 #define KC (2 * VW) /* keys per score chunk */
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int vi __attribute__((vector_size(VW * 4)));
-
-static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline vf vsplat(float x) { return (vf){0} + x; }
-
-/* exp(x) for x <= 0 (a score minus its row's maximum): 2^n e^r with |r| <= ln2 / 2 and Cephes'
- * expf polynomial for e^r. Below -87.3 it returns 2^-126 instead of underflowing. */
-static inline vf vexp(vf x) {
-    const vf lowest = vsplat(-87.33f);
-    vi below = x < lowest;
-    x = (vf)(((vi)x & ~below) | ((vi)lowest & below));
-    const vf magic = vsplat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf t = x * 1.44269504088896341f + magic;
-    vf n = t - magic;
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, ln2 in two parts */
-    vf p = vsplat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi two_n = (((vi)t - 0x4B400000) + 127) << 23;
-    return p * (vf)two_n;
-}
-
-static long round_up(long n, long m) { return (n + m - 1) / m * m; }
 
 /* The head dimensions this build takes: multiples of this (one vector). */
 long causal_attention_dim_multiple(void) { return VW; }
@@ -113,21 +81,6 @@ static void block_scores(const float *const rows[RB], const float *kt, long dim,
             vstore(scores + r * padded + c + VW, acc[r][1]);
         }
     }
-}
-
-/* The sum of a vector's lanes, by halving (a tree, not a chain of dependent adds). */
-static inline float lane_sum(vf x) {
-#if VW == 16
-    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-#else
-    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3});
-    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5});
-    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6});
-#endif
-    return x[0];
 }
 
 /* One row's scores over its `length` keys -> unnormalised weights, zero from `length` to `span`
@@ -200,8 +153,8 @@ values_of_height(const float *weights, long padded, const float *v, long v_strid
 }
 
 /* The weighted sum of up to RB rows (`rows` of them) over every column: DC vectors at a time,
- * then one at a time; two or four rows summed where no more are asked (a decode's query heads
- * of one KV head are often two). */
+ * then one at a time; two or four rows summed where no more are asked (a KV head's query heads
+ * are often two). */
 static void block_values(const float *weights, long padded, const float *v, long v_stride,
                          const int64_t *kv_rows, long dim, long num_keys, const float *inverse,
                          float *const *outs, int rows) {
@@ -286,75 +239,5 @@ int causal_attention_f32(const float *q, const float *k, const float *v, float *
                                       scratch + t * per_thread, t * q_heads / threads,
                                       (t + 1) * q_heads / threads};
     run_split(prompt_thread, jobs, sizeof jobs[0], threads);
-    return 0;
-}
-
-/* Scores of up to RB query heads (`rows` of them; the rest repeat the last) against keys
- * [0, num_keys), read through `kv_rows`: one pass over the keys, each key row loaded once. */
-static void decode_scores(const float *const heads[RB], int rows, const float *k, long k_stride,
-                          const int64_t *kv_rows, long dim, long num_keys, float scale, long padded,
-                          float *scores) {
-    for (long j = 0; j < num_keys; j++) {
-        const float *key = k + kv_rows[j] * k_stride;
-        for (int r = 0; r < rows; r++) {
-            vf acc = vsplat(0.0f);
-            for (long d = 0; d < dim; d += VW)
-                acc += vload(heads[r] + d) * vload(key + d);
-            scores[r * padded + j] = lane_sum(acc) * scale;
-        }
-    }
-}
-
-/* Floats of scratch memory `paged_decode_attention_f32` needs for sequences of up to
- * `max_len` positions (their slots are kept there too, as int64). */
-long paged_decode_scratch_floats(long max_len) {
-    return (RB + 2) * round_up(max_len, KC);
-}
-
-/* One decode step's attention: each of `batch` sequences' one query [q_heads, dim] (row b of q,
- * stride q_stride) against its seq_lens[b] cached positions, whose keys and values lie in the
- * caches' rows (stride cache_stride, heads dense within a row) at the slots its block table
- * (row b of block_table, stride table_stride) gives. out: [batch, q_heads, dim]. Returns 0, or
- * -1 for a dim this build does not take. */
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
-                               long batch, const int64_t *block_table, long table_stride,
-                               const int64_t *seq_lens, long block_size, long q_heads, long kv_heads,
-                               long dim, long q_stride, long cache_stride, long out_stride, float scale,
-                               float *scratch) {
-    if (dim % VW != 0 || q_heads % kv_heads != 0)
-        return -1;
-    long group = q_heads / kv_heads, max_len = 0;
-    for (long b = 0; b < batch; b++)
-        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    long padded = round_up(max_len, KC);
-    float *scores = scratch;
-    int64_t *slots = (int64_t *)(scratch + RB * padded); /* two floats' room per slot */
-    for (long b = 0; b < batch; b++) {
-        long length = seq_lens[b];
-        const int64_t *table = block_table + b * table_stride;
-        for (long p = 0; p < length; p++)
-            slots[p] = table[p / block_size] * block_size + p % block_size;
-        for (long hk = 0; hk < kv_heads; hk++) {
-            for (long first = hk * group; first < (hk + 1) * group; first += RB) {
-                int rows = (hk + 1) * group - first < RB ? (int)((hk + 1) * group - first) : RB;
-                const float *heads[RB];
-                float *outs[RB];
-                float inverse[RB];
-                for (int r = 0; r < RB; r++) {
-                    long h = first + (r < rows ? r : rows - 1);
-                    heads[r] = q + b * q_stride + h * dim;
-                    outs[r] = out + b * out_stride + h * dim;
-                }
-                decode_scores(heads, rows, k_cache + hk * dim, cache_stride, slots, dim, length, scale,
-                              padded, scores);
-                for (int r = 0; r < rows; r++)
-                    inverse[r] = row_softmax(scores + r * padded, length, round_up(length, VW));
-                for (int r = rows; r < RB; r++) /* rows past the group's heads: summed, never stored */
-                    inverse[r] = 0.0f;
-                block_values(scores, padded, v_cache + hk * dim, cache_stride, slots, dim, length, inverse,
-                             outs, rows);
-            }
-        }
-    }
     return 0;
 }

@@ -1,5 +1,5 @@
 """Causal attention over one sequence's prompt chunk (on the calling thread, or its query heads
-split over several), and over a step's decodes: `engine/kernels/causal_attention.c`.
+split over several): `engine/kernels/causal_attention.c`. (A step's decodes: paged_decode.py.)
 
 `causal_attention` takes the kernel's case (float32, a head size the build takes, on CPU) and
 returns None for any other, or where the kernel could not be built, so its caller keeps torch's
@@ -27,12 +27,6 @@ class _Kernel:
         self.scratch_floats = library.causal_attention_scratch_floats
         self.scratch_floats.argtypes = [size, size]
         self.scratch_floats.restype = size
-        self.decode = library.paged_decode_attention_f32
-        self.decode.argtypes = (pointer,) * 4 + (size, pointer, size, pointer) + (size,) * 7 + (ctypes.c_float, pointer)
-        self.decode.restype = ctypes.c_int
-        self.decode_scratch_floats = library.paged_decode_scratch_floats
-        self.decode_scratch_floats.argtypes = [size]
-        self.decode_scratch_floats.restype = size
         multiple = library.causal_attention_dim_multiple
         multiple.restype = size
         self.dim_multiple = int(multiple())
@@ -79,30 +73,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     status = kernel.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, past, rows_ptr, q_heads,
                         k.shape[1], dim, q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale, threads,
                         scratch.data_ptr())
-    assert status == 0, "shapes checked above"
-    return out
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor | None:
-    """q: [B, Hq, D], one query per sequence -> [B, Hq, D], each over its `seq_lens[b]` cached
-    positions, whose keys and values lie in the caches ([slots, Hkv, D]) at the slots its row of
-    `block_table` ([B, nb] block ids, int64) gives.
-
-    None where the kernel does not apply (as `causal_attention`) or could not be built. Runs on the
-    calling thread alone."""
-    kernel = _kernel_for(q, k_cache, v_cache)
-    if kernel is None or k_cache.stride(0) != v_cache.stride(0):
-        return None
-    batch, q_heads, dim = q.shape
-    assert block_table.dtype == torch.int64 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int64
-    seq_lens = seq_lens.contiguous()
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    scratch = torch.empty(kernel.decode_scratch_floats(int(seq_lens.max())), dtype=torch.float32)
-    status = kernel.decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), batch,
-                           block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), block_size, q_heads,
-                           k_cache.shape[1], dim, q.stride(0), k_cache.stride(0), out.stride(0), scale,
-                           scratch.data_ptr())
     assert status == 0, "shapes checked above"
     return out
 

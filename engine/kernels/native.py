@@ -41,7 +41,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-pthr
 # Kernels that are also operators of compiled graphs: they call torch's C shim and run on torch's
 # OpenMP team (the one inductor's loops use, so no second pool of spinning threads), so they link
 # torch's own libraries, which the process has loaded already.
-TORCH_LINKED = frozenset({"q8_0_rows", "q4_rows"})
+TORCH_LINKED = frozenset({"q8_0_rows", "q4_rows", "paged_decode"})
 
 
 def _link_flags(stem: str) -> tuple[str, ...]:

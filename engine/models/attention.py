@@ -14,18 +14,19 @@ operations, measured as the difference between 48 and 8 ms per decode step of
 64 sequences) into a padded [B, L, H, D] batch and handed to
 `scaled_dot_product_attention` with a causal mask built from positions.
 
-In float32 our C kernels (engine/kernels) take these instead: a fresh prompt alone at any
-thread count (`causal_prompt_attention`), and on one compute thread both groups, the prompt
-chunks one sequence at a time (`prompt_chunks_by_kernel`), each query against its own positions
-only, cached ones read through their slots, and the decodes in place (`decodes_by_kernel`).
-Where a kernel declines (another dtype, a head size it does not take, no C compiler here) the
-torch path above runs.
+Our C kernels (engine/kernels) take these instead where they apply: in float32 a fresh prompt
+alone at any thread count (`causal_prompt_attention`) and, on one compute thread, prompt chunks
+one sequence at a time (`prompt_chunks_by_kernel`), each query against its own positions only,
+cached ones read through their slots; and the decodes in place, from a float32 or 16-bit cache,
+on torch's threads (`decodes_by_kernel`). Where a kernel declines (a dtype or head size it does
+not take, a sliding window, no C compiler here) the torch path above runs.
 
-The compiled decode path (`engine.worker.decode_graphs`) uses `paged_decode_attention`
-instead: written as plain reductions over the block table, which inductor turns into
-kernels that read each key and value straight from its cache slot, so the gather is
-never materialised (in eager mode the same code would build [B, L, H, G, D] products:
-it is for compiled graphs only).
+The compiled decode path (`engine.worker.decode_graphs`) calls the same decode kernel as the
+graph's operator `trio_llm::paged_decode` on CPU (`DecodeMetadata.attend`), and elsewhere
+`paged_decode_attention`: written as plain reductions over the block table, which inductor
+turns into kernels that read each key and value straight from its cache slot, so the gather is
+never materialised (in eager mode the same code would build [B, L, H, G, D] products: it is
+for compiled graphs only).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.causal_attention import causal_attention, decode_attention
+from engine.kernels import paged_decode as decode_kernel
+from engine.kernels.causal_attention import causal_attention
 from engine.kernels.operators import operator
 
 
@@ -133,9 +135,17 @@ class DecodeMetadata:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """The batch's attention: reductions written for inductor (`paged_decode_attention`).
-        `sliding_window`: the layer's (a constant of the graph), or None; `sinks`: its heads' sink
-        logits (gpt-oss), or None."""
+        """The batch's attention: on CPU our decode kernel as the graph's operator
+        (`trio_llm::paged_decode`, engine/kernels/paged_decode.c), which reads each cached row in
+        place, once for every query head of its KV head; where it does not apply (a window, sinks,
+        another device, a head size it does not take) reductions written for inductor
+        (`paged_decode_attention`). `sliding_window`: the layer's (a constant of the graph), or
+        None; `sinks`: its heads' sink logits (gpt-oss), or None."""
+        if sliding_window is None and sinks is None and decode_kernel.takes(q, k_cache, v_cache):
+            blocks = (-1, self.block_size, *k_cache.shape[1:])
+            out = decode_kernel.graph_decode((q.float() * scale).contiguous(), k_cache.view(blocks),
+                                             v_cache.view(blocks), self.block_table, self.seq_lens)
+            return out.to(q.dtype)
         return paged_decode_attention(q, k_cache, v_cache, self, scale, sliding_window, sinks)
 
 
@@ -350,7 +360,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if g.mask is None:  # one fresh sequence: causal over its own tokens
             outputs.append(causal_prompt_attention(q_group, k_group, v_group, scale))
             continue
-        if torch.get_num_threads() == 1 and not g.windowed:  # our kernels, on one thread
+        if not g.windowed and (g.q_index is None or torch.get_num_threads() == 1):
+            # our kernels: decodes on torch's threads, prompt chunks on one thread
             if g.q_index is None:
                 by_kernel = decodes_by_kernel(q_group, k_cache, v_cache, g, meta.block_size, scale)
             else:
@@ -472,14 +483,17 @@ def prompt_chunks_by_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
 def decodes_by_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
                       block_size: int, scale: float) -> torch.Tensor | None:
-    """A group of decodes (one query per sequence) on our decode kernel (`decode_attention`),
-    each over its cached positions through its block table, instead of one masked SDPA call over
-    gathered blocks. None if the kernel declines them."""
+    """A group of decodes (one query per sequence) on our decode kernel (engine/kernels/paged_decode.c,
+    on torch's threads), each over its cached positions through its block table, instead of one
+    masked SDPA call over gathered blocks. None if the kernel declines them."""
     assert group.block_table is not None, "decodes read the cache"
+    if torch.compiler.is_compiling() or q.device.type != "cpu":  # a graph being traced has no data to point at
+        return None
     if group.seq_lens is None:
         group.seq_lens = torch.tensor([c.start_position + 1 for c in group.chunks], dtype=torch.long)
-    return decode_attention(q, k_cache, v_cache, group.block_table.view(group.num_seqs, -1), group.seq_lens,
-                            block_size, scale)
+    out = decode_kernel.decode_attention(q, k_cache, v_cache, group.block_table.view(group.num_seqs, -1),
+                                         group.seq_lens, block_size, scale, torch.get_num_threads())
+    return None if out is None else out.to(q.dtype)
 
 
 def _cache_rows(chunk: SequenceChunk, block_size: int) -> torch.Tensor:

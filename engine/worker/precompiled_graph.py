@@ -55,7 +55,7 @@ from torch import nn
 
 import engine.lora
 import engine.models
-from engine.kernels import native, q4_rows, q8_0_rows
+from engine.kernels import native, paged_decode, q4_rows, q8_0_rows
 from engine.lora.serving import LinearLoRA, graph_inputs, traced_inputs
 from engine.models.attention import GRAPHED, DecodeMetadata
 from engine.models.decoder import DecoderForCausalLM, KVCache
@@ -66,8 +66,9 @@ from engine.worker import aoti_runner
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 6  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile; 2: fixed threads;
-# 3: LoRA as an op; 4: one row padded to two; 5: one row as it is; 6: q8_0's one row on our kernel)
+FORMAT = 7  # bump when what is saved, or how it is called, changes (1: dynamo's aot_compile; 2: fixed threads;
+# 3: LoRA as an op; 4: one row padded to two; 5: one row as it is; 6: q8_0's one row on our kernel;
+# 7: decode attention on our kernel)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, list[KVCache], DecodeMetadata], torch.Tensor]
 GraphedStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (hidden, positions) inside `attention_step`
 HeadStep = Callable[[torch.Tensor], torch.Tensor]  # final hidden rows -> this rank's logits
@@ -78,7 +79,8 @@ MAX_TABLE_WIDTH = 1 << 20
 # serving (engine/worker/thread_tuner.py).
 # Our kernels' graph operators are called through their C shims (engine/kernels/block_rows.py).
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "cpp.dynamic_threads": True,
-                    "aot_inductor.custom_ops_to_c_shims": {**q8_0_rows.c_shims(), **q4_rows.c_shims()}}
+                    "aot_inductor.custom_ops_to_c_shims": {**q8_0_rows.c_shims(), **q4_rows.c_shims(),
+                                                           **paged_decode.c_shims()}}
 KEEP_PACKAGES = 16  # compiled graphs kept on disk (one per model, dtype, cache shape, torch, ...)
 
 # torch 2.13's own pytree code warns when an exported program is pickled or loaded; not ours to fix.
