@@ -12,6 +12,9 @@ beside the one it replaces, on `--threads` torch threads.
   a time (`attention.prompt_chunks_by_kernel`);
 - a group of decodes in an eager step: one masked SDPA call over gathered blocks against our
   decode kernel (`attention.decodes_by_kernel`), which reads each sequence's blocks in place;
+- the compiled decode graph's attention: inductor's loops for `paged_decode_attention` against
+  the same kernel as the graph's operator (`DecodeMetadata.attend`), over float32 and float16
+  caches;
 - greedy sampling: `max(dim)` against the sampler's chunked argmax;
 - random sampling's draw: the exponential race against inverse transform sampling;
 - one row times a `q8_0` weight outside a graph (a first start's eager steps): the weight
@@ -147,8 +150,7 @@ def chunk_group_pair(what: str, chunks: list[tuple[int, int]], repeats: int, hea
 
 def decode_group_pair(batch: int, cached: int, repeats: int, heads: int = 4, kv_heads: int = 2, dim: int = 64) -> Pair:
     """`batch` decodes, each after `cached` positions in blocks of its own. Repeated calls find one
-    layer's blocks in the last-level cache (13.6 MB at 64 decodes); a real step reads four layers'
-    from memory, where this kernel and the decode graph's attention ran at the same speed."""
+    layer's blocks in the last-level cache (13.6 MB at 64 decodes); a real step reads four layers'."""
     args = step_group([(cached, 1)] * batch, heads, kv_heads, dim)
     q, _, _, k_cache, v_cache, group, block_size, scale = args
 
@@ -160,6 +162,34 @@ def decode_group_pair(batch: int, cached: int, repeats: int, heads: int = 4, kv_
     return _pair(f"{batch} decodes after {cached} cached ({heads} q / {kv_heads} kv heads of {dim})",
                  ("masked SDPA, gathered", lambda: attention.masked_group_attention(*args)),
                  ("our decode kernel", ours), None, repeats)
+
+
+def compiled_decode_pair(batch: int, cached: int, cache_dtype: torch.dtype, repeats: int, heads: int = 4,
+                         kv_heads: int = 2, dim: int = 64) -> Pair:
+    """The compiled decode graph's attention, `batch` decodes after `cached` positions over a cache
+    of `cache_dtype`: inductor's loops for `paged_decode_attention` (what the graph ran before)
+    against our kernel (`DecodeMetadata.attend`; here called as the operator from Python, in a
+    package through its C shim)."""
+    args = step_group([(cached, 1)] * batch, heads, kv_heads, dim)
+    q, _, _, k_cache, v_cache, group, block_size, scale = args
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    assert group.block_table is not None
+    table = group.block_table.view(batch, -1)
+    meta = attention.DecodeMetadata(torch.zeros(batch, dtype=torch.long), table,
+                                    torch.full((batch,), cached + 1), block_size)
+    inductor = torch.compile(lambda q, k, v, t, n: attention.paged_decode_attention(
+        q, k, v, attention.DecodeMetadata(meta.slot_mapping, t, n, block_size), scale), dynamic=False)
+    with torch.inference_mode():
+        torch.testing.assert_close(meta.attend(q, k_cache, v_cache, scale),
+                                   inductor(q, k_cache, v_cache, meta.block_table, meta.seq_lens), rtol=1e-4, atol=1e-4)
+    dtype = str(cache_dtype).removeprefix("torch.")
+    return _pair(f"decode graph's attention, {batch} decodes after {cached} cached, {dtype} cache "
+                 f"({heads} q / {kv_heads} kv heads of {dim})",
+                 ("inductor's loops", lambda: inductor(q, k_cache, v_cache, meta.block_table, meta.seq_lens)),
+                 ("our decode kernel", lambda: meta.attend(q, k_cache, v_cache, scale)), None, repeats)
+
+
+COMPILED_DECODES = ((16, 192, torch.float32), (16, 1024, torch.float32), (16, 1024, torch.float16))
 
 
 CHUNK_GROUPS = (("16 fresh prompts of 128 tokens", [(0, 128)] * 16),
@@ -241,6 +271,7 @@ def run(repeats: int = 20, vllm_python: str | None = None) -> list[Pair]:
              *(pair for tokens in PROMPT_TOKENS for pair in attention_pairs(tokens, repeats)),
              *(chunk_group_pair(what, chunks, repeats) for what, chunks in CHUNK_GROUPS),
              *(decode_group_pair(batch, 192, repeats) for batch in (16, 64)),
+             *(compiled_decode_pair(batch, cached, dtype, repeats) for batch, cached, dtype in COMPILED_DECODES),
              *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936))),
              *(draw_pair(rows, vocab, repeats) for rows, vocab in DRAW_SHAPES),
              *(q8_0_row_pair(out, features, flush, repeats) for out, features in ((151936, 896), (4864, 896),
