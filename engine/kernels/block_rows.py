@@ -24,16 +24,23 @@ MAX_ROWS = 16  # the C kernels' MAX_ROWS: a batch of decodes
 
 @dataclass(frozen=True)
 class BlockRowsKernel:
-    """Kernel `library` (engine/kernels/<library>.c), whose `<library>_f32` function takes
-    (x, weight, params, out, rows, n, k, threads), and whose weight is `weight_dtype` [n, k /
+    """Kernel `library` (engine/kernels/<library>.c), whose `<library>_f32` function (or `entry`)
+    takes (x, weight, params, out, rows, n, k, threads), and whose weight is `weight_dtype` [n, k /
     `features_per_item`] with float32 params [n, k / 32, ...]."""
 
     library: str
     weight_dtype: torch.dtype
     features_per_item: int
+    entry: str = ""  # the library's function and the operator's name, if not `<library>_f32` and `<library>`
+
+    @property
+    def name(self) -> str:
+        """The operator's name (`trio_llm::<name>`) and its C shim's (`aoti_torch_cpu_<name>`)."""
+        return self.entry or self.library
 
     def _function(self) -> Callable[..., int] | None:
-        return native.int_function(self.library, f"{self.library}_f32", (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 4)
+        return native.int_function(self.library, self.entry or f"{self.library}_f32",
+                                   (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 4)
 
     def available(self) -> bool:
         """Whether the kernel is built here (it builds on first call): a graph exported now may call its op."""
@@ -65,19 +72,19 @@ class BlockRowsKernel:
         a package (dynamo, tracing); a package calls the C shim."""
         out = self.row_times(rows, qweight, params, torch.get_num_threads())
         if out is None:
-            raise RuntimeError(f"the {self.library} kernel does not take rows {tuple(rows.shape)} {rows.dtype} "
+            raise RuntimeError(f"the {self.name} kernel does not take rows {tuple(rows.shape)} {rows.dtype} "
                                f"times {tuple(qweight.shape)} {qweight.dtype}")
         return out
 
     def define_operator(self) -> Operator:
-        """`trio_llm::<library>`: the kernel as an operator of exported graphs, with its shapes for
+        """`trio_llm::<name>`: the kernel as an operator of exported graphs, with its shapes for
         tracing. Called from Python only where a graph runs outside a package (dynamo, tracing); a
         package calls the C shim (`c_shims`)."""
 
         def graph_row_times(rows: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
             return self.in_graph(rows, qweight, params)
 
-        defined = operator(f"trio_llm::{self.library}")(graph_row_times)
+        defined = operator(f"trio_llm::{self.name}")(graph_row_times)
 
         @defined.register_fake
         def _shape(rows: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -87,9 +94,9 @@ class BlockRowsKernel:
 
     def c_shims(self) -> dict[torch._ops.OpOverload, list[str]]:
         """Inductor's `aot_inductor.custom_ops_to_c_shims` for the kernel's operator."""
-        return {getattr(torch.ops.trio_llm, self.library).default: [self.c_shim()]}
+        return {getattr(torch.ops.trio_llm, self.name).default: [self.c_shim()]}
 
     def c_shim(self) -> str:
         """The shim's declaration, as inductor writes it into a package that calls the op."""
-        return (f"AOTITorchError aoti_torch_cpu_{self.library}(AtenTensorHandle rows, AtenTensorHandle qweight, "
+        return (f"AOTITorchError aoti_torch_cpu_{self.name}(AtenTensorHandle rows, AtenTensorHandle qweight, "
                 "AtenTensorHandle params, AtenTensorHandle* ret0)")

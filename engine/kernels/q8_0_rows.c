@@ -21,7 +21,9 @@
  * interleaved rows: the 0.5B shape's weights at one row took 36-48 ms on two threads without,
  * 26 ms with (a plain read of the same bytes: 24 ms; docs/benchmarks.md).
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -219,6 +221,173 @@ static void rows_times(const struct rows_job *job) {
 }
 #endif
 
+/* llama.cpp's arithmetic for a Q8_0 weight (`q8_0_rows_int8`, `--q8-0-activations int8`): each
+ * input row rounded to int8 per block of 32 with a float scale of its own (Q8_0 itself), then int8 x
+ * int8 products summed in int32 per block, each block's sum times the two scales. At a batch of
+ * decodes the float loop above is bound by its FMAs (docs/benchmarks.md); with AVX-512 VNNI this
+ * one does a quarter of the instructions. Without VNNI the same sums run one product at a time
+ * (the same results, slowly: the option is for machines that have it).
+ *
+ * `vpdpbusd` multiplies unsigned bytes by signed ones, each lane summing four products. The lanes
+ * are 16 weight rows: a block of 16 rows (32 bytes each, row-major as the file has them) is
+ * transposed in registers into 8 vectors of 4 bytes of each row (24 two-source permutes, once for
+ * every input row), and made unsigned by adding 128 (so each sum gains 128 x the block's sum of
+ * the input's int8 values, subtracted after). */
+struct int8_rows {
+    const int8_t *xq;    /* [rows, k] the input rows rounded to int8 per block */
+    const float *dx;     /* [rows, k / 32] their scales */
+    const int32_t *xsum; /* [rows, k / 32] 128 x each block's sum of int8 values */
+};
+
+/* Round each row of x [rows, k] to int8 per block of 32: scale = max |x| / 127 (as llama.cpp's
+ * quantize_row_q8_0), values x * (127 / max) rounded to nearest, ties to even. */
+static void quantize_rows(const float *x, long rows, long k, int8_t *xq, float *dx, int32_t *xsum) {
+    for (long r = 0; r < rows; r++)
+        for (long b = 0; b < k / BLOCK; b++) {
+            const float *v = x + r * k + b * BLOCK;
+            float amax = 0.0f;
+            for (long i = 0; i < BLOCK; i++)
+                amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (long i = 0; i < BLOCK; i++) {
+                int32_t q = (int32_t)nearbyintf(v[i] * inv);
+                xq[r * k + b * BLOCK + i] = (int8_t)q;
+                sum += q;
+            }
+            dx[r * (k / BLOCK) + b] = amax / 127.0f;
+            xsum[r * (k / BLOCK) + b] = 128 * sum;
+        }
+}
+
+/* Weight row o against every input row, one product at a time (a last partial 16, or no VNNI). */
+static void int8_one(const struct rows_job *job, const struct int8_rows *in, long o) {
+    long k = job->k, blocks = k / BLOCK;
+    for (long r = 0; r < job->rows; r++) {
+        float total = 0.0f;
+        for (long blk = 0; blk < blocks; blk++) {
+            int32_t sum = 0;
+            for (long i = 0; i < BLOCK; i++)
+                sum += (int32_t)job->w[o * k + blk * BLOCK + i] * in->xq[r * k + blk * BLOCK + i];
+            total += (float)sum * (job->scales[o * blocks + blk] * in->dx[r * blocks + blk]);
+        }
+        job->out[r * job->n + o] = total;
+    }
+}
+
+#ifdef __AVX512VNNI__
+/* The transpose's two-source permutes (`exchange`): for stage `bit`, EXCHANGE[bit][0] picks the new
+ * first vector's lanes (those whose lane index bit `bit` is 0 from a, the others from b's lane with
+ * that bit cleared), EXCHANGE[bit][1] the second's. */
+static const int32_t EXCHANGE[3][2][16] __attribute__((aligned(64))) = {
+    {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+     {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
+    {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+     {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+    {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+     {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}},
+};
+
+/* One stage of the transpose: vectors a and b (vector index bit `bit` 0 and 1) exchange the lanes
+ * whose lane index bit `bit` differs, so that bit moves from the vector index to the lane's. */
+static inline void exchange(__m512i *a, __m512i *b, int bit) {
+    __m512i na = _mm512_permutex2var_epi32(*a, _mm512_load_si512(EXCHANGE[bit][0]), *b);
+    __m512i nb = _mm512_permutex2var_epi32(*a, _mm512_load_si512(EXCHANGE[bit][1]), *b);
+    *a = na;
+    *b = nb;
+}
+
+/* Block `blk` of weight rows [o, o + 16) as 8 vectors, vector t holding bytes 4t..4t+3 of every row
+ * (lane i: row o + i), plus 128. Loaded as rows o + j and o + j + 8 in vector j, so that after the
+ * three stages lane i is row o + i. */
+static inline void transposed_block(const int8_t *w, long k, long o, long blk, __m512i t[8]) {
+    for (int j = 0; j < 8; j++) {
+        const int8_t *low = w + (o + j) * k + blk * BLOCK, *high = low + 8 * k;
+        fetch_ahead(low);
+        fetch_ahead(high);
+        t[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const void *)low)),
+                                  _mm256_loadu_si256((const void *)high), 1);
+    }
+    for (int bit = 0; bit < 3; bit++)
+        for (int j = 0; j < 8; j++)
+            if (!((j >> bit) & 1))
+                exchange(&t[j], &t[j | (1 << bit)], bit);
+    for (int j = 0; j < 8; j++)
+        t[j] = _mm512_xor_si512(t[j], _mm512_set1_epi8((char)0x80));
+}
+
+/* Every input row against weight rows [o, o + 16). */
+static void int8_sixteen(const struct rows_job *job, const struct int8_rows *in, long o) {
+    long k = job->k, blocks = k / BLOCK, rows = job->rows;
+    __m512 acc[MAX_ROWS];
+    for (long r = 0; r < rows; r++)
+        acc[r] = _mm512_setzero_ps();
+    __m512i scale_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)blocks));
+    for (long blk = 0; blk < blocks; blk++) {
+        __m512i t[8];
+        transposed_block(job->w, k, o, blk, t);
+        __m512 dw = _mm512_i32gather_ps(scale_at, job->scales + o * blocks + blk, 4);
+        for (long r = 0; r < rows; r++) {
+            const int32_t *xr = (const int32_t *)(in->xq + r * k + blk * BLOCK);
+            __m512i sum = _mm512_set1_epi32(-in->xsum[r * blocks + blk]);
+            for (int u = 0; u < 8; u++)
+                sum = _mm512_dpbusd_epi32(sum, t[u], _mm512_set1_epi32(xr[u]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(in->dx[r * blocks + blk])),
+                                     acc[r]);
+        }
+    }
+    for (long r = 0; r < rows; r++)
+        _mm512_storeu_ps(job->out + r * job->n + o, acc[r]);
+}
+
+#endif
+
+static void int8_share(const struct rows_job *job, const struct int8_rows *in) {
+    long o = job->first;
+#ifdef __AVX512VNNI__
+    for (; o + 16 <= job->end; o += 16)
+        int8_sixteen(job, in, o);
+#endif
+    for (; o < job->end; o++)
+        int8_one(job, in, o);
+}
+
+/* Whether this build multiplies int8 rows with AVX-512 VNNI (`q8_0_rows_int8` runs everywhere): 1 or 0. */
+int q8_0_rows_int8_fast(void) {
+#ifdef __AVX512VNNI__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* As `q8_0_rows_f32`, with the input rows rounded to int8 per block first (llama.cpp's Q8_0 x Q8_0
+ * arithmetic, above). Returns 0, or -1 for a shape this kernel does not take. */
+int q8_0_rows_int8(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
+                   long threads) {
+    if (k % BLOCK != 0 || rows < 1 || rows > MAX_ROWS)
+        return -1;
+    long scales_per_row = k / BLOCK;
+    char *memory = malloc(rows * k + rows * scales_per_row * (sizeof(float) + sizeof(int32_t)));
+    if (memory == NULL)
+        return -1;
+    int8_t *xq = (int8_t *)memory;
+    float *dx = (float *)(memory + rows * k); /* k is a multiple of 32: aligned */
+    int32_t *xsum = (int32_t *)(dx + rows * scales_per_row);
+    quantize_rows(x, rows, k, xq, dx, xsum);
+    struct int8_rows in = {xq, dx, xsum};
+    threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
+#pragma omp parallel num_threads(threads)
+    {
+        struct rows_job job = {x, w, scales, out, rows, n, k, 0, 0};
+        thread_range(n, omp_get_thread_num(), omp_get_num_threads(), &job.first, &job.end);
+        int8_share(&job, &in);
+    }
+    free(memory);
+    return 0;
+}
+
 /* One thread's share of a call (block_rows.h `split_rows`). */
 static void share(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k, long first,
                   long end) {
@@ -237,4 +406,10 @@ int q8_0_rows_f32(const float *x, const void *w, const float *scales, float *out
 AOTITorchError aoti_torch_cpu_q8_0_rows(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
                                      AtenTensorHandle *ret0) {
     return shim_rows(q8_0_rows_f32, rows, qweight, params, ret0);
+}
+
+/* `q8_0_rows_int8` as the operator `trio_llm::q8_0_rows_int8` (`--q8-0-activations int8`). */
+AOTITorchError aoti_torch_cpu_q8_0_rows_int8(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
+                                          AtenTensorHandle *ret0) {
+    return shim_rows(q8_0_rows_int8, rows, qweight, params, ret0);
 }

@@ -14,7 +14,13 @@ from torch import nn
 
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
-from engine.models.quantized_linear import QUANTIZED_MATMULS, can_quantize, empty_block_storage, quantize_weight
+from engine.models.quantized_linear import (
+    QUANTIZED_MATMULS,
+    can_quantize,
+    empty_block_storage,
+    q8_0_linear,
+    quantize_weight,
+)
 
 
 class OutputDelta(Protocol):
@@ -68,9 +74,14 @@ class Quantized:
     or "q4_0", "q4_1", "q4_k" (engine/models/quantized_linear.py `QUANTIZED_MATMULS`)."""
 
     name: str
+    # q8_0 only (`--q8-0-activations int8`): a batch of decodes' rows rounded to int8 per block, as
+    # llama.cpp multiplies a Q8_0 weight (`quantized_linear.q8_0_int8_linear`).
+    int8_activations: bool = False
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert layer.qweight is not None and layer.qscales is not None
+        if self.int8_activations:
+            return q8_0_linear(x, layer.qweight, layer.qscales, bias, int8_activations=True)
         return QUANTIZED_MATMULS[self.name](x, layer.qweight, layer.qscales, bias)
 
 
@@ -134,6 +145,21 @@ class Linear(nn.Module):
         quantized; else None."""
         base = self.method.inner if isinstance(self.method, WithLoRA) else self.method
         return base.name if isinstance(base, Quantized) else None
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether a batch of decodes' rows are rounded to int8 per block (`round_activations_to_int8`)."""
+        base = self.method.inner if isinstance(self.method, WithLoRA) else self.method
+        return isinstance(base, Quantized) and base.int8_activations
+
+    def round_activations_to_int8(self) -> bool:
+        """A `q8_0` layer: from now on a batch of decodes' rows (up to 16) are rounded to int8 per
+        block of 32 and multiplied as llama.cpp does (`--q8-0-activations int8`); returns whether
+        this layer is one. Prompts keep `q8_0_dequantized_mm`."""
+        if self.qmethod != "q8_0":
+            return False
+        self._choose(Quantized("q8_0", int8_activations=True))
+        return True
 
     def _choose(self, method: LinearMethod) -> None:
         """`method` computes the product from now on (still under the LoRA delta, if any)."""

@@ -162,13 +162,17 @@ def quantize_per_block_in_torch(weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
     """`x @ W.T + bias` with W in `quantize_per_block`'s layout, in x's dtype. Up to 16 rows (a
     batch of decodes) take our C kernel over the blocks (engine/kernels/q8_0_rows.c: in an exported
     graph as an operator, by a `torch.cond` on the row count; where it cannot be built, one row
-    takes `q8_0_row_times`); more rows (prompts) `q8_0_dequantized_mm`."""
+    takes `q8_0_row_times`); more rows (prompts) `q8_0_dequantized_mm`. With `int8_activations`
+    (`--q8-0-activations int8`) those few rows are rounded to int8 per block of 32 and multiplied
+    as llama.cpp does (`q8_0_int8_rows`)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if torch.compiler.is_exporting():
+    if int8_activations:
+        y = q8_0_int8_linear(rows, qweight, scales)
+    elif torch.compiler.is_exporting():
         if q8_0_kernel.available():
             y = torch.cond(rows.shape[0] <= q8_0_kernel.MAX_ROWS, q8_0_kernel_rows, q8_0_dequantized_mm,
                            (rows, qweight, scales))
@@ -180,6 +184,25 @@ def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         y = few if few is not None else q8_0_dequantized_mm(rows, qweight, scales)
     y = y.reshape(*x.shape[:-1], qweight.shape[0])
     return y if bias is None else y + bias
+
+
+def q8_0_int8_linear(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Rows [T, k] times the blockwise weight with up to 16 rows rounded to int8 per block
+    (`q8_0_int8_rows`), more (prompts) `q8_0_dequantized_mm`, in the rows' dtype."""
+    if torch.compiler.is_exporting():
+        return torch.cond(rows.shape[0] <= q8_0_kernel.MAX_ROWS, q8_0_int8_rows, q8_0_dequantized_mm,
+                          (rows, qweight, scales))
+    few = None if torch.compiler.is_compiling() else q8_0_kernel.int8_row_times(rows, qweight, scales,
+                                                                                  torch.get_num_threads())
+    return few.to(rows.dtype) if few is not None else q8_0_dequantized_mm(rows, qweight, scales)
+
+
+def q8_0_int8_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A few rows times the blockwise weight as llama.cpp's Q8_0 x Q8_0 product: each row rounded to
+    int8 per block of 32 (a float32 scale each), int8 x int8 products summed in int32 per block, then
+    scaled (engine/kernels/q8_0_rows.c `q8_0_rows_int8`, AVX-512 VNNI; in an exported graph the
+    operator `trio_llm::q8_0_rows_int8`, called through its C shim)."""
+    return torch.ops.trio_llm.q8_0_rows_int8(rows.float().contiguous(), qweight, scales).to(rows.dtype)
 
 
 def q8_0_kernel_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from engine.ec.storage import save_rows
 from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
 from engine.kernels import causal_attention as causal_attention_kernel
+from engine.kernels import q8_0_rows
 from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from engine.lora.serving import LoRAServing
 from engine.model_info import ModelInfo, PoolerConfig
@@ -159,6 +160,8 @@ class Worker:
                                       self.tp, layout, self.stage, self.config.quantization)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
+        if self.config.q8_0_activations == "int8":
+            self._round_q8_0_activations()
         if self._starting_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
         causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
@@ -169,6 +172,22 @@ class Worker:
             return info
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
+
+    def _round_q8_0_activations(self) -> None:
+        """--q8-0-activations int8: every q8_0 layer rounds a batch of decodes' rows to int8 per
+        block (llama.cpp's arithmetic; fast with AVX-512 VNNI, said at start-up where it is not). A
+        device other than the CPU, or a model with no q8_0 layer, fails start-up naming why."""
+        assert isinstance(self.model, DecoderForCausalLM)
+        if self.device.type != "cpu" or not q8_0_rows.available():
+            raise ModelLoadError(f"--q8-0-activations int8 runs on our CPU kernel; on {self.device.type} (or without "
+                                 "a C compiler) leave it at float32")
+        if not q8_0_rows.int8_fast() and self.rank == 0:
+            logger.warning("--q8-0-activations int8: this CPU has no AVX-512 VNNI, so the int8 products run one at "
+                           "a time, slower than float32 rows")
+        rounded = [m.round_activations_to_int8() for m in self.model.modules() if isinstance(m, Linear)]
+        if not any(rounded):
+            raise ModelLoadError("--q8-0-activations int8: the model has no q8_0 layers (a GGUF file's Q8_0 tensors, "
+                                 "or --quantization q8_0)")
 
     def _starting_compute_threads(self) -> int:
         """The intra-op threads steps start on: the tuner's first count (it moves within 1 and its
@@ -235,6 +254,7 @@ class Worker:
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes,
+                         int8_activations=any(m.int8_activations for m in quantized),
                          kv_group_windows=self.model.kv_layout.group_windows,
                          kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))
 

@@ -20,6 +20,7 @@ from engine.errors import EngineDeadError, ModelLoadError
 
 if TYPE_CHECKING:  # the CLI imports this module before torch (web/cli.py)
     from engine.api import AsyncEngine
+    from engine.model_info import ModelInfo
 
 logger = logging.getLogger("trio_llm.serve")
 
@@ -51,7 +52,7 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
             f"model {config.model} ({info.architecture or info.kind}), dtype {info.dtype}, "
             f"context {info.max_model_len} tokens",
             f"weights: {info.weight_bytes / 2**20:.1f} MiB per rank, " +
-            (f"linear layers {info.quantization} weight-only" if info.quantization else "not quantized"),
+            _quantization_line(info),
             f"engine core: {core}; executor: {layout}, device {config.device}",
             "CPUs: " + ("; ".join(f"engine {rank}: {_cpus_line(part)}"
                                   for rank, part in enumerate(data_parallel_configs(config)))
@@ -131,3 +132,14 @@ def _default_threads() -> int:
     machine, same environment). torch is loaded by now: the engine is up."""
     import torch
     return torch.get_num_threads()
+
+
+def _quantization_line(info: ModelInfo) -> str:
+    """How the linear layers are held, and (--q8-0-activations int8) whether a batch of decodes'
+    activations are rounded to int8 too: a speed option that changes the results says so."""
+    if not info.quantization:
+        return "not quantized"
+    if info.int8_activations:
+        return (f"linear layers {info.quantization}; the q8_0 ones round a batch of decodes' rows to int8 per "
+                "block (--q8-0-activations int8)")
+    return f"linear layers {info.quantization} weight-only"
