@@ -15,7 +15,9 @@ sequences part, whatever follows). Sides: llama.cpp's own server (`llama-server`
 the activations to int8 per block: Q8_0 for Q8_0 and Q4_0 weights, Q8_K for K-quants), trio-llm's
 default for the file (its blocks as they are: `q8_0`, `q4_0`, `q4_k`; run eagerly with the prompts
 together, its products are the many-row path's, in bfloat16 where the CPU has it natively) and
-trio-llm's `--quantization int8` (the blocks requantized to one scale per row).
+trio-llm's `--quantization int8` (the blocks requantized to one scale per row), its
+`--kv-cache-dtype float16`, and its `--q8-0-activations int8` (the decodes' rows rounded to int8 per
+block, llama.cpp's arithmetic for Q8_0 weights; 16 prompts at a time, the kernel's batch).
 Greedy decoding is deterministic, so one run is the figure; the prompts are passages of the
 engine's corpus (engine/data/corpus.txt).
 """
@@ -101,12 +103,15 @@ def reference(model_dir: str, prompts: list[list[int]], tokens: int) -> list[lis
 
 
 async def ours(gguf: Path, tokenizer: str, prompts: list[list[int]], tokens: int, quantization: str | None,
-               threads: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
-    """trio-llm's greedy tokens on the file, every prompt at once, float32 activations, eager."""
+               threads: int, kv_cache_dtype: str = "auto", q8_0_activations: str = "float32") -> list[list[int]]:
+    """trio-llm's greedy tokens on the file, every prompt at once (16 at a time with
+    `q8_0_activations` int8, so that its decodes are batches the int8 kernel takes), float32
+    activations unless that says int8, eager."""
     torch.set_num_threads(threads)
+    batch = 16 if q8_0_activations == "int8" else max(len(prompts), 1)
     config = EngineConfig(model=str(gguf), tokenizer=tokenizer, dtype="float32", quantization=quantization,
                           enforce_eager=True, executor="inproc", num_kv_blocks=len(prompts) * 16 + 16,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, q8_0_activations=q8_0_activations, max_num_seqs=batch)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     async with open_engine(config) as engine:
         return await tokens_together(engine, prompts, params)
@@ -165,6 +170,8 @@ def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: 
         "trio-llm --quantization int8 (per row)": trio.run(ours, gguf, model_dir, texts, tokens, "int8", threads),
         "trio-llm --kv-cache-dtype float16 (llama.cpp's)": trio.run(ours, gguf, model_dir, texts, tokens, None,
                                                                     threads, "float16"),
+        "trio-llm --q8-0-activations int8 (llama.cpp's)": trio.run(ours, gguf, model_dir, texts, tokens, None,
+                                                                   threads, "auto", "int8"),
     }
     made = "convert_hf_to_gguf.py" if qtype == "Q8_0" else "convert_hf_to_gguf.py (f32) + llama-quantize"
     lines = [f"{Path(model_dir).name}: {qtype} file ({formats} tensors) by llama.cpp's {made}; {prompts} corpus "

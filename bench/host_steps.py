@@ -26,9 +26,9 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 
 async def measure(model: str, device: str, dtype: str | None, spec: BenchSpec, rounds: int, eager: bool,
                   tokenizer: str | None = None, num_scheduler_steps: int = 1, stream: bool = False,
-                  kv_cache_dtype: str = "auto") -> list[str]:
+                  kv_cache_dtype: str = "auto", q8_0_activations: str = "float32") -> list[str]:
     config = EngineConfig(model=model, tokenizer=tokenizer, device=device, dtype=dtype or "auto",
-                          kv_cache_dtype=kv_cache_dtype,
+                          kv_cache_dtype=kv_cache_dtype, q8_0_activations=q8_0_activations,
                           max_num_seqs=spec.concurrency, num_scheduler_steps=num_scheduler_steps,
                           executor="inproc", enforce_eager=eager,
                           kv_cache_memory_bytes=None if device.startswith("cuda") else 1 << 30)
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default=None, help="default: the engine's (auto)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
+    parser.add_argument("--q8-0-activations", default="float32", help="the engine's --q8-0-activations")
     parser.add_argument("--tokenizer", default=None, help="for a GGUF file: the checkpoint directory of its tokenizer")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
@@ -69,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = BenchSpec(args.prompts, args.input_len, args.output_len, args.prompts)
     trio.run(measure, args.model, args.device, args.dtype, spec, args.rounds, args.enforce_eager, args.tokenizer,
-             args.num_scheduler_steps, args.stream, args.kv_cache_dtype)
+             args.num_scheduler_steps, args.stream, args.kv_cache_dtype, args.q8_0_activations)
 
 
 if __name__ == "__main__":
