@@ -19,7 +19,9 @@ beside the one it replaces, on `--threads` torch threads.
 - random sampling's draw: the exponential race against inverse transform sampling;
 - one row times a `q8_0` weight outside a graph (a first start's eager steps): the weight
   dequantized a slice at a time and multiplied, against our kernel over its int8 blocks
-  (`engine.kernels.q8_0_rows`), on the 0.5B shape's tied head and MLP weights.
+  (`engine.kernels.q8_0_rows`), on the 0.5B shape's tied head and MLP weights;
+- a batch of decodes times a `q8_0` weight: float32 rows against `--q8-0-activations int8`'s rows
+  rounded to int8 per block (llama.cpp's arithmetic, AVX-512 VNNI).
 
 Each figure is the median of alternating rounds. Before each product the machine's caches are
 flushed by reading a 64 MB buffer, as a decode step's other weights would (the heads here are
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import q8_0_rows
 from engine.kernels.causal_attention import causal_attention
 from engine.kernels.q8_0_rows import row_times as q8_0_kernel_row_times
 from engine.models import attention
@@ -262,6 +265,20 @@ def q8_0_row_pair(out_features: int, in_features: int, flush: torch.Tensor, repe
                  repeats)
 
 
+def q8_0_int8_pair(out_features: int, in_features: int, rows: int, flush: torch.Tensor, repeats: int) -> Pair:
+    """A batch of decodes times a `q8_0` weight: our kernel on float32 rows (the default) against
+    `--q8-0-activations int8` (the rows rounded to int8 per block, AVX-512 VNNI's int8 products)."""
+    qweight, scales = quantize_per_block(torch.randn(out_features, in_features))
+    x = torch.randn(rows, in_features)
+    threads = torch.get_num_threads()
+    assert q8_0_rows.int8_fast(), "the int8 kernel's VNNI loop is what this pair measures"
+    return _pair(f"q8_0 [{out_features}, {in_features}], {rows} row{'s' if rows > 1 else ''}",
+                 ("float32 rows", lambda: q8_0_rows.row_times(x, qweight, scales, threads)),
+                 ("int8 rows (--q8-0-activations int8)", lambda: q8_0_rows.int8_row_times(x, qweight, scales, threads)),
+                 flush, repeats)
+
+
+Q8_0_INT8_SHAPES = ((32000, 256, 1), (32000, 256, 16), (4864, 896, 16), (896, 4864, 16))
 PROMPT_TOKENS = (256, 512, 1024)
 
 
@@ -275,7 +292,8 @@ def run(repeats: int = 20, vllm_python: str | None = None) -> list[Pair]:
              *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936))),
              *(draw_pair(rows, vocab, repeats) for rows, vocab in DRAW_SHAPES),
              *(q8_0_row_pair(out, features, flush, repeats) for out, features in ((151936, 896), (4864, 896),
-                                                                                 (896, 4864)))]
+                                                                                 (896, 4864))),
+             *(q8_0_int8_pair(out, features, rows, flush, repeats) for out, features, rows in Q8_0_INT8_SHAPES)]
     if vllm_python is not None:
         pairs += vllm_attention_pairs(vllm_python, list(PROMPT_TOKENS), repeats)
     return pairs
