@@ -23,7 +23,7 @@ from engine.ec.storage import save_rows
 from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
 from engine.kernels import causal_attention as causal_attention_kernel
-from engine.kernels import q8_0_rows
+from engine.kernels import paged_decode, q8_0_rows
 from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from engine.lora.serving import LoRAServing
 from engine.model_info import ModelInfo, PoolerConfig
@@ -165,6 +165,7 @@ class Worker:
         if self._starting_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
         causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
+        paged_decode.available()  # nor at the first decode
         self._warn_if_reduced_precision_is_slower()
         self._load_lora_adapters()
         info = self._decoder_info()
