@@ -73,3 +73,23 @@ def decided_prefix(model, prompt: list[int], tokens: list[int], margin: float) -
     top2 = logits.topk(2, dim=-1).values
     ties = ((top2[:, 0] - top2[:, 1]) <= margin * logits.abs().amax(-1)).nonzero()
     return int(ties[0]) if len(ties) else len(tokens)
+
+
+def decode_package_code(graphs) -> str:
+    """The C++ of the decode package `graphs` (a `DecodeGraphs`) saved, after checking that our
+    GIL-free runner can load it (no extern kernels beside its library, so no proxy executor): what
+    a test reads to see which of our kernels' C shims the package calls."""
+    import zipfile
+
+    from engine.worker import aoti_runner, precompiled_graph
+    from engine.worker.decode_graphs import TRACE_ROWS
+
+    package = precompiled_graph.artefact_path(graphs.cache_dir, graphs.model, graphs.kv_caches, graphs.block_size,
+                                              TRACE_ROWS)
+    with zipfile.ZipFile(package) as archive:
+        names = archive.namelist()
+        (wrapper,) = (name for name in names if name.endswith(".wrapper.cpp"))
+        code = archive.read(wrapper).decode()
+    assert aoti_runner._library_member(names) is not None
+    return code
+

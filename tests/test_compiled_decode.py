@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs, compile_estima
 from engine.worker.step_graph import StepGraph
 from engine.worker.worker import Worker
 from tests.helpers import final_output, greedy
-from tests.model_helpers import decided_prefix, save_hf_checkpoint, transformers_greedy
+from tests.model_helpers import decided_prefix, decode_package_code, save_hf_checkpoint, transformers_greedy
 from tests.test_moe_eplb import FAMILIES as MOE_FAMILIES
 from tests.test_moe_eplb import hf_moe
 from tests.test_reference_transformers import COMMON, FAMILIES, VOCAB
@@ -529,14 +528,7 @@ def test_the_saved_decode_graph_attends_on_our_kernel_through_its_c_shim(first_s
     by name through its C shim: no Python and no proxy executor in the step, so our GIL-free
     runner still runs the package."""
     graphs, _ = first_start
-    package = precompiled_graph.artefact_path(graphs.cache_dir, graphs.model, graphs.kv_caches, graphs.block_size,
-                                              TRACE_ROWS)
-    with zipfile.ZipFile(package) as archive:
-        names = archive.namelist()
-        (wrapper,) = (name for name in names if name.endswith(".wrapper.cpp"))
-        code = archive.read(wrapper).decode()
-    assert code.count("aoti_torch_cpu_paged_decode(") >= graphs.model.config.num_layers
-    assert aoti_runner._library_member(names) is not None
+    assert decode_package_code(graphs).count("aoti_torch_cpu_paged_decode(") >= graphs.model.config.num_layers
 
 
 def test_a_saved_graph_runs_through_ctypes_and_computes_what_torchs_loader_does(first_start, monkeypatch):

@@ -10,7 +10,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import zipfile
 
 import numpy as np
 import pytest
@@ -36,12 +35,10 @@ from engine.models.quantized_linear import (
     quantize_per_block_in_torch,
     quantize_weight,
 )
-from engine.worker import aoti_runner, precompiled_graph
-from engine.worker.decode_graphs import TRACE_ROWS
 from engine.worker.worker import Worker
 from tests.conftest import engine_config
 from tests.helpers import final_output, greedy
-from tests.model_helpers import decoder_logits, save_hf_checkpoint, transformers_greedy
+from tests.model_helpers import decode_package_code, decoder_logits, save_hf_checkpoint, transformers_greedy
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -399,14 +396,8 @@ def assert_one_row_calls_our_kernels(graphs, shims: list[str]) -> None:
     """The decode package runs a few rows of its q8_0 and q4_0 layers on our kernels, called through
     their C shims: no extern kernels beside the library (no proxy executor), so the GIL-free runner
     runs it."""
-    package = precompiled_graph.artefact_path(graphs.cache_dir, graphs.model, graphs.kv_caches, graphs.block_size,
-                                              TRACE_ROWS)
-    with zipfile.ZipFile(package) as archive:
-        names = archive.namelist()
-        (wrapper,) = (name for name in names if name.endswith(".wrapper.cpp"))
-        code = archive.read(wrapper).decode()
-        assert all(shim in code for shim in shims)
-    assert aoti_runner._library_member(names) is not None
+    code = decode_package_code(graphs)
+    assert all(shim in code for shim in shims)
 
 
 def llama_cpp_q8_0_products(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
