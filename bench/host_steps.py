@@ -26,10 +26,12 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 
 async def measure(model: str, device: str, dtype: str | None, spec: BenchSpec, rounds: int, eager: bool,
                   tokenizer: str | None = None, num_scheduler_steps: int = 1, stream: bool = False,
-                  kv_cache_dtype: str = "auto", q8_0_activations: str = "float32") -> list[str]:
+                  kv_cache_dtype: str = "auto", q8_0_activations: str = "float32",
+                  async_scheduling: bool | None = None) -> list[str]:
     config = EngineConfig(model=model, tokenizer=tokenizer, device=device, dtype=dtype or "auto",
                           kv_cache_dtype=kv_cache_dtype, q8_0_activations=q8_0_activations,
                           max_num_seqs=spec.concurrency, num_scheduler_steps=num_scheduler_steps,
+                          async_scheduling=async_scheduling,
                           executor="inproc", enforce_eager=eager,
                           kv_cache_memory_bytes=None if device.startswith("cuda") else 1 << 30)
     params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True,
@@ -67,10 +69,12 @@ def main() -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode bursts of up to N (default 1)")
     parser.add_argument("--stream", action="store_true",
                         help="an output per step, as a streaming server publishes (default: only the final one)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine's --async-scheduling (default: the engine's)")
     args = parser.parse_args()
     spec = BenchSpec(args.prompts, args.input_len, args.output_len, args.prompts)
     trio.run(measure, args.model, args.device, args.dtype, spec, args.rounds, args.enforce_eager, args.tokenizer,
-             args.num_scheduler_steps, args.stream, args.kv_cache_dtype, args.q8_0_activations)
+             args.num_scheduler_steps, args.stream, args.kv_cache_dtype, args.q8_0_activations, args.async_scheduling)
 
 
 if __name__ == "__main__":

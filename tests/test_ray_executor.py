@@ -32,6 +32,9 @@ from tests.model_helpers import save_hf_checkpoint, transformers_greedy
 from tests.server_fixtures import running_server
 from tests.test_multiproc import PROMPTS, assert_gone
 
+# trio's idle worker threads retire after this many seconds in the no-cluster test's server (10 by default).
+IDLE_TIMEOUT = 1
+
 LLAMA = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
@@ -43,29 +46,25 @@ def alive_actors() -> list:
     return [actor for actor in ray._private.state.actors().values() if actor["State"] == "ALIVE"]
 
 
-async def test_tensor_parallel_2_on_ray_generates_transformers_greedy_tokens(ray_cluster, tmp_path_factory):
+async def test_tensor_parallel_2_on_ray_generates_transformers_greedy_tokens_then_fails_fast_when_an_idle_actor_dies(
+        ray_cluster, tmp_path_factory):
+    """Greedy tokens from two ranks on Ray actors; then, with nothing running, rank 1's actor is
+    killed: only the engine's watch can notice, and it fails the engine within a second (one engine
+    start for both: an actor pair costs ~8 s of the suite)."""
     path, model = save_hf_checkpoint(tmp_path_factory, "llama-ray", LlamaConfig, LlamaForCausalLM, LLAMA)
     expected = transformers_greedy(model, PROMPTS, 8)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     config = engine_config(str(path), executor="ray", tensor_parallel_size=2, dtype="float32")
-    async with open_engine(config) as engine:
-        executor = engine.core.executor
-        assert isinstance(executor, RayExecutor) and len(set(executor.worker_pids())) == 2
-        assert all(p.node_ip and p.node_id for p in executor.placements)  # where each rank runs, for the log
-        finals = {}
-        async for index, output in engine.generate_batch(PROMPTS, params):
-            finals[index] = output.outputs[0].token_ids
-    assert [finals[i] for i in range(len(PROMPTS))] == expected
-    assert_gone(list(executor.worker_pids()))  # the actors were killed on the way out
-    assert not alive_actors()
-
-
-async def test_an_actor_killed_while_idle_fails_the_engine_within_a_second(ray_cluster, tiny_model_dir):
-    config = engine_config(tiny_model_dir, executor="ray", tensor_parallel_size=2)
+    finals = {}
     # Leaving open_engine re-raises the failure the engine stopped with.
     with pytest.RaisesGroup(pytest.RaisesExc(EngineDeadError, match="rank 1"), flatten_subgroups=True):
         async with open_engine(config) as engine:
             executor = engine.core.executor
+            assert isinstance(executor, RayExecutor) and len(set(executor.worker_pids())) == 2
+            assert all(p.node_ip and p.node_id for p in executor.placements)  # where each rank runs, for the log
+            async for index, output in engine.generate_batch(PROMPTS, params):
+                finals[index] = output.outputs[0].token_ids
+            await trio.testing.wait_all_tasks_blocked()  # idle
             os.kill(executor.worker_pids()[1], signal.SIGKILL)  # nothing runs: only the watch can notice
             with trio.fail_after(1):
                 error = await executor.wait_for_failure()
@@ -77,7 +76,9 @@ async def test_an_actor_killed_while_idle_fails_the_engine_within_a_second(ray_c
                 await executor.collective_rpc("execute_model", (None,))
             await trio.testing.wait_all_tasks_blocked()  # the core has taken the failure in
             assert not engine.is_running
-    assert_gone(list(executor.worker_pids()))
+    assert [finals[i] for i in range(len(PROMPTS))] == expected
+    assert_gone(list(executor.worker_pids()))  # the actors were killed on the way out
+    assert not alive_actors()
 
 
 async def test_an_actor_killed_mid_stream_ends_the_stream_with_an_error_and_leaves_nothing(ray_cluster,
@@ -138,15 +139,19 @@ def test_serve_on_ray_without_a_cluster_starts_a_local_one_and_leaves_nothing(ti
     """A newcomer's `trio-llm serve MODEL --distributed-executor-backend ray -tp 2` with no
     RAY_ADDRESS: the local Ray instance outlives trio's idle worker threads (Ray's daemons die with
     the thread that started them), SIGTERM stops it quietly, and neither a session directory nor an
-    auth token is left behind."""
-    from trio._core._thread_cache import IDLE_TIMEOUT
-
+    auth token is left behind. trio's idle timeout is cut from 10 s to IDLE_TIMEOUT in the server's
+    processes (a `sitecustomize` on their path) so that the test need not wait 10 s."""
     home = tmp_path / "home"
     home.mkdir()
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        f"import trio._core._thread_cache\ntrio._core._thread_cache.IDLE_TIMEOUT = {IDLE_TIMEOUT}\n")
     temp = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(HOME=str(home), TMPDIR=str(temp), XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME",
-                                                                               os.path.expanduser("~/.cache")))
+                                                                               os.path.expanduser("~/.cache")),
+               PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
     command = [sys.executable, "-m", "web.cli", "serve", tiny_model_dir, "--host", "127.0.0.1", "--port", "0",
                "--distributed-executor-backend", "ray", "-tp", "2", "--enforce-eager", "--kv-cache-memory-bytes",
                str(1 << 24)]
@@ -161,6 +166,9 @@ def test_serve_on_ray_without_a_cluster_starts_a_local_one_and_leaves_nothing(ti
             assert client.post("/v1/completions", json=body).status_code == 200
             # The condition under test: trio retires the thread that started Ray once it has been idle
             # IDLE_TIMEOUT s (the engine's start-up after `ray.init` usually takes that long already).
+            assert "IDLE_TIMEOUT = 1" in subprocess.run(
+                [sys.executable, "-c", "import trio._core._thread_cache as c; print('IDLE_TIMEOUT =', c.IDLE_TIMEOUT)"],
+                env=env, capture_output=True, text=True, check=True).stdout  # the hook reaches the server's processes
             time.sleep(max(0.0, ray_up + IDLE_TIMEOUT + 1 - time.time()))
             later = client.post("/v1/completions", json=body)
             assert later.status_code == 200 and later.json()["usage"]["completion_tokens"] == 4
