@@ -492,11 +492,14 @@ class EngineConfig:
         action=BooleanOptionalAction)
     # vLLM v0's --num-scheduler-steps (multi-step scheduling): while every running request decodes
     # and none waits, a step may run up to this many decodes back to back in the worker, so the
-    # engine's per-step work (scheduling, publishing, the hand-offs to the worker) is paid once per
-    # burst, and streamed tokens arrive in bursts. One worker, without async scheduling.
+    # engine's hand-offs to the worker are paid once per burst. In process each step's tokens are
+    # published while the next computes (engine/executor/streamed_burst.py), and the burst ends
+    # early when a request finishes or a message waits; from a worker process tokens arrive in
+    # bursts. One worker, without async scheduling.
     num_scheduler_steps: int = flag(
         "run up to this many decode steps back to back while every running request decodes and "
-        "none waits (vLLM v0's multi-step scheduling; tokens then stream in bursts; 1: off)",
+        "none waits (vLLM v0's multi-step scheduling; in process each token still streams as it is "
+        "sampled, from a worker process in bursts; 1: off)",
         default=1,
         type=int)
     # Decode steps run a torch.compile'd graph with a dynamic batch (engine.worker.decode_graphs);

@@ -1,22 +1,28 @@
 """Decode bursts (vLLM v0's multi-step scheduling, `num_scheduler_steps`): while every running
 request decodes and none waits, one step runs several decodes back to back in the worker, each
 fed the token the one before sampled (engine/sched/scheduler.py `_burst`, engine/worker/model_runner.py
-`_run_burst`). The tokens are the one-step engine's; only how many arrive per output changes."""
+`_run_burst`). The tokens are the one-step engine's. In process each step's tokens are published while
+the next computes (engine/executor/streamed_burst.py); from a worker process a burst's come together."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
+import anyio
 import pytest
 import trio
+import trio.testing
 
 from engine import EngineConfig, open_engine
+from engine.executor.streamed_burst import StreamedBurst
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sched.block_manager import KVBlockManager
-from engine.sched.output import ModelRunnerOutput
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.sched.request import RequestStatus
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 from engine.testing import FakeExecutor
+from engine.worker.model_runner import ModelRunner
 from tests.conftest import engine_config
 from tests.helpers import greedy
 from tests.test_scheduler import make_request
@@ -105,7 +111,7 @@ async def _run(config: EngineConfig, params: list[SamplingParams]) -> tuple[list
 async def test_bursts_give_the_one_step_engines_tokens_and_logprobs(tiny_model_dir, executor):
     """Greedy, seeded sampling with logprobs and a penalty (which read the tokens sampled inside the
     burst), a stop token met mid-burst and max_tokens of 1: the tokens of the engine that runs one
-    decode per step, in fewer steps and fewer outputs."""
+    decode per step, in fewer steps (and, from a worker process, fewer outputs)."""
     delta = RequestOutputKind.DELTA
     params = [greedy(12, ignore_eos=True, output_kind=delta),
               SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True, logprobs=2,
@@ -120,7 +126,9 @@ async def test_bursts_give_the_one_step_engines_tokens_and_logprobs(tiny_model_d
     assert len(logprobs) == 10 and [list(e) for e in logprobs] == [list(e) for e in want_logprobs]
     flat = [value for entry in logprobs for value in entry.values()]
     assert flat == pytest.approx([value for entry in want_logprobs for value in entry.values()], abs=1e-4)
-    assert steps < want_steps and sum(outputs) < sum(want_outputs)
+    assert steps < want_steps
+    if executor == "mp":  # a worker process returns a burst whole; in process its tokens stream step by step
+        assert sum(outputs) < sum(want_outputs)
 
 
 async def test_a_stop_string_inside_a_burst_keeps_no_token_after_it(tiny_model_dir):
@@ -172,3 +180,116 @@ def test_num_scheduler_steps_is_refused_with_async_scheduling_or_several_workers
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig(model=tiny_model_dir, num_scheduler_steps=0)
     assert not EngineConfig(model=tiny_model_dir, device="cuda", num_scheduler_steps=4).schedules_async
+
+
+# ---- in process, a burst's tokens stream step by step (engine/executor/streamed_burst.py) ----------
+
+def _burst_of(steps: int, gates: list[threading.Event]):
+    """A stand-in for `Worker.execute_model`: step k > 0 computes until `gates[k]` is set; each
+    step's token is k; the burst goes on while `on_step` says so, as the model runner's does."""
+    def execute(sched_out, on_step):
+        out = ModelRunnerOutput()
+        going = on_step(ModelRunnerOutput(sampled_token_ids={"a": [0]}))
+        for k in range(1, steps):
+            if not going:
+                break
+            assert gates[k].wait(timeout=30)
+            out.steps_run += 1
+            going = on_step(ModelRunnerOutput(sampled_token_ids={"a": [k]}))
+        return out
+    return execute
+
+
+async def test_a_streamed_burst_hands_over_each_step_while_the_next_computes_and_stops_when_told():
+    gates = [threading.Event() for _ in range(6)]
+    burst = StreamedBurst(_burst_of(6, gates), SchedulerOutput(num_steps=6), anyio.CapacityLimiter(1))
+    seen: list[int] = []
+    arrived = [trio.Event() for _ in range(6)]
+
+    def on_step(step: ModelRunnerOutput) -> bool:
+        (token,) = step.sampled_token_ids["a"]
+        seen.append(token)
+        arrived[token].set()
+        return token < 1  # the consumer asks to stop after step 1's tokens
+
+    async with trio.open_nursery() as nursery:
+        result: list[ModelRunnerOutput] = []
+        nursery.start_soon(lambda: _collect(burst.run(on_step), result))
+        await arrived[0].wait()
+        assert seen == [0] and not gates[1].is_set()  # step 0's token is out while step 1 computes
+        gates[1].set()
+        await arrived[1].wait()  # the consumer said stop here: the step in flight (2) is the last
+        gates[2].set()
+    assert seen == [0, 1, 2] and result[0].steps_run == 3 and not any(g.is_set() for g in gates[3:])
+
+
+async def _collect(awaitable, into: list) -> None:
+    into.append(await awaitable)
+
+
+async def test_a_cancelled_streamed_burst_ends_after_the_step_in_flight():
+    gates = [threading.Event() for _ in range(4)]
+    burst = StreamedBurst(_burst_of(4, gates), SchedulerOutput(num_steps=4), anyio.CapacityLimiter(1))
+    arrived = trio.Event()
+
+    def on_step(step: ModelRunnerOutput) -> bool:
+        arrived.set()
+        return True
+
+    scope = trio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await burst.run(on_step)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await arrived.wait()
+        scope.cancel()  # the burst's task waits for the thread, which is in step 1
+        await trio.testing.wait_all_tasks_blocked()  # the cancellation has reached the burst
+        gates[1].set()
+    assert scope.cancelled_caught and not gates[2].is_set()  # it stopped after step 1: step 2 never waited
+
+
+async def test_in_process_a_message_ends_a_streamed_burst_at_the_next_step(tiny_model_dir, monkeypatch):
+    """A request's burst of up to 64 decodes is held in its third step until a second request has
+    been submitted; the burst then ends within a step and the second request's prompt runs, long
+    before the first request's 64 tokens are done."""
+    hold, held = threading.Event(), threading.Event()
+    steps_run: list[int] = []
+    execute = ModelRunner.execute
+
+    def held_execute(self, sched_out, on_step=None):
+        if on_step is None:
+            return execute(self, sched_out)
+        calls = 0
+
+        def step(tokens):
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                held.set()
+                assert hold.wait(timeout=30)
+            return on_step(tokens)
+        out = execute(self, sched_out, step)
+        steps_run.append(out.steps_run)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "execute", held_execute)
+    order: list[str] = []
+    async with open_engine(engine_config(tiny_model_dir, num_scheduler_steps=64)) as engine:
+        async def run(rid: str, prompt: list[int], max_tokens: int) -> None:
+            async for output in engine.generate(prompt, greedy(max_tokens, ignore_eos=True), request_id=rid):
+                order.append(rid)
+                if rid == "a" and output.finished:
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", [1, 2, 3], 66)
+            await trio.to_thread.run_sync(held.wait)
+            nursery.start_soon(run, "b", [4, 5], 2)
+            await trio.testing.wait_all_tasks_blocked()  # b's request is in the core's inbox
+            assert engine.core.num_pending_messages == 1
+            hold.set()
+    assert steps_run[0] <= 4  # three steps, and the one in flight when the core saw the message
+    assert order.index("b") < len(order) - 40  # b's first token came while a had most of its own to go

@@ -34,9 +34,10 @@ from engine.core_request import EngineCoreRequest
 from engine.errors import EngineDeadError, InvalidRequestError, LoRAError, RequestFailedError
 from engine.executor.base import Executor, PendingStep
 from engine.executor.rpc import WorkerError
+from engine.executor.streamed_burst import StreamedBurst
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.render.tokenizer import Tokenizer
-from engine.sched.output import NewRequestData, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import RequestUpdate, Scheduler
 
@@ -366,6 +367,9 @@ class EngineCore:
         """Await the oldest step in flight and publish its outputs. Cancellation waits for that
         step to end, then propagates."""
         step = self._in_flight[0]
+        if isinstance(step.pending, StreamedBurst):
+            await self._finish_streamed_burst(step, step.pending)
+            return
         result = await step.pending.result()
         self._in_flight.popleft()
         if self.eplb is not None:
@@ -376,6 +380,27 @@ class EngineCore:
         self.num_steps += 1
         self.observer.on_step(iteration_tokens(updates))
         self._publish(updates, anyio.current_time())
+
+    async def _finish_streamed_burst(self, step: _StepInFlight, burst: StreamedBurst) -> None:
+        """Run a decode burst, publishing each step's tokens while the next computes. It ends early
+        once a request in it has finished or a message waits (a new request joins at the next
+        step, an abort lands there). Cancellation: as `StreamedBurst.run`."""
+        steps_taken = 0
+
+        def take(tokens: ModelRunnerOutput) -> bool:
+            nonlocal steps_taken
+            updates = self.scheduler.update_from_burst_step(step.sched_out, tokens, first=steps_taken == 0)
+            steps_taken += 1
+            self.observer.on_step(iteration_tokens(updates))
+            self._publish(updates, anyio.current_time())
+            return self.num_pending_messages == 0 and all(self.scheduler.is_running(item.request_id)
+                                                          for item in step.sched_out.scheduled)
+
+        result = await burst.run(take)
+        self._in_flight.popleft()
+        if result.failed:
+            self._fail_requests(result.failed)
+        self.num_steps += 1
 
     def _publish(self, updates: list[RequestUpdate], now: float) -> None:
         touched: dict[str, RequestTracker] = {}

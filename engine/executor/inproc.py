@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.eplb.plan import LayerPlan
 from engine.executor.base import Executor, PendingStep
 from engine.executor.step_queue import StepQueue, device_backend_for
+from engine.executor.streamed_burst import StreamedBurst
 from engine.model_info import ModelInfo
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
@@ -60,12 +61,15 @@ class InProcExecutor(Executor):
         return 2 if self._async_scheduling else 1
 
     async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:
-        """With async scheduling, queue the step and return at once; else run it to the end.
-        Cancellation: a queued step runs anyway (its `PendingStep.result` waits for it); else as
-        `execute_model`."""
-        if self._steps is None:
-            return await super().start_model(sched_out)
-        return self._steps.start(sched_out)
+        """With async scheduling, queue the step and return at once; a decode burst is returned
+        unstarted, for the core to run as it streams (`StreamedBurst`); else run the step to the
+        end. Cancellation: a queued step runs anyway (its `PendingStep.result` waits for it); else
+        as `execute_model`."""
+        if self._steps is not None:
+            return self._steps.start(sched_out)
+        if sched_out.num_steps > 1:  # a decode burst: its tokens stream step by step (`StreamedBurst.run`)
+            return StreamedBurst(self.worker.execute_model, sched_out, self._limiter)
+        return await super().start_model(sched_out)
 
     async def load_model(self) -> ModelInfo:
         if self._info is None:  # an LLM facade reuses a loaded worker across engine runs

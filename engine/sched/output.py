@@ -103,6 +103,8 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # with EPLB: tokens routed to each physical expert this step, [MoE layers][physical] (nested lists)
     expert_load: Any = None
+    # a decode burst's steps that ran (a streamed burst may end early: `ModelRunner.execute`'s `on_step`)
+    steps_run: int = 1
     # the step's sample while it is still being copied to the host (see `resolve`); never pickled
     pending: PendingSample | None = field(default=None, repr=False, compare=False)
 

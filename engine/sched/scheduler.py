@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine.sched.block_manager import CachedPrefix, KVBlockManager
@@ -483,9 +483,28 @@ class Scheduler:
 
     def update_from_output(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance every scheduled request by what the step computed and sampled."""
-        updates = []
         for item in sched_out.scheduled:
             self._landed(item)
+        return self._take_output(sched_out, result)
+
+    def is_running(self, request_id: str) -> bool:
+        """Whether the request is scheduled on (not finished, aborted or preempted)."""
+        request = self.requests.get(request_id)
+        return request is not None and request.status == RequestStatus.RUNNING
+
+    def update_from_burst_step(self, sched_out: SchedulerOutput, step: ModelRunnerOutput,
+                               first: bool) -> list[RequestUpdate]:
+        """One step of a decode burst whose tokens come back step by step while it runs (the
+        in-process executor streams them, `StreamedBurst`): each advances its requests by one
+        position, as a one-step output would. The burst lands with its `first` step: nothing is
+        scheduled until it has ended, and a burst that ends early keeps the blocks it took."""
+        if first:
+            for item in sched_out.scheduled:
+                self._landed(item)
+        return self._take_output(replace(sched_out, num_steps=1), step)
+
+    def _take_output(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = []
         for item in sched_out.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -29,7 +29,8 @@ class EncoderRunner:
         self.requests: dict[str, EncoderRequest] = {}
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched_out: SchedulerOutput, on_step: object = None) -> ModelRunnerOutput:
+        """The step's pooling requests (an encoder is never scheduled in bursts: `on_step` unused)."""
         for rid in sched_out.finished_request_ids:
             self.requests.pop(rid, None)
         for new in sched_out.new_requests:

@@ -124,6 +124,21 @@ class BurstSample:
         return tokens
 
 
+# A streamed burst's consumer: takes one step's tokens; returns whether the burst may go on.
+StepSink = Callable[[ModelRunnerOutput], bool]
+
+
+def step_tokens(sample: StepSample | None) -> ModelRunnerOutput:
+    """One step's tokens (and logprobs where asked) as an output of their own: a streamed burst's."""
+    out = ModelRunnerOutput()
+    if sample is not None:
+        for rid, (token, logprobs) in sample.read().items():
+            out.sampled_token_ids[rid] = [token]
+            if logprobs is not None:
+                out.logprobs[rid] = [logprobs]
+    return out
+
+
 @dataclass(frozen=True)
 class RankRole:
     """Where a rank stands. Under tensor parallelism every rank computes the logits (a
@@ -194,32 +209,44 @@ class ModelRunner:
         self.tp_rank = role.tp_rank
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched_out: SchedulerOutput, on_step: StepSink | None = None) -> ModelRunnerOutput:
         """One step (a decode burst's steps, `SchedulerOutput.num_steps`). A request whose own
         inputs fail it (while its state is set up, or while it is sampled) is left out and reported
         in `failed`; only a failure of the forward pass itself, which no request can be blamed for,
-        raises."""
+        raises.
+
+        `on_step` (a burst only): each step's tokens are handed to it as soon as they are sampled,
+        one `ModelRunnerOutput` per step, and the burst goes on while it returns True. The result
+        then carries no tokens, only what failed and how many steps ran (`steps_run`)."""
         out = self._execute_one(sched_out)
         if sched_out.num_steps > 1:
-            self._run_burst(sched_out, out)
+            self._run_burst(sched_out, out, on_step)
         return out
 
-    def _run_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput) -> None:
+    def _run_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput, on_step: StepSink | None) -> None:
         """The rest of a decode burst after its first step (`out`): the same decodes again, one
         position on, each input the token the step before sampled, read on the device as async
-        scheduling's placeholders are (`_fill_placeholders`). `out` then carries every step's sample."""
+        scheduling's placeholders are (`_fill_placeholders`). `out` then carries every step's sample,
+        or, with `on_step`, none: each went to `on_step` as it was sampled."""
         samples = [out.pending] if isinstance(out.pending, StepSample) else []
+        keep_going = on_step is None or on_step(step_tokens(samples[-1] if samples else None))
         for i in range(1, sched_out.num_steps):
             live = [s for s in sched_out.scheduled if s.request_id not in out.failed]
-            if not live:
+            if not live or not keep_going:
                 break
             step = self._execute_one(SchedulerOutput(scheduled=[
                 ScheduledRequest(s.request_id, [PLACEHOLDER_TOKEN], s.start_position + i, s.block_tables, sample=True)
                 for s in live]))
             out.failed.update(step.failed)
-            if isinstance(step.pending, StepSample):
-                samples.append(step.pending)
-        if samples:
+            out.steps_run += 1
+            sample = step.pending if isinstance(step.pending, StepSample) else None
+            if sample is not None:
+                samples.append(sample)
+            if on_step is not None:
+                keep_going = on_step(step_tokens(sample))
+        if on_step is not None:
+            out.pending = None
+        elif samples:
             out.pending = BurstSample(samples)
 
     def _execute_one(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:

@@ -48,7 +48,7 @@ from engine.worker.expert_mover import ExpertMover
 from engine.worker.gpu_memory import GIB, CudaMemory, MemoryProbe, kv_cache_budget, measure
 from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.graph_plan import DecodeRunner, GraphPlan
-from engine.worker.model_runner import ModelRunner, RankRole, RunnerFeatures, RunnerGraphs
+from engine.worker.model_runner import ModelRunner, RankRole, RunnerFeatures, RunnerGraphs, StepSink
 from engine.worker.step_graph import StepGraph
 from engine.worker.thread_tuner import ThreadTuner
 
@@ -445,13 +445,14 @@ class Worker:
         """This rank samples and replies: the first tensor-parallel rank of the last stage."""
         return self.stage.is_last and self.tp.rank == 0
 
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """The step, its sample read back to the host (this thread waits for the device)."""
-        output = self.start_model(sched_out)
+    def execute_model(self, sched_out: SchedulerOutput, on_step: StepSink | None = None) -> ModelRunnerOutput:
+        """The step, its sample read back to the host (this thread waits for the device).
+        `on_step`: a decode burst's tokens step by step (`ModelRunner.execute`)."""
+        output = self.start_model(sched_out, on_step)
         output.resolve()
         return output
 
-    def start_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def start_model(self, sched_out: SchedulerOutput, on_step: StepSink | None = None) -> ModelRunnerOutput:
         """The step, its sample possibly still on its way to the host: `output.pending`, whose
         `stream` a `DeviceEvent` is recorded on before `output.resolve()` (the step queue's way)."""
         assert self.runner is not None, "initialize_kv_cache() first"
@@ -461,8 +462,8 @@ class Worker:
             if sched_out.eplb_commit is not None:
                 self.eplb_commit_layer(sched_out.eplb_commit)
             if tuner is None or threads is None:
-                return self.runner.execute(sched_out)
-            return self._execute_tuned(sched_out, tuner, threads)
+                return self.runner.execute(sched_out, on_step)
+            return self._execute_tuned(sched_out, tuner, threads, on_step)
 
     def _cpus_for(self, threads: int | None) -> tuple[int, ...] | None:
         """The CPUs a step on `threads` runs on (None: unbound). A borrowed CPU joins only for
@@ -472,15 +473,16 @@ class Worker:
             return self.compute_cpus
         return self.layout.cpus_for(threads)
 
-    def _execute_tuned(self, sched_out: SchedulerOutput, tuner: ThreadTuner, threads: int) -> ModelRunnerOutput:
+    def _execute_tuned(self, sched_out: SchedulerOutput, tuner: ThreadTuner, threads: int,
+                       on_step: StepSink | None) -> ModelRunnerOutput:
         """The step on `threads`, the count the tuner picked, timed for it."""
         assert self.runner is not None
         if torch.get_num_threads() != threads:  # per thread: a pool may hand us another one
             torch.set_num_threads(threads)
         started = time.perf_counter()
-        output = self.runner.execute(sched_out)
+        output = self.runner.execute(sched_out, on_step)
         before, probe = tuner.threads, tuner.last_probe
-        tuner.record(threads, (sched_out.total_num_tokens, sched_out.num_steps), time.perf_counter() - started)
+        tuner.record(threads, (sched_out.total_num_tokens, output.steps_run), time.perf_counter() - started)
         if tuner.last_probe is not probe:
             logger.debug("probed %d compute threads: steps took %.2fx the time of %d", tuner.last_probe[0],
                          tuner.last_probe[1] or 0.0, before)
