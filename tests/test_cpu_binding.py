@@ -69,7 +69,8 @@ async def test_the_forward_pass_runs_on_the_compute_cpus_only(tiny_model_dir):
         async with open_engine(engine_config(tiny_model_dir, cpu_layout=layout)) as engine:
             runner = engine.core.executor.worker.runner
             execute = runner.execute
-            runner.execute = lambda sched_out: (seen.append(os.sched_getaffinity(0)), execute(sched_out))[1]
+            runner.execute = lambda sched_out, on_step=None: (seen.append(os.sched_getaffinity(0)),
+                                                              execute(sched_out, on_step))[1]
             assert torch.get_num_threads() == 1
             done = await final_output(engine, [5, 6, 7], greedy(3))
         assert len(done.outputs[0].token_ids) == 3
@@ -103,8 +104,8 @@ async def test_a_step_on_a_borrowed_cpu_runs_there_and_the_next_gives_it_back(ti
             worker.thread_tuner = ScriptedTuner([1, 2])
             runner = worker.runner
             execute = runner.execute
-            runner.execute = lambda sched_out: (seen.append((os.sched_getaffinity(0), torch.get_num_threads())),
-                                                execute(sched_out))[1]
+            runner.execute = lambda sched_out, on_step=None: (
+                seen.append((os.sched_getaffinity(0), torch.get_num_threads())), execute(sched_out, on_step))[1]
             done = await final_output(engine, [5, 6, 7], greedy(4))
         assert len(done.outputs[0].token_ids) == 4
     finally:
