@@ -396,7 +396,7 @@ class EngineCore:
             return self.num_pending_messages == 0 and all(self.scheduler.is_running(item.request_id)
                                                           for item in step.sched_out.scheduled)
 
-        result = await burst.run(take)
+        result = await burst.run(take)  # no EPLB here: bursts run with one worker, EPLB with several
         self._in_flight.popleft()
         if result.failed:
             self._fail_requests(result.failed)

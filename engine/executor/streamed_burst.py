@@ -31,8 +31,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.concurrency.to_the_end import run_to_the_end
 from engine.executor.base import PendingStep
-from engine.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine.worker.model_runner import StepSink
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput, StepSink
 
 BurstExecute = Callable[[SchedulerOutput, StepSink], ModelRunnerOutput]
 

@@ -6,6 +6,7 @@ later, over a socket to a worker process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -122,3 +123,8 @@ class ModelRunnerOutput:
     def __getstate__(self) -> dict[str, Any]:
         assert self.pending is None, "resolve() a step's output before sending it"
         return self.__dict__
+
+
+# A streamed decode burst's consumer (`ModelRunner.execute`'s `on_step`): takes one step's tokens,
+# returns whether the burst may go on.
+StepSink = Callable[[ModelRunnerOutput], bool]

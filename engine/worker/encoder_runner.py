@@ -10,7 +10,7 @@ from engine.model_info import PoolerConfig
 from engine.models.bert import BertEncoder
 from engine.models.pooler import finish, pool, pool_batch
 from engine.pooling_params import PoolingParams
-from engine.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepSink
 
 MAX_ROWS_PER_FORWARD = 32
 
@@ -29,7 +29,7 @@ class EncoderRunner:
         self.requests: dict[str, EncoderRequest] = {}
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput, on_step: object = None) -> ModelRunnerOutput:
+    def execute(self, sched_out: SchedulerOutput, on_step: StepSink | None = None) -> ModelRunnerOutput:
         """The step's pooling requests (an encoder is never scheduled in bursts: `on_step` unused)."""
         for rid in sched_out.finished_request_ids:
             self.requests.pop(rid, None)

@@ -32,6 +32,7 @@ from engine.sched.output import (
     NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
+    StepSink,
     TokenLogprobs,
 )
 from engine.worker.cuda_graphs import CapturedDecode
@@ -122,10 +123,6 @@ class BurstSample:
             for rid, sampled in sample.read().items():
                 tokens.setdefault(rid, []).append(sampled)
         return tokens
-
-
-# A streamed burst's consumer: takes one step's tokens; returns whether the burst may go on.
-StepSink = Callable[[ModelRunnerOutput], bool]
 
 
 def step_tokens(sample: StepSample | None) -> ModelRunnerOutput:

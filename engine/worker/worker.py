@@ -38,7 +38,7 @@ from engine.models.packed_linear import slower_than_float32
 from engine.models.parallel import PipelineStage, TensorParallel, init_distributed
 from engine.models.pooler import read_pooler_config
 from engine.models.vision import LlavaVision
-from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput, StepSink
 from engine.worker.compile_child import CompileJob
 from engine.worker.cpu_allocator import keep_freed_memory_in_heap, lazily_zeroed
 from engine.worker.cuda_graphs import CallThrough, CapturedDecode, CudaGraphCapture, max_table_blocks
@@ -48,7 +48,7 @@ from engine.worker.expert_mover import ExpertMover
 from engine.worker.gpu_memory import GIB, CudaMemory, MemoryProbe, kv_cache_budget, measure
 from engine.worker.grammar_masks import GrammarMasks
 from engine.worker.graph_plan import DecodeRunner, GraphPlan
-from engine.worker.model_runner import ModelRunner, RankRole, RunnerFeatures, RunnerGraphs, StepSink
+from engine.worker.model_runner import ModelRunner, RankRole, RunnerFeatures, RunnerGraphs
 from engine.worker.step_graph import StepGraph
 from engine.worker.thread_tuner import ThreadTuner
 
