@@ -246,15 +246,17 @@ def test_the_q8_0_one_row_form_computes_what_the_dequantized_weight_does():
 
 def test_eagerly_a_few_rows_times_a_q8_0_weight_run_our_kernel_on_the_blocks_as_they_are(monkeypatch):
     """Outside a graph up to 16 rows (a batch of decodes) take engine/kernels/q8_0_rows.c, in
-    float32 (one row: the same sum as inductor's `q8_0_row_times`), on one thread or split over
-    several; more rows, or bfloat16 rows, keep the dequantized matmul."""
+    float32 (one row: the same sum as inductor's `q8_0_row_times`), for every count of rows, on one
+    thread or split over several; more rows, or bfloat16 rows, keep the dequantized matmul."""
     from engine.kernels import q8_0_rows
     from engine.models import quantized_linear
 
     generator = torch.Generator().manual_seed(2)
     qweight, scales = quantize_weight(torch.randn(301, 128, generator=generator), "q8_0")
     weight = (qweight.double().reshape(301, -1, 32) * scales.double()[..., None]).reshape(301, 128)
-    x, exact = assert_few_rows_equal_float64s(q8_0_rows.row_times, qweight, scales, weight, (1, 5, 16), generator)
+    # every count: each takes its own shape of tile (weight rows x input rows), and 301 weight rows
+    # leave a last partial tile on every thread
+    x, exact = assert_few_rows_equal_float64s(q8_0_rows.row_times, qweight, scales, weight, range(1, 17), generator)
     row = x[:1]
     torch.testing.assert_close(q8_0_rows.row_times(row, qweight, scales, 1), q8_0_row_times(row, qweight, scales),
                                rtol=1e-5, atol=1e-5)
