@@ -23,7 +23,7 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.
 QUANTIZATIONS = ("int8", "w8a8", "int4", "q8_0", "q4_0")
 # --kv-cache-dtype: vLLM's auto and bfloat16, and float16 (what llama.cpp holds its cache in); fp8 is not implemented
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
-Q8_0_ACTIVATIONS = ("float32", "int8")  # --q8-0-activations
+Q8_0_ACTIVATIONS = ("auto", "float32", "int8")  # --q8-0-activations
 TRUST_REMOTE_CODE_REFUSED = ("trust_remote_code: trio-llm runs no code from model directories; it loads the "
                              "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
                              "LLaVA, BERT and its cross-encoders, ColBERT) from their weights")
@@ -621,14 +621,17 @@ class EngineConfig:
         default=None,
         names=("--quantization", "-q",),
         metavar="{" + ",".join(QUANTIZATIONS) + "}")
-    # How a batch of decodes multiplies q8_0 weights: float32 rows (the default), or rows rounded to
-    # int8 per block of 32 first, as llama.cpp multiplies a Q8_0 weight (AVX-512 VNNI only;
-    # engine/kernels/q8_0_rows.c `q8_0_rows_int8`; docs/decisions.md).
+    # How a batch of decodes multiplies q8_0 weights: auto (float32 rows, or two int8 levels of each
+    # row for 10+ rows through layers of at most 512 features, where that measured faster), float32
+    # rows always, or rows rounded to int8 per block of 32 first, as llama.cpp multiplies a Q8_0
+    # weight (AVX-512 VNNI only; engine/kernels/q8_0_rows.c; docs/decisions.md).
     q8_0_activations: str = flag(
-        "how a batch of decodes multiplies q8_0 weights: float32 (rows as they are) or int8 (each row "
-        "rounded to int8 per block of 32 first, llama.cpp's Q8_0 x Q8_0 arithmetic: faster at many "
-        "decodes, less faithful; CPUs with AVX-512 VNNI only). Prompts keep float32 rows",
-        default="float32",
+        "how a batch of decodes multiplies q8_0 weights: auto (float32 rows; 10 or more rows through "
+        "layers of at most 512 features as two int8 levels, ~16 bits a value, where the CPU has AVX-512 "
+        "VNNI), float32 (rows as they are) or int8 (each row rounded to int8 per block of 32 first, "
+        "llama.cpp's Q8_0 x Q8_0 arithmetic: faster at many decodes, less faithful; AVX-512 VNNI only). "
+        "Prompts keep float32 rows",
+        default="auto",
         choices=list(Q8_0_ACTIVATIONS))
     pooling_type: str | None = flag(
         "how embeddings pool hidden states (default: the model's config; decoders: last); "

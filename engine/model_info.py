@@ -50,7 +50,9 @@ class ModelInfo:
     image_token_id: int | None = None
     image_rows: int = 0
     quantization: str | None = None  # the linear layers' weight-only quantization ("int8"), if any
-    int8_activations: bool = False  # --q8-0-activations int8: q8_0 layers round a decode batch's rows to int8
+    # How q8_0 layers multiply a batch of decodes (--q8-0-activations): "int8"; "auto" where two int8
+    # levels apply here (AVX-512 VNNI, a layer of at most 512 features); else "float32". None: no q8_0 layers.
+    q8_0_activations: str | None = None
     weight_bytes: int = 0  # this rank's weights as held (quantized layers as int8 rows and scales)
     kv_cache_dtype: str = ""  # the KV cache's dtype (--kv-cache-dtype), where it has one
     # Set by the engine, not the worker:

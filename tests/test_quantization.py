@@ -263,9 +263,10 @@ def test_eagerly_a_few_rows_times_a_q8_0_weight_run_our_kernel_on_the_blocks_as_
     calls = []
     monkeypatch.setattr(quantized_linear, "q8_0_dequantized_mm",
                         lambda rows, *_: (calls.append(tuple(rows.shape)), torch.zeros(rows.shape[0], 301))[1])
-    torch.testing.assert_close(quantized_linear.q8_0_linear(x, qweight, scales, None), exact, rtol=1e-5, atol=1e-5)
+    float_rows = quantized_linear.q8_0_linear(x, qweight, scales, None, "float32")
+    torch.testing.assert_close(float_rows, exact, rtol=1e-5, atol=1e-5)
     assert calls == []  # the kernel took the 16 rows
-    quantized_linear.q8_0_linear(torch.cat([x, row]), qweight, scales, None)
+    quantized_linear.q8_0_linear(torch.cat([x, row]), qweight, scales, None, "float32")
     assert q8_0_rows.row_times(row.bfloat16(), qweight, scales, 1) is None
     assert calls == [(17, 128)]
 
@@ -350,9 +351,9 @@ async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_fac
             if method in (MIXED, INT8_ACTIVATIONS):
                 layer = graphs.model.layers[0]
                 assert {layer.qkv_proj.qmethod, layer.mlp.down_proj.qmethod} == {"q8_0", "q4_0"}
-                q8_0_kernel = "aoti_torch_cpu_q8_0_rows" + ("_int8(" if method == INT8_ACTIVATIONS else "(")
-                assert layer.qkv_proj.int8_activations == (method == INT8_ACTIVATIONS)
-                assert not layer.mlp.down_proj.int8_activations  # q4_0 keeps float rows
+                q8_0_kernel = "aoti_torch_cpu_q8_0_rows" + ("_int8(" if method == INT8_ACTIVATIONS else "_auto(")
+                assert layer.qkv_proj.q8_0_activations == ("int8" if method == INT8_ACTIVATIONS else "auto")
+                assert layer.mlp.down_proj.q8_0_activations is None  # q4_0: float rows
                 assert_one_row_calls_our_kernels(graphs, [q8_0_kernel, "aoti_torch_cpu_q4_rows("])
                 assert a_new_process_loads_the_saved_graphs(config)
     assert tokens[False] == tokens[True]  # int8 and w8a8 also equal transformers' (the test above)
@@ -438,12 +439,43 @@ def test_int8_activations_compute_llama_cpps_q8_0_products(out_features, in_feat
     torch.testing.assert_close(q8_0_int8_linear(prompt, qweight, scales), q8_0_dequantized_mm(prompt, qweight, scales))
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (40, 768), (4, 32)])  # 16s and a tail
+def test_two_int8_levels_hold_each_value_to_a_508th_of_its_step(out_features, in_features):
+    """`q8_0_rows_int8x2` (what --q8-0-activations auto runs for many rows through short ones):
+    each row rounded to int8 per block, then its remainders in 254ths of a step, on VNNI. Every
+    output is within the bound that precision gives (each value within 1/508 of its block's step),
+    over a hundred times closer to the float64 product than one level (llama.cpp's), on one thread
+    or two alike. Auto is that kernel exactly for 10 or more rows through at most 512 features (with
+    VNNI), the float32 kernel exactly otherwise."""
+    from engine.kernels import q8_0_rows
+
+    generator = torch.Generator().manual_seed(in_features + 1)
+    qweight, scales = quantize_per_block(torch.randn(out_features, in_features, generator=generator))
+    blocks = qweight.double().view(out_features, -1, 32) * scales.double()[..., None]
+    for rows in (1, 3, 10, 16):
+        x = torch.randn(rows, in_features, generator=generator)
+        x[0, 32:64] = 0.0  # a block of zeros (where there are two): step 0, no division by it
+        exact = x.double() @ blocks.reshape(out_features, -1).t()
+        step = x.double().view(rows, -1, 32).abs().amax(-1) / 127
+        bound = torch.einsum("rb,ob->ro", step / 508, blocks.abs().sum(-1)) + 1e-5 * exact.abs() + 1e-6
+        got = q8_0_rows.TWO_LEVELS.row_times(x, qweight, scales, 1)
+        assert got is not None and torch.equal(q8_0_rows.TWO_LEVELS.row_times(x, qweight, scales, 2), got)
+        error = (got.double() - exact).abs()
+        assert (error <= bound).all()
+        one_level = (q8_0_rows.int8_row_times(x, qweight, scales, 1).double() - exact).abs().max()
+        assert error.max() < one_level / 100
+        two_levels = (rows >= q8_0_rows.TWO_LEVELS_FROM_ROWS and in_features <= q8_0_rows.TWO_LEVELS_UP_TO_K
+                      and q8_0_rows.int8_fast())
+        auto = q8_0_rows.auto_row_times(x, qweight, scales, 2)
+        assert torch.equal(auto, got if two_levels else q8_0_rows.row_times(x, qweight, scales, 2))
+
+
 def test_int8_activations_without_q8_0_layers_fail_start_up_naming_why(tmp_path_factory):
     path, _ = save_hf_checkpoint(tmp_path_factory, "float-for-int8", LlamaConfig, LlamaForCausalLM, COMMON)
     worker = Worker(EngineConfig(model=str(path), dtype="float32", enforce_eager=True, q8_0_activations="int8"))
     with pytest.raises(ModelLoadError, match="no q8_0 layers"):
         worker.load_model()
-    with pytest.raises(ValueError, match="q8_0_activations must be one of float32, int8"):
+    with pytest.raises(ValueError, match="q8_0_activations must be one of auto, float32, int8"):
         EngineConfig(model=str(path), q8_0_activations="int4")
 
 

@@ -103,7 +103,7 @@ def test_a_vllm_serve_command_line_carries_over(capsys, caplog):
     assert engine_options(serve.parse_args(["m", "--dtype", "float"]))["dtype"] == "float32"
     assert chosen["kv_cache_dtype"] == "auto"
     assert engine_options(serve.parse_args(["m", "--kv-cache-dtype", "float16"]))["kv_cache_dtype"] == "float16"
-    assert chosen["q8_0_activations"] == "float32"
+    assert chosen["q8_0_activations"] == "auto"
     assert engine_options(serve.parse_args(["m", "--q8-0-activations", "int8"]))["q8_0_activations"] == "int8"
     refused = [(["--quantization", "awq"], "--quantization awq: not implemented here; trio-llm quantizes"),
                (["--trust-remote-code"], "runs no code from model directories"),
@@ -298,16 +298,20 @@ def test_every_engine_option_is_declared_once_on_its_config_field():
                                                                compile_in_background=True)
 
 
-def test_int8_activations_say_so_in_the_start_up_lines():
-    """--q8-0-activations int8 changes the results for speed: the weights' line says so."""
+def test_q8_0_activations_say_so_in_the_start_up_lines():
+    """--q8-0-activations int8 changes the results for speed, and auto's two int8 levels change
+    their last digits: the weights' line says which, where it applies."""
     from engine.model_info import ModelInfo
     from web.http.startup import _quantization_line
 
-    info = ModelInfo(32000, 256, 2048, (2,), "float32", 1024, "decoder", quantization="q8_0")
-    assert _quantization_line(info) == "linear layers q8_0 weight-only"
-    assert _quantization_line(ModelInfo(32000, 256, 2048, (2,), "float32", 1024, "decoder", quantization="q8_0",
-                                        int8_activations=True)) == (
-        "linear layers q8_0; the q8_0 ones round a batch of decodes' rows to int8 per block "
-        "(--q8-0-activations int8)")
+    def line(activations):
+        return _quantization_line(ModelInfo(32000, 256, 2048, (2,), "float32", 1024, "decoder", quantization="q8_0",
+                                            q8_0_activations=activations))
+
+    assert line("float32") == line(None) == "linear layers q8_0 weight-only"
+    assert line("int8") == ("linear layers q8_0; the q8_0 ones round a batch of decodes' rows to int8 per block "
+                            "(--q8-0-activations int8)")
+    assert line("auto").startswith("linear layers q8_0 weight-only; a batch of 10 or more decodes meets q8_0 layers "
+                                   "of at most 512 features as two int8 levels")
     assert _quantization_line(ModelInfo(32000, 256, 2048, (2,), "float32", 1024, "decoder")) == "not quantized"
 

@@ -254,6 +254,10 @@ static void rows_times(const struct rows_job *job) {
  * one does a quarter of the instructions. Without VNNI the same sums run one product at a time
  * (the same results, slowly: the option is for machines that have it).
  *
+ * The same products in two levels (`q8_0_rows_int8x2`, what `--q8-0-activations auto` runs for a
+ * large batch through short rows): each row's remainders after rounding, in 254ths of a step, as a
+ * second int8 row, so that the values keep ~16 bits instead of 8, for half the speed of one level.
+ *
  * `vpdpbusd` multiplies unsigned bytes by signed ones, each lane summing four products. The lanes
  * are 16 weight rows: a block of 16 rows (32 bytes each, row-major as the file has them) is
  * transposed in registers into 8 vectors of 4 bytes of each row (24 two-source permutes, once for
@@ -263,26 +267,65 @@ struct int8_rows {
     const int8_t *xq;    /* [rows, k] the input rows rounded to int8 per block */
     const float *dx;     /* [rows, k / 32] their scales */
     const int32_t *xsum; /* [rows, k / 32] 128 x each block's sum of int8 values */
+    const int8_t *low;   /* NULL (one level), or [rows, k]: what xq leaves of each value, in 254ths of a step */
+    const int32_t *low_sum; /* [rows, k / 32] 128 x each block's sum of `low` */
 };
 
-/* Round each row of x [rows, k] to int8 per block of 32: scale = max |x| / 127 (as llama.cpp's
- * quantize_row_q8_0), values x * (127 / max) rounded to nearest, ties to even. */
-static void quantize_rows(const float *x, long rows, long k, int8_t *xq, float *dx, int32_t *xsum) {
+/* Round block b of row r of x [rows, k] (32 values v) to int8: scale = max |v| / 127 (as llama.cpp's
+ * quantize_row_q8_0), values v * (127 / max) rounded to nearest, ties to even; with `low`, each
+ * value's remainder too, in 254ths of a step (t - q is exact, and |t - q| <= 1/2: at most 127
+ * 254ths, an int8). */
+static inline void quantize_block(const float *v, float inv, int8_t *xq, int32_t *xsum, int8_t *low, int32_t *low_sum) {
+#ifdef __AVX512F__
+    int32_t sum = 0, rest = 0;
+    for (int half = 0; half < 2; half++) {
+        __m512 t = _mm512_mul_ps(_mm512_loadu_ps(v + 16 * half), _mm512_set1_ps(inv));
+        __m512 q = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i qi = _mm512_cvtps_epi32(q);
+        _mm_storeu_si128((__m128i *)(xq + 16 * half), _mm512_cvtepi32_epi8(qi));
+        sum += _mm512_reduce_add_epi32(qi);
+        if (low != NULL) {
+            __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(t, q), _mm512_set1_ps(254.0f)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i li = _mm512_cvtps_epi32(l);
+            _mm_storeu_si128((__m128i *)(low + 16 * half), _mm512_cvtepi32_epi8(li));
+            rest += _mm512_reduce_add_epi32(li);
+        }
+    }
+#else
+    int32_t sum = 0, rest = 0;
+    for (long i = 0; i < BLOCK; i++) {
+        float t = v[i] * inv;
+        int32_t q = (int32_t)nearbyintf(t);
+        xq[i] = (int8_t)q;
+        sum += q;
+        if (low != NULL) {
+            int32_t l = (int32_t)nearbyintf((t - (float)q) * 254.0f);
+            low[i] = (int8_t)l;
+            rest += l;
+        }
+    }
+#endif
+    *xsum = 128 * sum;
+    if (low != NULL)
+        *low_sum = 128 * rest;
+}
+
+/* Every block of x [rows, k] rounded by `quantize_block`; dx: each block's step (over 254 with `low`). */
+static void quantize_rows(const float *x, long rows, long k, int8_t *xq, float *dx, int32_t *xsum, int8_t *low,
+                          int32_t *low_sum) {
+    long blocks = k / BLOCK;
     for (long r = 0; r < rows; r++)
-        for (long b = 0; b < k / BLOCK; b++) {
+        for (long b = 0; b < blocks; b++) {
             const float *v = x + r * k + b * BLOCK;
             float amax = 0.0f;
             for (long i = 0; i < BLOCK; i++)
                 amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
             float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int32_t sum = 0;
-            for (long i = 0; i < BLOCK; i++) {
-                int32_t q = (int32_t)nearbyintf(v[i] * inv);
-                xq[r * k + b * BLOCK + i] = (int8_t)q;
-                sum += q;
-            }
-            dx[r * (k / BLOCK) + b] = amax / 127.0f;
-            xsum[r * (k / BLOCK) + b] = 128 * sum;
+            long at = r * blocks + b;
+            quantize_block(v, inv, xq + r * k + b * BLOCK, xsum + at, low == NULL ? NULL : low + r * k + b * BLOCK,
+                           low_sum == NULL ? NULL : low_sum + at);
+            dx[at] = amax / 127.0f / (low != NULL ? 254.0f : 1.0f);
         }
 }
 
@@ -292,9 +335,14 @@ static void int8_one(const struct rows_job *job, const struct int8_rows *in, lon
     for (long r = 0; r < job->rows; r++) {
         float total = 0.0f;
         for (long blk = 0; blk < blocks; blk++) {
-            int32_t sum = 0;
-            for (long i = 0; i < BLOCK; i++)
+            int32_t sum = 0, rest = 0;
+            for (long i = 0; i < BLOCK; i++) {
                 sum += (int32_t)job->w[o * k + blk * BLOCK + i] * in->xq[r * k + blk * BLOCK + i];
+                if (in->low != NULL)
+                    rest += (int32_t)job->w[o * k + blk * BLOCK + i] * in->low[r * k + blk * BLOCK + i];
+            }
+            if (in->low != NULL)
+                sum = sum * 254 + rest;
             total += (float)sum * (job->scales[o * blocks + blk] * in->dx[r * blocks + blk]);
         }
         job->out[r * job->n + o] = total;
@@ -342,8 +390,9 @@ static inline void transposed_block(const int8_t *w, long k, long o, long blk, _
         t[j] = _mm512_xor_si512(t[j], _mm512_set1_epi8((char)0x80));
 }
 
-/* Every input row against weight rows [o, o + 16). */
-static void int8_sixteen(const struct rows_job *job, const struct int8_rows *in, long o) {
+/* Every input row against weight rows [o, o + 16), the rows in `levels` (1 or 2) int8 parts. */
+static inline __attribute__((always_inline)) void int8_sixteen(const struct rows_job *job, const struct int8_rows *in,
+                                                               long o, const int levels) {
     long k = job->k, blocks = k / BLOCK, rows = job->rows;
     __m512 acc[MAX_ROWS];
     for (long r = 0; r < rows; r++)
@@ -359,6 +408,14 @@ static void int8_sixteen(const struct rows_job *job, const struct int8_rows *in,
             __m512i sum = _mm512_set1_epi32(-in->xsum[r * blocks + blk]);
             for (int u = 0; u < 8; u++)
                 sum = _mm512_dpbusd_epi32(sum, t[u], _mm512_set1_epi32(xr[u]));
+            if (levels == 2) { /* the remainders: 254ths of a step, summed apart (an independent chain) */
+                const int32_t *lr = (const int32_t *)(in->low + r * k + blk * BLOCK);
+                __m512i rest = _mm512_set1_epi32(-in->low_sum[r * blocks + blk]);
+                for (int u = 0; u < 8; u++)
+                    rest = _mm512_dpbusd_epi32(rest, t[u], _mm512_set1_epi32(lr[u]));
+                /* 254 x sum + rest: |254 x sum| <= 32 * 127 * 127 * 254, well inside int32 */
+                sum = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(sum, 8), _mm512_slli_epi32(sum, 1)), rest);
+            }
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(in->dx[r * blocks + blk])),
                                      acc[r]);
         }
@@ -373,7 +430,10 @@ static void int8_share(const struct rows_job *job, const struct int8_rows *in) {
     long o = job->first;
 #ifdef __AVX512VNNI__
     for (; o + 16 <= job->end; o += 16)
-        int8_sixteen(job, in, o);
+        if (in->low != NULL)
+            int8_sixteen(job, in, o, 2);
+        else
+            int8_sixteen(job, in, o, 1);
 #endif
     for (; o < job->end; o++)
         int8_one(job, in, o);
@@ -388,21 +448,28 @@ int q8_0_rows_int8_fast(void) {
 #endif
 }
 
-/* As `q8_0_rows_f32`, with the input rows rounded to int8 per block first (llama.cpp's Q8_0 x Q8_0
- * arithmetic, above). Returns 0, or -1 for a shape this kernel does not take. */
-int q8_0_rows_int8(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
-                   long threads) {
+/* As `q8_0_rows_f32`, with the input rows rounded to int8 per block first, in `levels` parts: one
+ * (llama.cpp's Q8_0 x Q8_0 arithmetic, above), or two: each value's remainder after the first, in
+ * 254ths of its step, as a second int8 row (`q8_0_rows_int8x2`). Two levels hold each value to
+ * within 1/508 of its block's step (max |x| / 127), 1/64,516 of the block's largest value: about
+ * float16's precision for the largest values, where one level's error is 254 times that. The two
+ * sums of a block are independent chains of VNNI products, joined as 254 x the first plus the
+ * second. Returns 0, or -1 for a shape this kernel does not take. */
+static int int8_rows_times(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
+                           long threads, int levels) {
     if (k % BLOCK != 0 || rows < 1 || rows > MAX_ROWS)
         return -1;
     long scales_per_row = k / BLOCK;
-    char *memory = malloc(rows * k + rows * scales_per_row * (sizeof(float) + sizeof(int32_t)));
+    char *memory = malloc(levels * (rows * k + rows * scales_per_row * sizeof(int32_t)) + rows * scales_per_row * sizeof(float));
     if (memory == NULL)
         return -1;
-    int8_t *xq = (int8_t *)memory;
-    float *dx = (float *)(memory + rows * k); /* k is a multiple of 32: aligned */
+    float *dx = (float *)memory; /* k is a multiple of 32: everything after stays aligned */
     int32_t *xsum = (int32_t *)(dx + rows * scales_per_row);
-    quantize_rows(x, rows, k, xq, dx, xsum);
-    struct int8_rows in = {xq, dx, xsum};
+    int32_t *low_sum = levels == 2 ? xsum + rows * scales_per_row : NULL;
+    int8_t *xq = (int8_t *)(xsum + levels * rows * scales_per_row);
+    int8_t *low = levels == 2 ? xq + rows * k : NULL;
+    quantize_rows(x, rows, k, xq, dx, xsum, low, low_sum);
+    struct int8_rows in = {xq, dx, xsum, low, low_sum};
     threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
 #pragma omp parallel num_threads(threads)
     {
@@ -412,6 +479,16 @@ int q8_0_rows_int8(const float *x, const void *w, const float *scales, float *ou
     }
     free(memory);
     return 0;
+}
+
+int q8_0_rows_int8(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
+                   long threads) {
+    return int8_rows_times(x, w, scales, out, rows, n, k, threads, 1);
+}
+
+int q8_0_rows_int8x2(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
+                     long threads) {
+    return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2);
 }
 
 /* One thread's share of a call (block_rows.h `split_rows`). */
@@ -428,10 +505,34 @@ int q8_0_rows_f32(const float *x, const void *w, const float *scales, float *out
     return split_rows(share, x, w, scales, out, rows, n, k, threads);
 }
 
+/* `--q8-0-activations auto` (the default): float32 rows (`q8_0_rows_f32`), but a batch of at least
+ * TWO_LEVELS_FROM_ROWS rows through a weight of at most TWO_LEVELS_UP_TO_K features in two int8
+ * levels (`q8_0_rows_int8x2`) where the CPU has AVX-512 VNNI. There the float kernel's sums are
+ * short (k / 32 blocks each, 8 at k = 256) and each costs as many instructions as it has products;
+ * the int8 levels took 0.66-0.78x its time at 10-16 rows on the small Llama's LM head and its
+ * 256-feature layers, and 0.9-1.1x at k = 768-896 (a 0.5B model's), where they are not used
+ * (docs/benchmarks.md, "Two int8 levels"). */
+#define TWO_LEVELS_FROM_ROWS 10
+#define TWO_LEVELS_UP_TO_K 512
+int q8_0_rows_auto(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
+                   long threads) {
+#ifdef __AVX512VNNI__
+    if (rows >= TWO_LEVELS_FROM_ROWS && k <= TWO_LEVELS_UP_TO_K)
+        return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2);
+#endif
+    return q8_0_rows_f32(x, w, scales, out, rows, n, k, threads);
+}
+
 /* The kernel as the operator `trio_llm::q8_0_rows` (engine/kernels/q8_0_rows.py; block_rows.h). */
 AOTITorchError aoti_torch_cpu_q8_0_rows(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
                                      AtenTensorHandle *ret0) {
     return shim_rows(q8_0_rows_f32, rows, qweight, params, ret0);
+}
+
+/* `q8_0_rows_auto` as the operator `trio_llm::q8_0_rows_auto` (`--q8-0-activations auto`). */
+AOTITorchError aoti_torch_cpu_q8_0_rows_auto(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
+                                          AtenTensorHandle *ret0) {
+    return shim_rows(q8_0_rows_auto, rows, qweight, params, ret0);
 }
 
 /* `q8_0_rows_int8` as the operator `trio_llm::q8_0_rows_int8` (`--q8-0-activations int8`). */

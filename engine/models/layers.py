@@ -74,14 +74,15 @@ class Quantized:
     or "q4_0", "q4_1", "q4_k" (engine/models/quantized_linear.py `QUANTIZED_MATMULS`)."""
 
     name: str
-    # q8_0 only (`--q8-0-activations int8`): a batch of decodes' rows rounded to int8 per block, as
-    # llama.cpp multiplies a Q8_0 weight (`quantized_linear.q8_0_int8_linear`).
-    int8_activations: bool = False
+    # q8_0 only (`--q8-0-activations`): how a batch of decodes' rows meet the weight, "auto" (float32
+    # rows, or two int8 levels for many rows through short ones), "float32" or "int8" (llama.cpp's
+    # arithmetic; `quantized_linear.q8_0_linear`).
+    activations: str = "auto"
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert layer.qweight is not None and layer.qscales is not None
-        if self.int8_activations:
-            return q8_0_linear(x, layer.qweight, layer.qscales, bias, int8_activations=True)
+        if self.name == "q8_0":
+            return q8_0_linear(x, layer.qweight, layer.qscales, bias, self.activations)
         return QUANTIZED_MATMULS[self.name](x, layer.qweight, layer.qscales, bias)
 
 
@@ -147,18 +148,19 @@ class Linear(nn.Module):
         return base.name if isinstance(base, Quantized) else None
 
     @property
-    def int8_activations(self) -> bool:
-        """Whether a batch of decodes' rows are rounded to int8 per block (`round_activations_to_int8`)."""
+    def q8_0_activations(self) -> str | None:
+        """A `q8_0` layer's `--q8-0-activations` ("auto", "float32" or "int8"); None for any other."""
         base = self.method.inner if isinstance(self.method, WithLoRA) else self.method
-        return isinstance(base, Quantized) and base.int8_activations
+        return base.activations if isinstance(base, Quantized) and base.name == "q8_0" else None
 
-    def round_activations_to_int8(self) -> bool:
-        """A `q8_0` layer: from now on a batch of decodes' rows (up to 16) are rounded to int8 per
-        block of 32 and multiplied as llama.cpp does (`--q8-0-activations int8`); returns whether
-        this layer is one. Prompts keep `q8_0_dequantized_mm`."""
+    def multiply_q8_0_activations_as(self, activations: str) -> bool:
+        """A `q8_0` layer: from now on a batch of decodes' rows (up to 16) meet the weight as
+        `activations` says ("int8": rounded to int8 per block of 32, as llama.cpp multiplies;
+        `Quantized.activations`); returns whether this layer is one. Prompts keep
+        `q8_0_dequantized_mm`."""
         if self.qmethod != "q8_0":
             return False
-        self._choose(Quantized("q8_0", int8_activations=True))
+        self._choose(Quantized("q8_0", activations))
         return True
 
     def _choose(self, method: LinearMethod) -> None:

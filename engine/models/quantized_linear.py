@@ -162,25 +162,29 @@ def quantize_per_block_in_torch(weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None, int8_activations: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None, activations: str = "auto") -> torch.Tensor:
     """`x @ W.T + bias` with W in `quantize_per_block`'s layout, in x's dtype. Up to 16 rows (a
     batch of decodes) take our C kernel over the blocks (engine/kernels/q8_0_rows.c: in an exported
     graph as an operator, by a `torch.cond` on the row count; where it cannot be built, one row
-    takes `q8_0_row_times`); more rows (prompts) `q8_0_dequantized_mm`. With `int8_activations`
-    (`--q8-0-activations int8`) those few rows are rounded to int8 per block of 32 and multiplied
-    as llama.cpp does (`q8_0_int8_rows`)."""
+    takes `q8_0_row_times`); more rows (prompts) `q8_0_dequantized_mm`. `activations`
+    (`--q8-0-activations`) is how those few rows meet the weight: "auto" as float32 rows, or in two
+    int8 levels for 10 or more rows through at most 512 features (`q8_0_rows.AUTO_KERNEL`);
+    "float32" always as they are; "int8" rounded to int8 per block of 32, as llama.cpp multiplies
+    (`q8_0_int8_rows`)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if int8_activations:
+    kernel = q8_0_kernel.AUTO_KERNEL if activations == "auto" else q8_0_kernel.KERNEL
+    if activations == "int8":
         y = q8_0_int8_linear(rows, qweight, scales)
     elif torch.compiler.is_exporting():
-        if q8_0_kernel.available():
-            y = torch.cond(rows.shape[0] <= q8_0_kernel.MAX_ROWS, q8_0_kernel_rows, q8_0_dequantized_mm,
+        if kernel.available():
+            few_rows = q8_0_auto_rows if activations == "auto" else q8_0_kernel_rows
+            y = torch.cond(rows.shape[0] <= q8_0_kernel.MAX_ROWS, few_rows, q8_0_dequantized_mm,
                            (rows, qweight, scales))
         else:
             y = torch.cond(rows.shape[0] == 1, q8_0_row_times, q8_0_dequantized_mm, (rows, qweight, scales))
     else:  # eagerly a few rows run our kernel over the blocks as they are, where it applies
-        few = None if torch.compiler.is_compiling() else q8_0_kernel.row_times(rows, qweight, scales,
-                                                                                torch.get_num_threads())
+        few = None if torch.compiler.is_compiling() else kernel.row_times(rows, qweight, scales,
+                                                                          torch.get_num_threads())
         y = few if few is not None else q8_0_dequantized_mm(rows, qweight, scales)
     y = y.reshape(*x.shape[:-1], qweight.shape[0])
     return y if bias is None else y + bias
@@ -210,6 +214,13 @@ def q8_0_kernel_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     as the graph's operator (`trio_llm::q8_0_rows`, called by the package through its C shim, on
     the step's threads), which reads the weight once for all of them."""
     return torch.ops.trio_llm.q8_0_rows(rows.float().contiguous(), qweight, scales).to(rows.dtype)
+
+
+def q8_0_auto_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`q8_0_kernel_rows` as `--q8-0-activations auto` multiplies: the operator
+    `trio_llm::q8_0_rows_auto`, float32 rows or (10 or more through at most 512 features) two int8
+    levels of them."""
+    return torch.ops.trio_llm.q8_0_rows_auto(rows.float().contiguous(), qweight, scales).to(rows.dtype)
 
 
 def q4_linear(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor,

@@ -99,7 +99,8 @@ def artefact_path(cache_dir: Path, model: DecoderForCausalLM, kv_caches: list[KV
         [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()],
         [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()],
         [name for name, _ in model.packed_linears],
-        [name for name, m in model.named_modules() if getattr(m, "int8_activations", False)],  # --q8-0-activations
+        [(name, m.q8_0_activations) for name, m in model.named_modules()
+         if getattr(m, "q8_0_activations", None) is not None],  # --q8-0-activations: each its own operator
         [(name, repr(m.lora)) for name, m in model.named_modules() if getattr(m, "lora", None) is not None],
         tuple(model.rope.cos.shape), [(tuple(k.shape), str(k.dtype), str(k.device)) for k, _ in kv_caches],
         _modeling_source_digest(),

@@ -160,8 +160,8 @@ class Worker:
                                       self.tp, layout, self.stage, self.config.quantization)
         if layout is not None:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
-        if self.config.q8_0_activations == "int8":
-            self._round_q8_0_activations()
+        if self.config.q8_0_activations != "auto":
+            self._choose_q8_0_activations(self.config.q8_0_activations)
         if self._starting_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
         causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
@@ -174,19 +174,20 @@ class Worker:
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
 
-    def _round_q8_0_activations(self) -> None:
-        """--q8-0-activations int8: every q8_0 layer rounds a batch of decodes' rows to int8 per
-        block (llama.cpp's arithmetic; fast with AVX-512 VNNI, said at start-up where it is not). A
-        device other than the CPU, or a model with no q8_0 layer, fails start-up naming why."""
+    def _choose_q8_0_activations(self, activations: str) -> None:
+        """--q8-0-activations float32 or int8: how every q8_0 layer multiplies a batch of decodes'
+        rows (the layers' default is auto). int8 is llama.cpp's arithmetic, fast with AVX-512 VNNI
+        (said at start-up where the CPU has none); on a device other than the CPU, or on a model
+        with no q8_0 layer, it fails start-up naming why."""
         assert isinstance(self.model, DecoderForCausalLM)
-        if self.device.type != "cpu" or not q8_0_rows.available():
+        if activations == "int8" and (self.device.type != "cpu" or not q8_0_rows.available()):
             raise ModelLoadError(f"--q8-0-activations int8 runs on our CPU kernel; on {self.device.type} (or without "
-                                 "a C compiler) leave it at float32")
-        if not q8_0_rows.int8_fast() and self.rank == 0:
+                                 "a C compiler) leave it at auto or float32")
+        if activations == "int8" and not q8_0_rows.int8_fast() and self.rank == 0:
             logger.warning("--q8-0-activations int8: this CPU has no AVX-512 VNNI, so the int8 products run one at "
                            "a time, slower than float32 rows")
-        rounded = [m.round_activations_to_int8() for m in self.model.modules() if isinstance(m, Linear)]
-        if not any(rounded):
+        chosen = [m.multiply_q8_0_activations_as(activations) for m in self.model.modules() if isinstance(m, Linear)]
+        if activations == "int8" and not any(chosen):
             raise ModelLoadError("--q8-0-activations int8: the model has no q8_0 layers (a GGUF file's Q8_0 tensors, "
                                  "or --quantization q8_0)")
 
@@ -255,7 +256,7 @@ class Worker:
         return ModelInfo(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.eos_token_ids,
                          str(self.model.dtype).removeprefix("torch."), per_block, "decoder", cfg.architecture,
                          self.pooler, quantization=quantization, weight_bytes=self.model.weight_bytes,
-                         int8_activations=any(m.int8_activations for m in quantized),
+                         q8_0_activations=q8_0_activations_in_effect(quantized),
                          kv_group_windows=self.model.kv_layout.group_windows,
                          kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))
 
@@ -511,6 +512,20 @@ class Worker:
 
     def ping(self) -> str:
         return "pong"
+
+
+def q8_0_activations_in_effect(layers: list[Linear]) -> str | None:
+    """How `layers`' q8_0 ones multiply a batch of decodes, for the start-up lines: their
+    `--q8-0-activations`, except that "auto" reads "float32" where two int8 levels never apply
+    (no AVX-512 VNNI, or every q8_0 layer wider than 512 features); None without q8_0 layers."""
+    kinds = {m.q8_0_activations: m for m in layers if m.q8_0_activations is not None}
+    if not kinds:
+        return None
+    if "int8" in kinds or "float32" in kinds:
+        return "int8" if "int8" in kinds else "float32"
+    short = any(m.qweight is not None and m.qweight.shape[1] <= q8_0_rows.TWO_LEVELS_UP_TO_K
+                for m in layers if m.q8_0_activations == "auto")
+    return "auto" if short and q8_0_rows.int8_fast() else "float32"
 
 
 def check_pipeline_parallel(config: EngineConfig, raw: dict[str, Any]) -> None:

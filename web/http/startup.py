@@ -135,11 +135,15 @@ def _default_threads() -> int:
 
 
 def _quantization_line(info: ModelInfo) -> str:
-    """How the linear layers are held, and (--q8-0-activations int8) whether a batch of decodes'
-    activations are rounded to int8 too: a speed option that changes the results says so."""
+    """How the linear layers are held, and (--q8-0-activations) how a batch of decodes' rows meet
+    the q8_0 ones where not as float32: an arithmetic that changes the results says so."""
     if not info.quantization:
         return "not quantized"
-    if info.int8_activations:
+    if info.q8_0_activations == "int8":
         return (f"linear layers {info.quantization}; the q8_0 ones round a batch of decodes' rows to int8 per "
                 "block (--q8-0-activations int8)")
+    if info.q8_0_activations == "auto":
+        return (f"linear layers {info.quantization} weight-only; a batch of 10 or more decodes meets q8_0 layers "
+                "of at most 512 features as two int8 levels a row, ~16 bits a value (--q8-0-activations auto; "
+                "float32 keeps float rows)")
     return f"linear layers {info.quantization} weight-only"
