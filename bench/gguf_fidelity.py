@@ -13,11 +13,12 @@ one tells the sides apart). Each side then runs the file on the same prompts
 prompt's figure is how many leading tokens equal the reference's (past the first difference the
 sequences part, whatever follows). Sides: llama.cpp's own server (`llama-server`, which rounds
 the activations to int8 per block: Q8_0 for Q8_0 and Q4_0 weights, Q8_K for K-quants), trio-llm's
-default for the file (its blocks as they are: `q8_0`, `q4_0`, `q4_k`; run eagerly with the prompts
-together, its products are the many-row path's, in bfloat16 where the CPU has it natively) and
-trio-llm's `--quantization int8` (the blocks requantized to one scale per row), its
-`--kv-cache-dtype float16`, and its `--q8-0-activations int8` (the decodes' rows rounded to int8 per
-block, llama.cpp's arithmetic for Q8_0 weights; 16 prompts at a time, the kernel's batch).
+default for the file (its blocks as they are: `q8_0`, `q4_0`, `q4_k`, run eagerly),
+trio-llm's `--q8-0-activations float32` (float rows where the default's `auto` takes two int8
+levels for 10 or more decodes), `--quantization int8` (the blocks requantized to one scale per
+row), `--kv-cache-dtype float16`, and `--q8-0-activations int8` (the decodes' rows rounded to int8
+per block, llama.cpp's arithmetic for Q8_0 weights). trio-llm runs 16 prompts at a time, the
+kernels' batch.
 Greedy decoding is deterministic, so one run is the figure; the prompts are passages of the
 engine's corpus (engine/data/corpus.txt).
 """
@@ -103,12 +104,12 @@ def reference(model_dir: str, prompts: list[list[int]], tokens: int) -> list[lis
 
 
 async def ours(gguf: Path, tokenizer: str, prompts: list[list[int]], tokens: int, quantization: str | None,
-               threads: int, kv_cache_dtype: str = "auto", q8_0_activations: str = "float32") -> list[list[int]]:
-    """trio-llm's greedy tokens on the file, every prompt at once (16 at a time with
-    `q8_0_activations` int8, so that its decodes are batches the int8 kernel takes), float32
-    activations unless that says int8, eager."""
+               threads: int, kv_cache_dtype: str = "auto", q8_0_activations: str = "auto") -> list[list[int]]:
+    """trio-llm's greedy tokens on the file, 16 prompts at a time (so that its decodes are batches
+    the q8_0 kernels take, as a server's at 16 streams: auto's two int8 levels, int8's rows),
+    eager."""
     torch.set_num_threads(threads)
-    batch = 16 if q8_0_activations == "int8" else max(len(prompts), 1)
+    batch = min(16, max(len(prompts), 1))
     config = EngineConfig(model=str(gguf), tokenizer=tokenizer, dtype="float32", quantization=quantization,
                           enforce_eager=True, executor="inproc", num_kv_blocks=len(prompts) * 16 + 16,
                           kv_cache_dtype=kv_cache_dtype, q8_0_activations=q8_0_activations, max_num_seqs=batch)
@@ -166,7 +167,9 @@ def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: 
     sides = {
         f"llama.cpp llama-server ({qtype}, int8 activations)": trio.run(llama_cpp, gguf, llama_dir / "build" / "bin" /
                                                             "llama-server", texts, tokens, threads, port),
-        "trio-llm default (the file's blocks)": trio.run(ours, gguf, model_dir, texts, tokens, None, threads),
+        "trio-llm default (the file's blocks; auto)": trio.run(ours, gguf, model_dir, texts, tokens, None, threads),
+        "trio-llm --q8-0-activations float32": trio.run(ours, gguf, model_dir, texts, tokens, None, threads, "auto",
+                                                        "float32"),
         "trio-llm --quantization int8 (per row)": trio.run(ours, gguf, model_dir, texts, tokens, "int8", threads),
         "trio-llm --kv-cache-dtype float16 (llama.cpp's)": trio.run(ours, gguf, model_dir, texts, tokens, None,
                                                                     threads, "float16"),
@@ -176,7 +179,7 @@ def run(model_dir: str, llama_dir: Path, prompts: int, prompt_len: int, tokens: 
     made = "convert_hf_to_gguf.py" if qtype == "Q8_0" else "convert_hf_to_gguf.py (f32) + llama-quantize"
     lines = [f"{Path(model_dir).name}: {qtype} file ({formats} tensors) by llama.cpp's {made}; {prompts} corpus "
              f"prompts of {prompt_len} tokens; greedy tokens kept, of {tokens}; threads={threads} both sides; "
-             f"trio-llm a float32 model, eager, prompts together"]
+             f"trio-llm a float32 model, eager, 16 prompts at a time"]
     references = {"transformers' float32 model of the checkpoint": want,
                   "transformers' float32 model of the file's dequantized weights": reference(
                       str(dequantized_checkpoint(gguf, model_dir, workdir)), texts, tokens)}

@@ -21,7 +21,10 @@ beside the one it replaces, on `--threads` torch threads.
   dequantized a slice at a time and multiplied, against our kernel over its int8 blocks
   (`engine.kernels.q8_0_rows`), on the 0.5B shape's tied head and MLP weights;
 - a batch of decodes times a `q8_0` weight: float32 rows against `--q8-0-activations int8`'s rows
-  rounded to int8 per block (llama.cpp's arithmetic, AVX-512 VNNI).
+  rounded to int8 per block (llama.cpp's arithmetic, AVX-512 VNNI), and against the two int8
+  levels that `--q8-0-activations auto` takes for 10 or more rows through at most 512 features.
+
+`--only TEXT` runs the groups whose name holds TEXT (`q8_0`, `attention`, `argmax`, ...).
 
 Each figure is the median of alternating rounds. Before each product the machine's caches are
 flushed by reading a 64 MB buffer, as a decode step's other weights would (the heads here are
@@ -265,6 +268,21 @@ def q8_0_row_pair(out_features: int, in_features: int, flush: torch.Tensor, repe
                  repeats)
 
 
+def q8_0_two_levels_pair(out_features: int, in_features: int, rows: int, flush: torch.Tensor,
+                          repeats: int) -> Pair:
+    """A batch of decodes times a `q8_0` weight: float32 rows against the same rows as two int8
+    levels (`q8_0_rows.TWO_LEVELS`, ~16 bits a value), what `--q8-0-activations auto` runs for 10
+    or more rows through at most 512 features."""
+    qweight, scales = quantize_per_block(torch.randn(out_features, in_features))
+    x = torch.randn(rows, in_features)
+    threads = torch.get_num_threads()
+    assert q8_0_rows.int8_fast(), "the two levels' VNNI loop is what this pair measures"
+    return _pair(f"q8_0 [{out_features}, {in_features}], {rows} row{'s' if rows > 1 else ''}",
+                 ("float32 rows", lambda: q8_0_rows.row_times(x, qweight, scales, threads)),
+                 ("two int8 levels (auto's)", lambda: q8_0_rows.TWO_LEVELS.row_times(x, qweight, scales, threads)),
+                 flush, repeats)
+
+
 def q8_0_int8_pair(out_features: int, in_features: int, rows: int, flush: torch.Tensor, repeats: int) -> Pair:
     """A batch of decodes times a `q8_0` weight: our kernel on float32 rows (the default) against
     `--q8-0-activations int8` (the rows rounded to int8 per block, AVX-512 VNNI's int8 products)."""
@@ -279,22 +297,35 @@ def q8_0_int8_pair(out_features: int, in_features: int, rows: int, flush: torch.
 
 
 Q8_0_INT8_SHAPES = ((32000, 256, 1), (32000, 256, 16), (4864, 896, 16), (896, 4864, 16))
+# Where auto takes two levels (the small Llama's head and 256-feature layers at 10-16 rows) and
+# where it does not (fewer rows; a 0.5B model's 896 features).
+Q8_0_TWO_LEVEL_SHAPES = ((32000, 256, 16), (32000, 256, 10), (32000, 256, 4), (1536, 256, 16), (896, 896, 16),
+                         (4864, 896, 16))
 PROMPT_TOKENS = (256, 512, 1024)
 
 
-def run(repeats: int = 20, vllm_python: str | None = None) -> list[Pair]:
+def run(repeats: int = 20, vllm_python: str | None = None, only: str | None = None) -> list[Pair]:
+    """Every group's pairs (`only`: the groups whose name holds it)."""
     flush = torch.randn(64 * 1024 * 1024 // 4)
-    pairs = [*(head_pair(vocab, hidden, flush, repeats) for vocab, hidden in ((32000, 256), (151936, 896))),
-             *(pair for tokens in PROMPT_TOKENS for pair in attention_pairs(tokens, repeats)),
-             *(chunk_group_pair(what, chunks, repeats) for what, chunks in CHUNK_GROUPS),
-             *(decode_group_pair(batch, 192, repeats) for batch in (16, 64)),
-             *(compiled_decode_pair(batch, cached, dtype, repeats) for batch, cached, dtype in COMPILED_DECODES),
-             *(argmax_pair(rows, vocab, repeats) for rows, vocab in ((16, 32000), (64, 32000), (16, 151936))),
-             *(draw_pair(rows, vocab, repeats) for rows, vocab in DRAW_SHAPES),
-             *(q8_0_row_pair(out, features, flush, repeats) for out, features in ((151936, 896), (4864, 896),
-                                                                                 (896, 4864))),
-             *(q8_0_int8_pair(out, features, rows, flush, repeats) for out, features, rows in Q8_0_INT8_SHAPES)]
-    if vllm_python is not None:
+    groups: list[tuple[str, Callable[[], list[Pair]]]] = [
+        ("head", lambda: [head_pair(vocab, hidden, flush, repeats) for vocab, hidden in ((32000, 256), (151936, 896))]),
+        ("prompt attention", lambda: [pair for tokens in PROMPT_TOKENS for pair in attention_pairs(tokens, repeats)]),
+        ("chunk attention", lambda: [chunk_group_pair(what, chunks, repeats) for what, chunks in CHUNK_GROUPS]),
+        ("decode attention", lambda: [decode_group_pair(batch, 192, repeats) for batch in (16, 64)]),
+        ("compiled decode attention", lambda: [compiled_decode_pair(batch, cached, dtype, repeats)
+                                               for batch, cached, dtype in COMPILED_DECODES]),
+        ("argmax", lambda: [argmax_pair(rows, vocab, repeats)
+                            for rows, vocab in ((16, 32000), (64, 32000), (16, 151936))]),
+        ("draw", lambda: [draw_pair(rows, vocab, repeats) for rows, vocab in DRAW_SHAPES]),
+        ("q8_0 one row", lambda: [q8_0_row_pair(out, features, flush, repeats)
+                                  for out, features in ((151936, 896), (4864, 896), (896, 4864))]),
+        ("q8_0 int8 rows", lambda: [q8_0_int8_pair(out, features, rows, flush, repeats)
+                                    for out, features, rows in Q8_0_INT8_SHAPES]),
+        ("q8_0 two int8 levels", lambda: [q8_0_two_levels_pair(out, features, rows, flush, repeats)
+                                          for out, features, rows in Q8_0_TWO_LEVEL_SHAPES]),
+    ]
+    pairs = [pair for name, make in groups if only is None or only in name for pair in make()]
+    if vllm_python is not None and (only is None or only in "prompt attention"):
         pairs += vllm_attention_pairs(vllm_python, list(PROMPT_TOKENS), repeats)
     return pairs
 
