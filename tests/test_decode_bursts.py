@@ -253,11 +253,13 @@ async def test_a_cancelled_streamed_burst_ends_after_the_step_in_flight():
 
 async def test_in_process_a_message_ends_a_streamed_burst_at_the_next_step(tiny_model_dir, monkeypatch):
     """A request's burst of up to 64 decodes is held in its third step until a second request has
-    been submitted; the burst then ends within a step and the second request's prompt runs, long
-    before the first request's 64 tokens are done."""
-    hold, held = threading.Event(), threading.Event()
+    been submitted; the core, seeing the message with that step's tokens, tells the worker to stop,
+    and the worker stops after the step in flight (the fourth: held until the core has told it, as
+    a busy machine may schedule the loop late, and the worker does not wait for the loop); the
+    second request's prompt runs long before the first request's 64 tokens are done."""
+    hold, held, stopped = threading.Event(), threading.Event(), threading.Event()
     steps_run: list[int] = []
-    execute = ModelRunner.execute
+    execute, run_burst = ModelRunner.execute, StreamedBurst.run
 
     def held_execute(self, sched_out, on_step=None):
         if on_step is None:
@@ -270,12 +272,24 @@ async def test_in_process_a_message_ends_a_streamed_burst_at_the_next_step(tiny_
             if calls == 3:
                 held.set()
                 assert hold.wait(timeout=30)
+            if calls == 4:
+                assert stopped.wait(timeout=30)
             return on_step(tokens)
         out = execute(self, sched_out, step)
         steps_run.append(out.steps_run)
         return out
 
+    async def watched_run(self, on_step):
+        def watched(step):
+            going = on_step(step)
+            if not going:
+                self._going = False  # what the burst's consumer does next, before the worker may look
+                stopped.set()
+            return going
+        return await run_burst(self, watched)
+
     monkeypatch.setattr(ModelRunner, "execute", held_execute)
+    monkeypatch.setattr(StreamedBurst, "run", watched_run)
     order: list[str] = []
     async with open_engine(engine_config(tiny_model_dir, num_scheduler_steps=64)) as engine:
         async def run(rid: str, prompt: list[int], max_tokens: int) -> None:
@@ -291,5 +305,5 @@ async def test_in_process_a_message_ends_a_streamed_burst_at_the_next_step(tiny_
             await trio.testing.wait_all_tasks_blocked()  # b's request is in the core's inbox
             assert engine.core.num_pending_messages == 1
             hold.set()
-    assert steps_run[0] <= 4  # three steps, and the one in flight when the core saw the message
+    assert steps_run[0] == 4  # three steps, and the one in flight when the core told the worker
     assert order.index("b") < len(order) - 40  # b's first token came while a had most of its own to go
