@@ -21,6 +21,7 @@ from bench.gguf_export import export_gguf
 from bench.gguf_fidelity import dequantized_checkpoint
 from engine import EngineConfig, ModelLoadError, open_engine
 from engine.config import CompilationConfig
+from engine.kernels import q8_0_rows as q8_0_kernels
 from engine.models.gguf_file import gguf_config
 from engine.models.layers import Linear
 from engine.models.loader import load_decoder
@@ -354,7 +355,11 @@ async def test_the_compiled_decode_graph_runs_the_quantized_kernels(tmp_path_fac
                 q8_0_kernel = "aoti_torch_cpu_q8_0_rows" + ("_int8(" if method == INT8_ACTIVATIONS else "_auto(")
                 assert layer.qkv_proj.q8_0_activations == ("int8" if method == INT8_ACTIVATIONS else "auto")
                 assert layer.mlp.down_proj.q8_0_activations is None  # q4_0: float rows
-                assert_one_row_calls_our_kernels(graphs, [q8_0_kernel, "aoti_torch_cpu_q4_rows("])
+                shims = [q8_0_kernel, "aoti_torch_cpu_q4_rows("]
+                if method == MIXED and q8_0_kernels.int8_fast():  # auto's tiles, laid out for its two levels
+                    assert layer.qkv_proj.qtiles is not None and layer.mlp.down_proj.qtiles is None
+                    shims[0] = "aoti_torch_cpu_q8_0_rows_packed("
+                assert_one_row_calls_our_kernels(graphs, shims)
                 assert a_new_process_loads_the_saved_graphs(config)
     assert tokens[False] == tokens[True]  # int8 and w8a8 also equal transformers' (the test above)
 
@@ -439,19 +444,23 @@ def test_int8_activations_compute_llama_cpps_q8_0_products(out_features, in_feat
     torch.testing.assert_close(q8_0_int8_linear(prompt, qweight, scales), q8_0_dequantized_mm(prompt, qweight, scales))
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(48, 64), (40, 768), (4, 32)])  # 16s and a tail
+@pytest.mark.parametrize(("out_features", "in_features"), [(56, 64), (40, 768), (4, 32)])  # 16s and a tail
 def test_two_int8_levels_hold_each_value_to_a_508th_of_its_step(out_features, in_features):
     """`q8_0_rows_int8x2` (what --q8-0-activations auto runs for many rows through short ones):
     each row rounded to int8 per block, then its remainders in 254ths of a step, on VNNI. Every
     output is within the bound that precision gives (each value within 1/508 of its block's step),
     over a hundred times closer to the float64 product than one level (llama.cpp's), on one thread
     or two alike. Auto is that kernel exactly for 10 or more rows through at most 512 features (with
-    VNNI), the float32 kernel exactly otherwise."""
+    VNNI), the float32 kernel exactly otherwise; with the weight's tiles laid out once
+    (`pack_tiles`, whole tiles of 16 rows only: 56 rows leave a tail of 8), the same again."""
     from engine.kernels import q8_0_rows
 
     generator = torch.Generator().manual_seed(in_features + 1)
     qweight, scales = quantize_per_block(torch.randn(out_features, in_features, generator=generator))
     blocks = qweight.double().view(out_features, -1, 32) * scales.double()[..., None]
+    tiles = q8_0_rows.pack_tiles(qweight, scales)
+    assert (tiles is not None) == (q8_0_rows.int8_fast() and out_features >= 16
+                                   and in_features <= q8_0_rows.TWO_LEVELS_UP_TO_K)
     for rows in (1, 3, 10, 16):
         x = torch.randn(rows, in_features, generator=generator)
         x[0, 32:64] = 0.0  # a block of zeros (where there are two): step 0, no division by it
@@ -468,6 +477,8 @@ def test_two_int8_levels_hold_each_value_to_a_508th_of_its_step(out_features, in
                       and q8_0_rows.int8_fast())
         auto = q8_0_rows.auto_row_times(x, qweight, scales, 2)
         assert torch.equal(auto, got if two_levels else q8_0_rows.row_times(x, qweight, scales, 2))
+        if tiles is not None:  # the tiles laid out once give the same sums as transposed at each call
+            assert torch.equal(q8_0_rows.packed_row_times(x, qweight, scales, tiles, 2), auto)
 
 
 def test_int8_activations_without_q8_0_layers_fail_start_up_naming_why(tmp_path_factory):

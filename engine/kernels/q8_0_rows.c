@@ -37,6 +37,7 @@ struct rows_job {
     const float *scales;
     float *out;
     long rows, n, k, first, end;
+    const char *packed; /* NULL, or the weight's tiles as `q8_0_pack_tiles` lays them out (int8 products) */
 };
 
 #ifndef __AVX512F__
@@ -263,6 +264,8 @@ static void rows_times(const struct rows_job *job) {
  * transposed in registers into 8 vectors of 4 bytes of each row (24 two-source permutes, once for
  * every input row), and made unsigned by adding 128 (so each sum gains 128 x the block's sum of
  * the input's int8 values, subtracted after). */
+#define PACKED_BLOCK_BYTES (8 * 64 + 16 * 4) /* a tile's block, packed: 8 vectors of weights, 16 scales */
+
 struct int8_rows {
     const int8_t *xq;    /* [rows, k] the input rows rounded to int8 per block */
     const float *dx;     /* [rows, k / 32] their scales */
@@ -390,6 +393,23 @@ static inline void transposed_block(const int8_t *w, long k, long o, long blk, _
         t[j] = _mm512_xor_si512(t[j], _mm512_set1_epi8((char)0x80));
 }
 
+/* `q8_0_pack_tiles`' layout, for weight rows [16 t, 16 t + 16) and block b at ((t * blocks) + b) *
+ * PACKED_BLOCK_BYTES: `transposed_block`'s 8 vectors (128 added), then the 16 rows' scales. */
+int q8_0_pack_tiles(const void *w, const float *scales, long n, long k, void *packed) {
+    long blocks = k / BLOCK;
+    for (long tile = 0; tile < n / 16; tile++)
+        for (long blk = 0; blk < blocks; blk++) {
+            char *at = (char *)packed + (tile * blocks + blk) * PACKED_BLOCK_BYTES;
+            __m512i t[8];
+            transposed_block(w, k, tile * 16, blk, t);
+            for (int j = 0; j < 8; j++)
+                _mm512_storeu_si512((void *)(at + 64 * j), t[j]);
+            for (int i = 0; i < 16; i++)
+                ((float *)(at + 512))[i] = scales[(tile * 16 + i) * blocks + blk];
+        }
+    return 0;
+}
+
 /* Every input row against weight rows [o, o + 16), the rows in `levels` (1 or 2) int8 parts. */
 static inline __attribute__((always_inline)) void int8_sixteen(const struct rows_job *job, const struct int8_rows *in,
                                                                long o, const int levels) {
@@ -401,8 +421,18 @@ static inline __attribute__((always_inline)) void int8_sixteen(const struct rows
                                           _mm512_set1_epi32((int)blocks));
     for (long blk = 0; blk < blocks; blk++) {
         __m512i t[8];
-        transposed_block(job->w, k, o, blk, t);
-        __m512 dw = _mm512_i32gather_ps(scale_at, job->scales + o * blocks + blk, 4);
+        __m512 dw;
+        if (job->packed != NULL) { /* laid out once at load: no permutes, no gather */
+            const char *tile = job->packed + ((o / 16) * blocks + blk) * PACKED_BLOCK_BYTES;
+            fetch_ahead(tile);
+            fetch_ahead(tile + 256);
+            for (int j = 0; j < 8; j++)
+                t[j] = _mm512_loadu_si512((const void *)(tile + 64 * j));
+            dw = _mm512_loadu_ps((const float *)(tile + 512));
+        } else {
+            transposed_block(job->w, k, o, blk, t);
+            dw = _mm512_i32gather_ps(scale_at, job->scales + o * blocks + blk, 4);
+        }
         for (long r = 0; r < rows; r++) {
             const int32_t *xr = (const int32_t *)(in->xq + r * k + blk * BLOCK);
             __m512i sum = _mm512_set1_epi32(-in->xsum[r * blocks + blk]);
@@ -424,6 +454,13 @@ static inline __attribute__((always_inline)) void int8_sixteen(const struct rows
         _mm512_storeu_ps(job->out + r * job->n + o, acc[r]);
 }
 
+#endif
+
+#ifndef __AVX512VNNI__
+int q8_0_pack_tiles(const void *w, const float *scales, long n, long k, void *packed) {
+    (void)w, (void)scales, (void)n, (void)k, (void)packed;
+    return -1; /* the tiles are VNNI's layout: nothing reads them without it */
+}
 #endif
 
 static void int8_share(const struct rows_job *job, const struct int8_rows *in) {
@@ -456,7 +493,7 @@ int q8_0_rows_int8_fast(void) {
  * sums of a block are independent chains of VNNI products, joined as 254 x the first plus the
  * second. Returns 0, or -1 for a shape this kernel does not take. */
 static int int8_rows_times(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
-                           long threads, int levels) {
+                           long threads, int levels, const void *packed) {
     if (k % BLOCK != 0 || rows < 1 || rows > MAX_ROWS)
         return -1;
     long scales_per_row = k / BLOCK;
@@ -473,7 +510,7 @@ static int int8_rows_times(const float *x, const void *w, const float *scales, f
     threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
 #pragma omp parallel num_threads(threads)
     {
-        struct rows_job job = {x, w, scales, out, rows, n, k, 0, 0};
+        struct rows_job job = {x, w, scales, out, rows, n, k, 0, 0, packed};
         thread_range(n, omp_get_thread_num(), omp_get_num_threads(), &job.first, &job.end);
         int8_share(&job, &in);
     }
@@ -483,18 +520,18 @@ static int int8_rows_times(const float *x, const void *w, const float *scales, f
 
 int q8_0_rows_int8(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
                    long threads) {
-    return int8_rows_times(x, w, scales, out, rows, n, k, threads, 1);
+    return int8_rows_times(x, w, scales, out, rows, n, k, threads, 1, NULL);
 }
 
 int q8_0_rows_int8x2(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
                      long threads) {
-    return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2);
+    return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2, NULL);
 }
 
 /* One thread's share of a call (block_rows.h `split_rows`). */
 static void share(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k, long first,
                   long end) {
-    struct rows_job job = {x, w, scales, out, rows, n, k, first, end};
+    struct rows_job job = {x, w, scales, out, rows, n, k, first, end, NULL};
     rows_times(&job);
 }
 
@@ -518,7 +555,19 @@ int q8_0_rows_auto(const float *x, const void *w, const float *scales, float *ou
                    long threads) {
 #ifdef __AVX512VNNI__
     if (rows >= TWO_LEVELS_FROM_ROWS && k <= TWO_LEVELS_UP_TO_K)
-        return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2);
+        return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2, NULL);
+#endif
+    return q8_0_rows_f32(x, w, scales, out, rows, n, k, threads);
+}
+
+/* `q8_0_rows_auto` with the weight's whole tiles also laid out by `q8_0_pack_tiles` (`packed`),
+ * which the two levels read instead of transposing each tile's blocks at every call (the small
+ * Llama's LM head at 16 rows: 0.72-0.78x the time; docs/benchmarks.md). */
+int q8_0_rows_auto_packed(const float *x, const void *w, const float *scales, const void *packed, float *out,
+                          long rows, long n, long k, long threads) {
+#ifdef __AVX512VNNI__
+    if (rows >= TWO_LEVELS_FROM_ROWS && k <= TWO_LEVELS_UP_TO_K)
+        return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2, packed);
 #endif
     return q8_0_rows_f32(x, w, scales, out, rows, n, k, threads);
 }
@@ -533,6 +582,22 @@ AOTITorchError aoti_torch_cpu_q8_0_rows(AtenTensorHandle rows, AtenTensorHandle 
 AOTITorchError aoti_torch_cpu_q8_0_rows_auto(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
                                           AtenTensorHandle *ret0) {
     return shim_rows(q8_0_rows_auto, rows, qweight, params, ret0);
+}
+
+/* `q8_0_rows_auto_packed` as the operator `trio_llm::q8_0_rows_packed` (auto, with packed tiles). */
+AOTITorchError aoti_torch_cpu_q8_0_rows_packed(AtenTensorHandle rows, AtenTensorHandle qweight, AtenTensorHandle params,
+                                            AtenTensorHandle packed, AtenTensorHandle *ret0) {
+    int64_t *row_sizes, *weight_sizes;
+    void *x, *w, *p, *t, *out;
+    if (aoti_torch_get_sizes(rows, &row_sizes) || aoti_torch_get_sizes(qweight, &weight_sizes))
+        return 1;
+    int64_t sizes[2] = {row_sizes[0], weight_sizes[0]}, strides[2] = {weight_sizes[0], 1};
+    if (aoti_torch_empty_strided(2, sizes, strides, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, ret0)
+        || aoti_torch_get_data_ptr(rows, &x) || aoti_torch_get_data_ptr(qweight, &w)
+        || aoti_torch_get_data_ptr(params, &p) || aoti_torch_get_data_ptr(packed, &t)
+        || aoti_torch_get_data_ptr(*ret0, &out))
+        return 1;
+    return q8_0_rows_auto_packed(x, w, p, t, out, sizes[0], sizes[1], row_sizes[1], omp_get_max_threads()) != 0;
 }
 
 /* `q8_0_rows_int8` as the operator `trio_llm::q8_0_rows_int8` (`--q8-0-activations int8`). */

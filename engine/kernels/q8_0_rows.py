@@ -15,16 +15,19 @@ more rows through a weight of at most 512 features, float32 rows otherwise (q8_0
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
 
 from engine.kernels import native
 from engine.kernels.block_rows import MAX_ROWS, BlockRowsKernel
+from engine.kernels.operators import operator
 
 __all__ = ["MAX_ROWS", "KERNEL", "INT8_KERNEL", "AUTO_KERNEL", "TWO_LEVELS", "TWO_LEVELS_FROM_ROWS",
            "TWO_LEVELS_UP_TO_K", "available", "int8_fast", "row_times", "int8_row_times", "auto_row_times",
-           "graph_row_times", "graph_int8_row_times", "graph_auto_row_times", "c_shims"]
+           "graph_row_times", "graph_int8_row_times", "graph_auto_row_times", "pack_tiles", "packed_row_times",
+           "graph_packed_row_times", "c_shims"]
 
 KERNEL = BlockRowsKernel("q8_0_rows", torch.int8, 1)
 available = KERNEL.available
@@ -50,6 +53,64 @@ def int8_fast() -> bool:
     return library is not None and library.q8_0_rows_int8_fast() == 1
 
 
+PACKED_BLOCK_BYTES = 8 * 64 + 16 * 4  # q8_0_rows.c's: a tile of 16 weight rows' block, and its scales
+
+
+def pack_tiles(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """The weight's whole tiles of 16 rows laid out once as the two int8 levels read them (each
+    block's bytes transposed to VNNI's lanes, 128 added, the 16 scales beside: q8_0_rows.c
+    `q8_0_pack_tiles`), so that `packed_row_times` need not at every call. An int8 tensor as large
+    as the weight and its scales; None where it would not be read (no AVX-512 VNNI, no kernel,
+    fewer than 16 rows, rows longer than auto's two levels take)."""
+    n, k = qweight.shape
+    if (not int8_fast() or n < 16 or k > TWO_LEVELS_UP_TO_K or qweight.dtype != torch.int8
+            or scales.dtype != torch.float32 or not (qweight.is_contiguous() and scales.is_contiguous())):
+        return None
+    pack = native.int_function("q8_0_rows", "q8_0_pack_tiles", (ctypes.c_void_p,) * 2 + (ctypes.c_long,) * 2 +
+                               (ctypes.c_void_p,))
+    if pack is None:
+        return None
+    packed = torch.empty(n // 16 * (k // 32) * PACKED_BLOCK_BYTES, dtype=torch.int8)
+    if pack(qweight.data_ptr(), scales.data_ptr(), n, k, packed.data_ptr()) != 0:
+        return None
+    return packed
+
+
+def packed_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor,
+                     threads: int) -> torch.Tensor | None:
+    """`auto_row_times` reading the weight's tiles from `packed` (`pack_tiles`) where it takes two
+    levels: the same results. None where the kernel does not apply (as `row_times`)."""
+    function = native.int_function("q8_0_rows", "q8_0_rows_auto_packed", (ctypes.c_void_p,) * 5 + (ctypes.c_long,) * 4)
+    if (function is None or rows.dtype != torch.float32 or rows.dim() != 2 or not 1 <= rows.shape[0] <= MAX_ROWS
+            or rows.shape[1] != qweight.shape[1] or not rows.is_contiguous()):
+        return None
+    out = torch.empty(rows.shape[0], qweight.shape[0], dtype=torch.float32)
+    if function(rows.data_ptr(), qweight.data_ptr(), scales.data_ptr(), packed.data_ptr(), out.data_ptr(),
+                rows.shape[0], qweight.shape[0], rows.shape[1], threads) != 0:
+        return None
+    return out
+
+
+@operator("trio_llm::q8_0_rows_packed")
+def graph_packed_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                           packed: torch.Tensor) -> torch.Tensor:
+    """`packed_row_times` as an operator of exported graphs (called from Python only where a graph
+    runs outside a package; a package calls its C shim, `aoti_torch_cpu_q8_0_rows_packed`)."""
+    out = packed_row_times(rows, qweight, scales, packed, torch.get_num_threads())
+    if out is None:
+        raise RuntimeError(f"the packed q8_0 kernel does not take rows {tuple(rows.shape)} {rows.dtype}")
+    return out
+
+
+@graph_packed_row_times.register_fake
+def _packed_shape(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  packed: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], qweight.shape[0]), dtype=torch.float32)
+
+
 def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
-    """Inductor's `aot_inductor.custom_ops_to_c_shims` for the three operators."""
-    return {**KERNEL.c_shims(), **INT8_KERNEL.c_shims(), **AUTO_KERNEL.c_shims()}
+    """Inductor's `aot_inductor.custom_ops_to_c_shims` for the four operators."""
+    packed = ["AOTITorchError aoti_torch_cpu_q8_0_rows_packed(AtenTensorHandle rows, AtenTensorHandle qweight, "
+              "AtenTensorHandle params, AtenTensorHandle packed, AtenTensorHandle* ret0)"]
+    return {**KERNEL.c_shims(), **INT8_KERNEL.c_shims(), **AUTO_KERNEL.c_shims(),
+            graph_packed_row_times.overload: packed}

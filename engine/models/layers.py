@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import q8_0_rows
 from engine.models.packed_linear import pack_weight, packed_linear
 from engine.models.parallel import TensorParallel
 from engine.models.quantized_linear import (
@@ -82,7 +83,7 @@ class Quantized:
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert layer.qweight is not None and layer.qscales is not None
         if self.name == "q8_0":
-            return q8_0_linear(x, layer.qweight, layer.qscales, bias, self.activations)
+            return q8_0_linear(x, layer.qweight, layer.qscales, bias, self.activations, layer.qtiles)
         return QUANTIZED_MATMULS[self.name](x, layer.qweight, layer.qscales, bias)
 
 
@@ -128,6 +129,10 @@ class Linear(nn.Module):
         self.qscales: torch.Tensor | None
         self.register_buffer("qweight", None)
         self.register_buffer("qscales", None)
+        # q8_0 under --q8-0-activations auto: the weight's tiles laid out for its two int8 levels
+        # (`pack_q8_0_tiles`), a second copy of the weight, read by a batch of 10+ decodes.
+        self.qtiles: torch.Tensor | None
+        self.register_buffer("qtiles", None)
 
     @property
     def lora(self) -> OutputDelta | None:
@@ -161,7 +166,19 @@ class Linear(nn.Module):
         if self.qmethod != "q8_0":
             return False
         self._choose(Quantized("q8_0", activations))
+        if activations != "auto":
+            self.qtiles = None  # only auto's two levels read them
         return True
+
+    def pack_q8_0_tiles(self) -> bool:
+        """A `q8_0` layer under auto whose rows are short enough for its two int8 levels (and a CPU
+        with AVX-512 VNNI): lay the weight's tiles out for them once (`q8_0_rows.pack_tiles`), a
+        second copy of the weight and its scales, instead of transposing each tile at every call.
+        Call once the weights are final; returns whether it did."""
+        if self.q8_0_activations != "auto" or self.qweight is None or self.qscales is None:
+            return False
+        self.qtiles = q8_0_rows.pack_tiles(self.qweight, self.qscales)
+        return self.qtiles is not None
 
     def _choose(self, method: LinearMethod) -> None:
         """`method` computes the product from now on (still under the LoRA delta, if any)."""
@@ -190,7 +207,7 @@ class Linear(nn.Module):
 
     def _hold_quantized(self, method: str, qweight: torch.Tensor, qscales: torch.Tensor, keep_weight: bool) -> None:
         self.qweight, self.qscales = qweight, qscales
-        self.packed = self.row_weight = None  # a method's tensors go with it
+        self.packed = self.row_weight = self.qtiles = None  # a method's tensors go with it
         self._choose(Quantized(method))
         if not keep_weight:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)

@@ -162,7 +162,8 @@ def quantize_per_block_in_torch(weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None, activations: str = "auto") -> torch.Tensor:
+                bias: torch.Tensor | None, activations: str = "auto",
+                packed: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ W.T + bias` with W in `quantize_per_block`'s layout, in x's dtype. Up to 16 rows (a
     batch of decodes) take our C kernel over the blocks (engine/kernels/q8_0_rows.c: in an exported
     graph as an operator, by a `torch.cond` on the row count; where it cannot be built, one row
@@ -170,11 +171,14 @@ def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     (`--q8-0-activations`) is how those few rows meet the weight: "auto" as float32 rows, or in two
     int8 levels for 10 or more rows through at most 512 features (`q8_0_rows.AUTO_KERNEL`);
     "float32" always as they are; "int8" rounded to int8 per block of 32, as llama.cpp multiplies
-    (`q8_0_int8_rows`)."""
+    (`q8_0_int8_rows`). `packed`: auto's tiles of the weight laid out for its two levels
+    (`q8_0_rows.pack_tiles`, held by the layer), where it has them."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     kernel = q8_0_kernel.AUTO_KERNEL if activations == "auto" else q8_0_kernel.KERNEL
     if activations == "int8":
         y = q8_0_int8_linear(rows, qweight, scales)
+    elif activations == "auto" and packed is not None:
+        y = q8_0_packed_linear(rows, qweight, scales, packed)
     elif torch.compiler.is_exporting():
         if kernel.available():
             few_rows = q8_0_auto_rows if activations == "auto" else q8_0_kernel_rows
@@ -214,6 +218,31 @@ def q8_0_kernel_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     as the graph's operator (`trio_llm::q8_0_rows`, called by the package through its C shim, on
     the step's threads), which reads the weight once for all of them."""
     return torch.ops.trio_llm.q8_0_rows(rows.float().contiguous(), qweight, scales).to(rows.dtype)
+
+
+def q8_0_packed_linear(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       packed: torch.Tensor) -> torch.Tensor:
+    """Rows [T, k] times the blockwise weight as auto multiplies, with the weight's tiles packed:
+    up to 16 rows by the operator `trio_llm::q8_0_rows_packed` (in an exported graph by a
+    `torch.cond` on the row count), more (prompts) `q8_0_dequantized_mm`, in the rows' dtype."""
+    if torch.compiler.is_exporting():
+        return torch.cond(rows.shape[0] <= q8_0_kernel.MAX_ROWS, q8_0_packed_rows, q8_0_unpacked_mm,
+                          (rows, qweight, scales, packed))
+    few = None if torch.compiler.is_compiling() else q8_0_kernel.packed_row_times(
+        rows.float(), qweight, scales, packed, torch.get_num_threads())
+    return few.to(rows.dtype) if few is not None else q8_0_dequantized_mm(rows, qweight, scales)
+
+
+def q8_0_packed_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     packed: torch.Tensor) -> torch.Tensor:
+    """`torch.cond`'s branch for a batch of decodes: the operator on the packed tiles."""
+    return torch.ops.trio_llm.q8_0_rows_packed(rows.float().contiguous(), qweight, scales, packed).to(rows.dtype)
+
+
+def q8_0_unpacked_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     packed: torch.Tensor) -> torch.Tensor:
+    """`torch.cond`'s branch for prompts: `q8_0_dequantized_mm`, the packed tiles unread."""
+    return q8_0_dequantized_mm(rows, qweight, scales)
 
 
 def q8_0_auto_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,10 @@ class Worker:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         if self.config.q8_0_activations != "auto":
             self._choose_q8_0_activations(self.config.q8_0_activations)
+        elif self.device.type == "cpu":
+            for module in self.model.modules():  # auto's two int8 levels read tiles laid out once
+                if isinstance(module, Linear):
+                    module.pack_q8_0_tiles()
         if self._starting_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
         causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
