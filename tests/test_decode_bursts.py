@@ -301,6 +301,7 @@ async def test_in_process_a_message_ends_a_streamed_burst_at_the_next_step(tiny_
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run, "a", [1, 2, 3], 66)
             await trio.to_thread.run_sync(held.wait)
+            await trio.testing.wait_all_tasks_blocked()  # the first two steps' tokens consumed, before b
             nursery.start_soon(run, "b", [4, 5], 2)
             await trio.testing.wait_all_tasks_blocked()  # b's request is in the core's inbox
             assert engine.core.num_pending_messages == 1
