@@ -621,15 +621,16 @@ class EngineConfig:
         default=None,
         names=("--quantization", "-q",),
         metavar="{" + ",".join(QUANTIZATIONS) + "}")
-    # How a batch of decodes multiplies q8_0 weights: auto (float32 rows, or two int8 levels of each
-    # row for 10+ rows through layers of at most 512 features, where that measured faster), float32
+    # How a batch of decodes multiplies q8_0 weights: auto (two int8 levels of each row through layers
+    # of at most 512 features, whose tiles are laid out for it at load; float32 rows elsewhere), float32
     # rows always, or rows rounded to int8 per block of 32 first, as llama.cpp multiplies a Q8_0
     # weight (AVX-512 VNNI only; engine/kernels/q8_0_rows.c; docs/decisions.md).
     q8_0_activations: str = flag(
-        "how a batch of decodes multiplies q8_0 weights: auto (float32 rows; 10 or more rows through "
-        "layers of at most 512 features as two int8 levels, ~16 bits a value, where the CPU has AVX-512 "
-        "VNNI), float32 (rows as they are) or int8 (each row rounded to int8 per block of 32 first, "
-        "llama.cpp's Q8_0 x Q8_0 arithmetic: faster at many decodes, less faithful; AVX-512 VNNI only). "
+        "how a batch of decodes multiplies q8_0 weights: auto (layers of at most 512 features meet the "
+        "rows as two int8 levels, ~16 bits a value, on tiles laid out at load, where the CPU has AVX-512 "
+        "VNNI; float32 rows elsewhere), float32 (rows as they are) or int8 (each row rounded to int8 per "
+        "block of 32 first, llama.cpp's Q8_0 x Q8_0 arithmetic: faster at many decodes, less faithful; "
+        "AVX-512 VNNI only). "
         "Prompts keep float32 rows",
         default="auto",
         choices=list(Q8_0_ACTIVATIONS))

@@ -452,7 +452,8 @@ def test_two_int8_levels_hold_each_value_to_a_508th_of_its_step(out_features, in
     over a hundred times closer to the float64 product than one level (llama.cpp's), on one thread
     or two alike. Auto is that kernel exactly for 10 or more rows through at most 512 features (with
     VNNI), the float32 kernel exactly otherwise; with the weight's tiles laid out once
-    (`pack_tiles`, whole tiles of 16 rows only: 56 rows leave a tail of 8), the same again."""
+    (`pack_tiles`, whole tiles of 16 rows only: 56 rows leave a tail of 8), two levels at every
+    row count, one included, the same sums as transposing at each call."""
     from engine.kernels import q8_0_rows
 
     generator = torch.Generator().manual_seed(in_features + 1)
@@ -477,8 +478,8 @@ def test_two_int8_levels_hold_each_value_to_a_508th_of_its_step(out_features, in
                       and q8_0_rows.int8_fast())
         auto = q8_0_rows.auto_row_times(x, qweight, scales, 2)
         assert torch.equal(auto, got if two_levels else q8_0_rows.row_times(x, qweight, scales, 2))
-        if tiles is not None:  # the tiles laid out once give the same sums as transposed at each call
-            assert torch.equal(q8_0_rows.packed_row_times(x, qweight, scales, tiles, 2), auto)
+        if tiles is not None:  # laid out once: two levels at every row count, the same sums as transposed
+            assert torch.equal(q8_0_rows.packed_row_times(x, qweight, scales, tiles, 2), got)
 
 
 def test_int8_activations_without_q8_0_layers_fail_start_up_naming_why(tmp_path_factory):

@@ -560,13 +560,15 @@ int q8_0_rows_auto(const float *x, const void *w, const float *scales, float *ou
     return q8_0_rows_f32(x, w, scales, out, rows, n, k, threads);
 }
 
-/* `q8_0_rows_auto` with the weight's whole tiles also laid out by `q8_0_pack_tiles` (`packed`),
- * which the two levels read instead of transposing each tile's blocks at every call (the small
- * Llama's LM head at 16 rows: 0.72-0.78x the time; docs/benchmarks.md). */
+/* `q8_0_rows_auto` for a weight whose whole tiles are also laid out by `q8_0_pack_tiles` (`packed`):
+ * the two levels read them instead of transposing each tile's blocks at every call, and then win
+ * at every row count, one included (the small Llama's LM head 0.53-0.73x the float kernel's time
+ * at 1-16 rows, its 256-feature layers about half; docs/benchmarks.md), so every batch of decodes
+ * takes them: a request's arithmetic no longer depends on how many share its step. */
 int q8_0_rows_auto_packed(const float *x, const void *w, const float *scales, const void *packed, float *out,
                           long rows, long n, long k, long threads) {
 #ifdef __AVX512VNNI__
-    if (rows >= TWO_LEVELS_FROM_ROWS && k <= TWO_LEVELS_UP_TO_K)
+    if (k <= TWO_LEVELS_UP_TO_K) /* where `q8_0_pack_tiles` lays tiles out */
         return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2, packed);
 #endif
     return q8_0_rows_f32(x, w, scales, out, rows, n, k, threads);

@@ -9,8 +9,9 @@ Q8_0 products instead: each row rounded to int8 per block of 32 first, the produ
 with AVX-512 VNNI where the CPU has it (`int8_fast`), one at a time elsewhere. `TWO_LEVELS` rounds
 each row to int8 twice (the remainders in 254ths of a step: ~16 bits a value), and `AUTO_KERNEL`
 (`trio_llm::q8_0_rows_auto`, `--q8-0-activations auto`, the default) runs it for a batch of 10 or
-more rows through a weight of at most 512 features, float32 rows otherwise (q8_0_rows.c
-`q8_0_rows_auto` says why).
+more rows through a weight of at most 512 features, float32 rows otherwise; a weight whose tiles
+are laid out for it (`pack_tiles`, `trio_llm::q8_0_rows_packed`) takes it at every row count
+(q8_0_rows.c `q8_0_rows_auto` and `q8_0_rows_auto_packed` say why).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def pack_tiles(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | No
 
 def packed_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor,
                      threads: int) -> torch.Tensor | None:
-    """`auto_row_times` reading the weight's tiles from `packed` (`pack_tiles`) where it takes two
-    levels: the same results. None where the kernel does not apply (as `row_times`)."""
+    """Auto's product for a weight whose tiles are laid out in `packed` (`pack_tiles`): two int8
+    levels at every row count (the tiles make them faster than float32 rows even at one; the same
+    sums as `TWO_LEVELS`). None where the kernel does not apply (as `row_times`)."""
     function = native.int_function("q8_0_rows", "q8_0_rows_auto_packed", (ctypes.c_void_p,) * 5 + (ctypes.c_long,) * 4)
     if (function is None or rows.dtype != torch.float32 or rows.dim() != 2 or not 1 <= rows.shape[0] <= MAX_ROWS
             or rows.shape[1] != qweight.shape[1] or not rows.is_contiguous()):
