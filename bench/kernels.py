@@ -268,32 +268,18 @@ def q8_0_row_pair(out_features: int, in_features: int, flush: torch.Tensor, repe
                  repeats)
 
 
-def q8_0_two_levels_pair(out_features: int, in_features: int, rows: int, flush: torch.Tensor,
-                          repeats: int) -> Pair:
-    """A batch of decodes times a `q8_0` weight: float32 rows against the same rows as two int8
-    levels (`q8_0_rows.TWO_LEVELS`, ~16 bits a value), what `--q8-0-activations auto` runs for 10
-    or more rows through at most 512 features."""
+def q8_0_rows_pair(out_features: int, in_features: int, rows: int, after: str,
+                   kernel: Callable[..., torch.Tensor | None], flush: torch.Tensor, repeats: int) -> Pair:
+    """A batch of decodes times a `q8_0` weight: float32 rows against `kernel`'s rows (AVX-512
+    VNNI's int8 products): `--q8-0-activations int8`'s (one int8 level, llama.cpp's arithmetic) or
+    the two int8 levels auto takes (`q8_0_rows.TWO_LEVELS`, ~16 bits a value)."""
     qweight, scales = quantize_per_block(torch.randn(out_features, in_features))
     x = torch.randn(rows, in_features)
     threads = torch.get_num_threads()
-    assert q8_0_rows.int8_fast(), "the two levels' VNNI loop is what this pair measures"
+    assert q8_0_rows.int8_fast(), "the int8 kernels' VNNI loop is what this pair measures"
     return _pair(f"q8_0 [{out_features}, {in_features}], {rows} row{'s' if rows > 1 else ''}",
                  ("float32 rows", lambda: q8_0_rows.row_times(x, qweight, scales, threads)),
-                 ("two int8 levels (auto's)", lambda: q8_0_rows.TWO_LEVELS.row_times(x, qweight, scales, threads)),
-                 flush, repeats)
-
-
-def q8_0_int8_pair(out_features: int, in_features: int, rows: int, flush: torch.Tensor, repeats: int) -> Pair:
-    """A batch of decodes times a `q8_0` weight: our kernel on float32 rows (the default) against
-    `--q8-0-activations int8` (the rows rounded to int8 per block, AVX-512 VNNI's int8 products)."""
-    qweight, scales = quantize_per_block(torch.randn(out_features, in_features))
-    x = torch.randn(rows, in_features)
-    threads = torch.get_num_threads()
-    assert q8_0_rows.int8_fast(), "the int8 kernel's VNNI loop is what this pair measures"
-    return _pair(f"q8_0 [{out_features}, {in_features}], {rows} row{'s' if rows > 1 else ''}",
-                 ("float32 rows", lambda: q8_0_rows.row_times(x, qweight, scales, threads)),
-                 ("int8 rows (--q8-0-activations int8)", lambda: q8_0_rows.int8_row_times(x, qweight, scales, threads)),
-                 flush, repeats)
+                 (after, lambda: kernel(x, qweight, scales, threads)), flush, repeats)
 
 
 Q8_0_INT8_SHAPES = ((32000, 256, 1), (32000, 256, 16), (4864, 896, 16), (896, 4864, 16))
@@ -319,9 +305,11 @@ def run(repeats: int = 20, vllm_python: str | None = None, only: str | None = No
         ("draw", lambda: [draw_pair(rows, vocab, repeats) for rows, vocab in DRAW_SHAPES]),
         ("q8_0 one row", lambda: [q8_0_row_pair(out, features, flush, repeats)
                                   for out, features in ((151936, 896), (4864, 896), (896, 4864))]),
-        ("q8_0 int8 rows", lambda: [q8_0_int8_pair(out, features, rows, flush, repeats)
+        ("q8_0 int8 rows", lambda: [q8_0_rows_pair(out, features, rows, "int8 rows (--q8-0-activations int8)",
+                                                   q8_0_rows.int8_row_times, flush, repeats)
                                     for out, features, rows in Q8_0_INT8_SHAPES]),
-        ("q8_0 two int8 levels", lambda: [q8_0_two_levels_pair(out, features, rows, flush, repeats)
+        ("q8_0 two int8 levels", lambda: [q8_0_rows_pair(out, features, rows, "two int8 levels (auto's)",
+                                                         q8_0_rows.TWO_LEVELS.row_times, flush, repeats)
                                           for out, features, rows in Q8_0_TWO_LEVEL_SHAPES]),
     ]
     pairs = [pair for name, make in groups if only is None or only in name for pair in make()]
