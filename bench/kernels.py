@@ -22,7 +22,7 @@ beside the one it replaces, on `--threads` torch threads.
   (`engine.kernels.q8_0_rows`), on the 0.5B shape's tied head and MLP weights;
 - a batch of decodes times a `q8_0` weight: float32 rows against `--q8-0-activations int8`'s rows
   rounded to int8 per block (llama.cpp's arithmetic, AVX-512 VNNI), and against the two int8
-  levels that `--q8-0-activations auto` takes for 10 or more rows through at most 512 features.
+  levels that `--q8-0-activations auto` takes through at most 512 features (every row count on laid-out tiles).
 
 `--only TEXT` runs the groups whose name holds TEXT (`q8_0`, `attention`, `argmax`, ...).
 

@@ -130,7 +130,7 @@ class Linear(nn.Module):
         self.register_buffer("qweight", None)
         self.register_buffer("qscales", None)
         # q8_0 under --q8-0-activations auto: the weight's tiles laid out for its two int8 levels
-        # (`pack_q8_0_tiles`), a second copy of the weight, read by a batch of 10+ decodes.
+        # (`pack_q8_0_tiles`), a second copy of the weight, read by every decode.
         self.qtiles: torch.Tensor | None
         self.register_buffer("qtiles", None)
 
