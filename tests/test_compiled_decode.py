@@ -37,6 +37,7 @@ from engine.models.attention import (
     paged_attention,
     paged_decode_attention,
 )
+from engine.paths import cache_root
 from engine.worker import aoti_runner, precompiled_graph
 from engine.worker.decode_graphs import TRACE_ROWS, DecodeGraphs, compile_estimate, keep_headers_in, use_compile_cache
 from engine.worker.step_graph import StepGraph
@@ -513,6 +514,7 @@ def test_a_warm_start_loads_the_graph_without_importing_the_compiler(tmp_path_fa
     llama, _ = _dense(tmp_path_factory)
     ours = tmp_path / "xdg" / "trio-llm" / "torch_compile"
     shutil.copytree(first_start[1], ours)  # what the first start saved
+    (ours.parent / "kernels").symlink_to(cache_root() / "kernels")  # our C kernels, built already
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     scratch = tmp_path / "tmp"
     scratch.mkdir()
