@@ -410,6 +410,9 @@ def _add_bench_roofline(bench: Subcommands) -> None:
     rl.add_argument("--batch", default="1,16,64", help="comma-separated batch sizes")
     rl.add_argument("--context", type=int, default=192, help="cached tokens per sequence")
     rl.add_argument("--repeats", type=int, default=30, help="steps per timed round")
+    rl.add_argument("--tokenizer", default=None, help="a GGUF model's original HF directory")
+    rl.add_argument("--idle-ms", type=float, default=2.0,
+                    help="the sleep before each step of the after-idle column (a served token's gap)")
     rl.set_defaults(run=_bench_roofline)
 
 
@@ -418,9 +421,11 @@ def _bench_roofline(args: argparse.Namespace) -> int:
 
     from bench import forward, roofline
     batches = [int(b) for b in args.batch.split(",")]
-    bench = forward.DecodeBench(model_dir(args.model), batches, args.context)
+    bench = forward.DecodeBench(model_dir(args.model), batches, args.context, tokenizer=args.tokenizer)
     print(f"compiled the decode graph in {bench.compile():.1f} s")
-    print(roofline.report(roofline.floors(bench, batches, args.repeats), torch.get_num_threads(), bench.model.dtype))
+    idle_s = args.idle_ms / 1000
+    print(roofline.report(roofline.floors(bench, batches, args.repeats, idle_s), torch.get_num_threads(), idle_s,
+                          bench.model.dtype))
     return 0
 
 

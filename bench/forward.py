@@ -12,6 +12,7 @@ time goes.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,11 +39,12 @@ class StepTimes:
 
 
 class DecodeBench:
-    def __init__(self, model_dir: str, batches: list[int], context: int, prompt_lens: Sequence[int] = ()) -> None:
+    def __init__(self, model_dir: str, batches: list[int], context: int, prompt_lens: Sequence[int] = (),
+                 tokenizer: str | None = None) -> None:
         self.block_size = 16
         self.blocks_per_seq = math.ceil((context + 1) / self.block_size)
         num_blocks = max([max(batches) * self.blocks_per_seq, *(math.ceil(n / self.block_size) for n in prompt_lens)])
-        config = EngineConfig(model=model_dir, enforce_eager=True, num_kv_blocks=num_blocks,
+        config = EngineConfig(model=model_dir, tokenizer=tokenizer, enforce_eager=True, num_kv_blocks=num_blocks,
                               block_size=self.block_size, max_num_seqs=max(batches))
         self.worker = Worker(config)
         self.worker.load_model()
@@ -120,6 +122,21 @@ class DecodeBench:
                         step()
                     best[i] = min(best[i], (time.perf_counter() - start) / repeats * 1000)
         return StepTimes(batch, best[0], best[1])
+
+    def time_after_idle(self, batch: int, repeats: int, idle_s: float) -> float:
+        """Median ms of the compiled decode step when each step follows `idle_s` of sleep, as a
+        served token's step follows the loop's and the HTTP server's work: what the caches still
+        hold of the weights by then is what a served step finds."""
+        times = []
+        with torch.inference_mode():
+            _, compiled = self.steps(batch)
+            compiled()
+            for _ in range(repeats):
+                time.sleep(idle_s)
+                start = time.perf_counter()
+                compiled()
+                times.append((time.perf_counter() - start) * 1000)
+        return statistics.median(times)
 
     def profile(self, batch: int, steps: int = 10) -> str:
         from torch.profiler import ProfilerActivity, profile

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.forward import DecodeBench
+from engine.models.layers import Linear
 from engine.models.packed_linear import pack_weight, packed_linear
 
 BANDWIDTH_BYTES = 512 << 20  # far past the last-level cache
@@ -62,6 +63,7 @@ class StepFloor:
     kv_bytes: int
     flops: float
     measured_ms: float
+    after_idle_ms: float
     bandwidth: float
     peak: float
 
@@ -70,31 +72,58 @@ class StepFloor:
         return 1000 * max((self.weight_bytes + self.kv_bytes) / self.bandwidth, self.flops / self.peak)
 
 
-def floors(bench: DecodeBench, batches: list[int], repeats: int) -> list[StepFloor]:
+def decode_read_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: each linear layer's in the form a decode multiplies by
+    (a q8_0 layer's tiles where it has them, else its blocks and scales, else the packed or plain
+    weight and whatever buffers its quantization keeps), the LM head's included. Norms' vectors
+    are left out (a few KB), and so is the embedding table, of which a step reads a row a sequence."""
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        tensors: list[torch.Tensor | None]
+        if module.qtiles is not None:
+            tensors = [module.qtiles]
+        elif module.qweight is not None:
+            tensors = [module.qweight, module.qscales]
+        elif module.packed is not None:
+            tensors = [module.packed]
+        else:
+            tensors = [module.weight, *module.buffers(recurse=False)]
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None and t.device.type != "meta")
+    return total
+
+
+def floors(bench: DecodeBench, batches: list[int], repeats: int, idle_s: float) -> list[StepFloor]:
     model = bench.model
     bandwidth, peak = read_bandwidth(), matmul_peak(model.dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    weight_bytes = decode_read_bytes(model)
     params = sum(p.numel() for p in model.parameters())
     k_cache, _ = bench.runner.kv_caches[0]
     per_token_kv = 2 * len(bench.runner.kv_caches) * k_cache[0, 0].numel() * k_cache.element_size()
     results = []
     for batch in batches:
         measured = bench.time_steps(batch, repeats).compiled_ms
+        after_idle = bench.time_after_idle(batch, repeats, idle_s)
         results.append(StepFloor(batch, weight_bytes, batch * bench.context * per_token_kv, 2.0 * params * batch,
-                                 measured, bandwidth, peak))
+                                 measured, after_idle, bandwidth, peak))
     return results
 
 
-def report(rows: list[StepFloor], threads: int, dtype: torch.dtype = torch.float32) -> str:
+def report(rows: list[StepFloor], threads: int, idle_s: float, dtype: torch.dtype = torch.float32) -> str:
     first = rows[0]
     lines = [f"read bandwidth {first.bandwidth / 1e9:.1f} GB/s, {str(dtype).removeprefix('torch.')} matmul peak "
              f"{first.peak / 1e9:.1f} GFLOP/s "
-             f"({threads} threads); weights {first.weight_bytes / 1e6:.1f} MB",
-             "batch | KV read MB | floor ms (bytes / bandwidth, FLOPs / peak) | measured ms | measured / floor"]
+             f"({threads} threads); weights a decode reads {first.weight_bytes / 1e6:.1f} MB",
+             f"measured: steps back to back (best of 3 rounds); after idle: each step after {idle_s * 1000:g} ms "
+             "asleep, as a served step follows the loop's and the HTTP server's work (median)",
+             "batch | KV read MB | floor ms (bytes / bandwidth, FLOPs / peak) | measured ms | measured / floor "
+             "| after idle ms | after idle / floor"]
     for row in rows:
         by_bytes = 1000 * (row.weight_bytes + row.kv_bytes) / row.bandwidth
         by_flops = 1000 * row.flops / row.peak
         floor = f"{row.floor_ms:.2f} ({by_bytes:.2f}, {by_flops:.2f})"
         lines.append(f"{row.batch:>5} | {row.kv_bytes / 1e6:>10.1f} | {floor:<43} | {row.measured_ms:>11.2f} | "
-                     f"{row.measured_ms / row.floor_ms:>6.2f}x")
+                     f"{row.measured_ms / row.floor_ms:>15.2f}x | {row.after_idle_ms:>13.2f} | "
+                     f"{row.after_idle_ms / row.floor_ms:>17.2f}x")
     return "\n".join(lines)

@@ -857,3 +857,19 @@ def test_the_newer_families_quantize_within_tolerance(tmp_path_factory, family, 
     for prompt in PROMPTS:
         ours, exact = logits(quantized, prompt), logits(float_model, prompt)
         assert (ours - exact).abs().max() <= NEW_FAMILY_TOLERANCE[family] * exact.abs().max()
+
+
+def test_the_roofline_counts_the_weight_bytes_a_decode_reads():
+    """`bench roofline`'s floor: a q8_0 layer under auto is read through its tiles where it has them
+    (not its blocks as well), else through its blocks and scales; a float layer through its weight."""
+    from bench.roofline import decode_read_bytes
+
+    short, wide, plain = Linear(256, 64, bias=False), Linear(768, 64, bias=False), Linear(32, 8, bias=False)
+    model = torch.nn.ModuleList([short, wide, plain])
+    for layer in (short, wide):
+        assert layer.quantize("q8_0") and layer.multiply_q8_0_activations_as("auto")
+        layer.pack_q8_0_tiles()
+    blocks = [sum(t.numel() * t.element_size() for t in (m.qweight, m.qscales)) for m in (short, wide)]
+    assert wide.qtiles is None  # wider than two levels take
+    tiles = short.qtiles.numel() * short.qtiles.element_size() if short.qtiles is not None else blocks[0]
+    assert decode_read_bytes(model) == tiles + blocks[1] + 8 * 32 * 4
