@@ -15,7 +15,7 @@ beside the one it replaces, on `--threads` torch threads.
 - the compiled decode graph's attention: inductor's loops for `paged_decode_attention` against
   the same kernel as the graph's operator (`DecodeMetadata.attend`), over float32 and float16
   caches;
-- greedy sampling: `max(dim)` against the sampler's chunked argmax;
+- greedy sampling: `max(dim)` against the sampler's argmax (engine/kernels/argmax_rows.c);
 - random sampling's draw: the exponential race against inverse transform sampling;
 - one row times a `q8_0` weight outside a graph (a first start's eager steps): the weight
   dequantized a slice at a time and multiplied, against our kernel over its int8 blocks
@@ -233,7 +233,7 @@ def argmax_pair(rows: int, vocab: int, repeats: int) -> Pair:
     logits = torch.randn(rows, vocab)
     assert torch.equal(argmax_rows(logits), logits.max(dim=-1).indices)
     return _pair(f"greedy argmax, {rows} x {vocab}", ("max(dim)", lambda: logits.max(dim=-1).indices),
-                 ("chunked", lambda: argmax_rows(logits)), None, repeats)
+                 ("the sampler's (our kernel)", lambda: argmax_rows(logits)), None, repeats)
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -301,7 +301,7 @@ def run(repeats: int = 20, vllm_python: str | None = None, only: str | None = No
         ("compiled decode attention", lambda: [compiled_decode_pair(batch, cached, dtype, repeats)
                                                for batch, cached, dtype in COMPILED_DECODES]),
         ("argmax", lambda: [argmax_pair(rows, vocab, repeats)
-                            for rows, vocab in ((16, 32000), (64, 32000), (16, 151936))]),
+                            for rows, vocab in ((1, 32000), (16, 32000), (64, 32000), (16, 151936))]),
         ("draw", lambda: [draw_pair(rows, vocab, repeats) for rows, vocab in DRAW_SHAPES]),
         ("q8_0 one row", lambda: [q8_0_row_pair(out, features, flush, repeats)
                                   for out, features in ((151936, 896), (4864, 896), (896, 4864))]),
