@@ -15,7 +15,7 @@ beside the one it replaces, on `--threads` torch threads.
 - the compiled decode graph's attention: inductor's loops for `paged_decode_attention` against
   the same kernel as the graph's operator (`DecodeMetadata.attend`), over float32 and float16
   caches;
-- greedy sampling: `max(dim)` against the sampler's argmax (engine/kernels/argmax_rows.c);
+- greedy sampling: `max(dim)` against the sampler's argmax (numpy's, for float32 CPU logits);
 - random sampling's draw: the exponential race against inverse transform sampling;
 - one row times a `q8_0` weight outside a graph (a first start's eager steps): the weight
   dequantized a slice at a time and multiplied, against our kernel over its int8 blocks
@@ -233,7 +233,7 @@ def argmax_pair(rows: int, vocab: int, repeats: int) -> Pair:
     logits = torch.randn(rows, vocab)
     assert torch.equal(argmax_rows(logits), logits.max(dim=-1).indices)
     return _pair(f"greedy argmax, {rows} x {vocab}", ("max(dim)", lambda: logits.max(dim=-1).indices),
-                 ("the sampler's (our kernel)", lambda: argmax_rows(logits)), None, repeats)
+                 ("the sampler's (numpy's)", lambda: argmax_rows(logits)), None, repeats)
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

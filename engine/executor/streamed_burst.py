@@ -59,8 +59,12 @@ class StreamedBurst(PendingStep):
         token = trio.lowlevel.current_trio_token()
 
         def post(step: ModelRunnerOutput) -> bool:  # in the worker thread, after each step
+            # The verdict on the steps before this one: read before this one is handed over, so that
+            # the loop's verdict on a step always lets the next one run, however the threads
+            # interleave (read after, it sometimes stopped the burst a step earlier).
+            going = self._going
             token.run_sync_soon(_deliver, send, step)
-            return self._going
+            return going
 
         async def consume() -> None:
             try:

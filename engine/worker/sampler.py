@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
-from engine.kernels import argmax as argmax_kernel
 from engine.sampling_params import SamplingParams
 from engine.sched.output import TokenLogprobs
 from engine.worker.transfers import HostCopy, to_device
@@ -241,14 +241,14 @@ def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
 
     torch's `max(dim)` and `argmax` track an index per element and do not vectorise on CPU: 0.43 ms
     for 16 x 32,000 logits on one thread, 1.9 ms for 64, 5% of a served step at 16 streams, and
-    40-65 us for one row. Float32 CPU logits go to our kernel (engine/kernels/argmax_rows.c: one
-    pass, vector lanes tracking their maxima's first indices): 0.01 ms for one row of 32,000,
-    0.09 for 16. Elsewhere (or without a C compiler): a plain maximum vectorises, so the maximum
-    of each chunk of `ARGMAX_CHUNK` logits, the first chunk holding the row's maximum (a search over
-    a few hundred), and the first maximum inside that chunk: 0.08 ms for 16 x 32,000, 0.27 for 64."""
-    ours = argmax_kernel.argmax_rows(rows, torch.get_num_threads())
-    if ours is not None:
-        return ours
+    40-65 us for one row. numpy's `argmax` is vectorised (its SIMD kernels) with the same answers
+    (the first maximum; the first NaN where a row has one), so float32 CPU logits go there: 0.01 ms
+    for one row of 32,000, 0.09 for 16, 0.39 for 64. Other dtypes and devices: a plain maximum
+    vectorises, so the maximum of each chunk of `ARGMAX_CHUNK` logits, the first chunk holding the
+    row's maximum (a search over a few hundred), and the first maximum inside that chunk (0.16 ms
+    for 16 x 32,000 on two threads, 0.42 for 64; docs/benchmarks.md)."""
+    if rows.dtype == torch.float32 and rows.device.type == "cpu":
+        return torch.from_numpy(numpy.argmax(rows.detach().numpy(), axis=-1))
     num_rows, vocab = rows.shape
     whole = vocab - vocab % ARGMAX_CHUNK
     if num_rows == 1 or whole == 0:  # one row: `max` is as fast

@@ -22,7 +22,6 @@ from engine.cpu_binding import CpuLayout, bound_to
 from engine.ec.storage import save_rows
 from engine.eplb.plan import LayerPlan
 from engine.errors import ModelLoadError
-from engine.kernels import argmax as argmax_kernel
 from engine.kernels import causal_attention as causal_attention_kernel
 from engine.kernels import paged_decode, q8_0_rows
 from engine.lora.adapter import LoRAAdapter, LoRAError, read_adapter
@@ -171,8 +170,6 @@ class Worker:
             self.model.hold_tied_table_as_rows()
         causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
         paged_decode.available()  # nor at the first decode
-        if self.device.type == "cpu":
-            argmax_kernel.prepare()  # nor at the first greedy sample
         self._warn_if_reduced_precision_is_slower()
         self._load_lora_adapters()
         info = self._decoder_info()
