@@ -873,3 +873,33 @@ def test_the_roofline_counts_the_weight_bytes_a_decode_reads():
     assert wide.qtiles is None  # wider than two levels take
     tiles = short.qtiles.numel() * short.qtiles.element_size() if short.qtiles is not None else blocks[0]
     assert decode_read_bytes(model) == tiles + blocks[1] + 8 * 32 * 4
+
+
+def test_a_helper_on_a_lent_cpu_shares_one_thread_products_with_the_same_sums():
+    """`lend_cpus` (the served layout lends the HTTP server's CPU): a one-thread int8 product through
+    a large weight (an LM head: 1,024 rows or more) is then shared chunk by chunk with a helper
+    thread on that CPU, which takes chunks only when it gets to run there. The sums are the call's
+    alone, one level or two, through tiles where the CPU has them, for one row and sixteen, a weight
+    ending in a partial tile included."""
+    from engine.kernels import q8_0_rows
+
+    generator = torch.Generator().manual_seed(7)
+    weights = [quantize_per_block(torch.randn(n, 256, generator=generator)) for n in (4096, 2000 * 16 + 8)]
+    tiles = [q8_0_rows.pack_tiles(q, s) for q, s in weights]
+    inputs = [torch.randn(rows, 256, generator=generator) for rows in (1, 16)]
+
+    def products() -> list[torch.Tensor | None]:
+        out = []
+        for (qweight, scales), packed in zip(weights, tiles, strict=True):
+            for x in inputs:
+                out += [q8_0_rows.int8_row_times(x, qweight, scales, 1),
+                        q8_0_rows.TWO_LEVELS.row_times(x, qweight, scales, 1)]
+                if packed is not None:
+                    out.append(q8_0_rows.packed_row_times(x, qweight, scales, packed, 1))
+        return out
+
+    alone = products()
+    assert all(p is not None for p in alone)
+    assert q8_0_rows.lend_cpus(sorted(os.sched_getaffinity(0))[:1])
+    for _ in range(20):  # the helper joins some calls and misses others: the same sums either way
+        assert all(torch.equal(a, b) for a, b in zip(alone, products(), strict=True))

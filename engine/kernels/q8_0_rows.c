@@ -21,6 +21,7 @@
  * interleaved rows: the 0.5B shape's weights at one row took 36-48 ms on two threads without,
  * 26 ms with (a plain read of the same bytes: 24 ms; docs/benchmarks.md).
  */
+#define _GNU_SOURCE /* lent_cpu.h: CPU sets, a thread's affinity */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +31,7 @@
 #endif
 
 #include "block_rows.h" /* BLOCK, MAX_ROWS, fetch_ahead, the split over threads, the C shim */
+#include "lent_cpu.h"   /* a helper on the lent CPU, taking chunks of a one-thread call */
 
 struct rows_job {
     const float *x;
@@ -476,6 +478,23 @@ static void int8_share(const struct rows_job *job, const struct int8_rows *in) {
         int8_one(job, in, o);
 }
 
+/* A one-thread call's rows in chunks for `lent_run`: whole tiles of 16 (the last chunk takes the
+ * tail), large enough that a claim is a small part of one. */
+#define LENT_CHUNK_ROWS 512
+
+struct int8_chunks {
+    const struct rows_job *whole;
+    const struct int8_rows *in;
+};
+
+static void int8_chunk(const void *ctx, long chunk) {
+    const struct int8_chunks *c = ctx;
+    struct rows_job job = *c->whole;
+    job.first = chunk * LENT_CHUNK_ROWS;
+    job.end = job.first + LENT_CHUNK_ROWS < job.n ? job.first + LENT_CHUNK_ROWS : job.n;
+    int8_share(&job, c->in);
+}
+
 /* Whether this build multiplies int8 rows with AVX-512 VNNI (`q8_0_rows_int8` runs everywhere): 1 or 0. */
 int q8_0_rows_int8_fast(void) {
 #ifdef __AVX512VNNI__
@@ -508,15 +527,25 @@ static int int8_rows_times(const float *x, const void *w, const float *scales, f
     quantize_rows(x, rows, k, xq, dx, xsum, low, low_sum);
     struct int8_rows in = {xq, dx, xsum, low, low_sum};
     threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
+    struct rows_job whole = {x, w, scales, out, rows, n, k, 0, n, packed};
+    if (threads == 1 && atomic_load(&lent.started) && n >= 2 * LENT_CHUNK_ROWS) {
+        struct int8_chunks chunks = {&whole, &in};
+        lent_run(int8_chunk, &chunks, (n + LENT_CHUNK_ROWS - 1) / LENT_CHUNK_ROWS);
+    } else {
 #pragma omp parallel num_threads(threads)
-    {
-        struct rows_job job = {x, w, scales, out, rows, n, k, 0, 0, packed};
-        thread_range(n, omp_get_thread_num(), omp_get_num_threads(), &job.first, &job.end);
-        int8_share(&job, &in);
+        {
+            struct rows_job job = whole;
+            thread_range(n, omp_get_thread_num(), omp_get_num_threads(), &job.first, &job.end);
+            int8_share(&job, &in);
+        }
     }
     free(memory);
     return 0;
 }
+
+/* Start the helper that takes chunks of one-thread calls of a large weight (lent_cpu.h) on `cpus`;
+ * 0 when it runs. Once per process. */
+int q8_0_lend_cpus(const int *cpus, long count) { return count < 1 ? -1 : lent_cpu_start(cpus, count); }
 
 int q8_0_rows_int8(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
                    long threads) {

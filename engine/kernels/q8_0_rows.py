@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -91,6 +92,18 @@ def packed_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
                 rows.shape[0], qweight.shape[0], rows.shape[1], threads) != 0:
         return None
     return out
+
+
+def lend_cpus(cpus: Sequence[int]) -> bool:
+    """Start a helper thread on `cpus` (the CPU the served layout lends the compute steps) that
+    takes chunks of one-thread products through a large weight's tiles (an LM head) whenever it
+    gets to run there, the calling thread waiting only for chunks it has started (lent_cpu.h).
+    Once per process; whether the helper runs."""
+    start = native.int_function("q8_0_rows", "q8_0_lend_cpus", (ctypes.c_void_p, ctypes.c_long))
+    if start is None or not cpus:
+        return False
+    listed = (ctypes.c_int * len(cpus))(*cpus)
+    return start(ctypes.addressof(listed), len(cpus)) == 0
 
 
 @operator("trio_llm::q8_0_rows_packed")

@@ -163,9 +163,10 @@ class Worker:
         if self.config.q8_0_activations != "auto":
             self._choose_q8_0_activations(self.config.q8_0_activations)
         elif self.device.type == "cpu":
-            for module in self.model.modules():  # auto's two int8 levels read tiles laid out once
-                if isinstance(module, Linear):
-                    module.pack_q8_0_tiles()
+            # auto's two int8 levels read tiles laid out once
+            tiled = [m.pack_q8_0_tiles() for m in self.model.modules() if isinstance(m, Linear)]
+            if any(tiled) and self.layout is not None and self.layout.borrow and self.config.tunes_cpu_threads:
+                self._lend_a_helper(self.layout.borrow)
         if self._starting_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
         causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
@@ -177,6 +178,15 @@ class Worker:
             return info
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
+
+    def _lend_a_helper(self, cpus: tuple[int, ...]) -> None:
+        """Steps on one compute thread (what the tuner keeps while the HTTP server is busy on the
+        lent CPU) share their large q8_0 products, the LM head's above all, with a helper thread
+        there that takes chunks only when it gets to run (engine/kernels/lent_cpu.h): 1.06x at 16
+        streams and 1.12x at one, served (docs/benchmarks.md)."""
+        if q8_0_rows.lend_cpus(cpus) and self.rank == 0:
+            logger.info("one-thread steps share large q8_0 products (the LM head) with a helper thread on CPUs %s",
+                        ",".join(map(str, cpus)))
 
     def _choose_q8_0_activations(self, activations: str) -> None:
         """--q8-0-activations float32 or int8: how every q8_0 layer multiplies a batch of decodes'
