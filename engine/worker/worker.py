@@ -182,8 +182,8 @@ class Worker:
     def _lend_a_helper(self, cpus: tuple[int, ...]) -> None:
         """Steps on one compute thread (what the tuner keeps while the HTTP server is busy on the
         lent CPU) share their large q8_0 products, the LM head's above all, with a helper thread
-        there that takes chunks only when it gets to run (engine/kernels/lent_cpu.h): 1.06x at 16
-        streams and 1.12x at one, served (docs/benchmarks.md)."""
+        there that takes chunks only when it gets to run (engine/kernels/lent_cpu.h; served, 1.00-1.06x
+        at 16 streams and 1.06-1.12x at one, docs/benchmarks.md)."""
         if q8_0_rows.lend_cpus(cpus) and self.rank == 0:
             logger.info("one-thread steps share large q8_0 products (the LM head) with a helper thread on CPUs %s",
                         ",".join(map(str, cpus)))
