@@ -50,7 +50,8 @@ static inline void lent_pause(void) { __builtin_ia32_pause(); }
 static long lent_claim(uint32_t job) {
     uint64_t word = atomic_load(&lent.claim);
     for (;;) {
-        long chunks = (long)((word >> CHUNK_BITS) & ((1u << CHUNK_BITS) - 1)), next = (long)(word & ((1u << CHUNK_BITS) - 1));
+        long chunks = (long)((word >> CHUNK_BITS) & ((1u << CHUNK_BITS) - 1));
+        long next = (long)(word & ((1u << CHUNK_BITS) - 1));
         if ((uint32_t)(word >> (2 * CHUNK_BITS)) != job || next >= chunks)
             return -1;
         if (atomic_compare_exchange_weak(&lent.claim, &word, word + 1))

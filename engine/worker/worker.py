@@ -162,11 +162,8 @@ class Worker:
             self.mover = ExpertMover(self.model.moe_layers, layout, self.device)
         if self.config.q8_0_activations != "auto":
             self._choose_q8_0_activations(self.config.q8_0_activations)
-        elif self.device.type == "cpu":
-            # auto's two int8 levels read tiles laid out once
-            tiled = [m.pack_q8_0_tiles() for m in self.model.modules() if isinstance(m, Linear)]
-            if any(tiled) and self.layout is not None and self.layout.borrow and self.config.tunes_cpu_threads:
-                self._lend_a_helper(self.layout.borrow)
+        elif self.device.type == "cpu" and self._lay_out_q8_0_tiles():
+            self._lend_a_helper()
         if self._starting_compute_threads() == 1:
             self.model.hold_tied_table_as_rows()
         causal_attention_kernel.available()  # built now (once per machine), not at the first prompt
@@ -179,11 +176,21 @@ class Worker:
         return replace(info, num_moe_layers=len(self.model.moe_layers), num_logical_experts=layout.num_logical,
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
 
-    def _lend_a_helper(self, cpus: tuple[int, ...]) -> None:
-        """Steps on one compute thread (what the tuner keeps while the HTTP server is busy on the
-        lent CPU) share their large q8_0 products, the LM head's above all, with a helper thread
-        there that takes chunks only when it gets to run (engine/kernels/lent_cpu.h; served, 1.00-1.06x
-        at 16 streams and 1.06-1.12x at one, docs/benchmarks.md)."""
+    def _lay_out_q8_0_tiles(self) -> bool:
+        """Auto's two int8 levels read tiles laid out once (`Linear.pack_q8_0_tiles`); whether any
+        layer has them."""
+        assert isinstance(self.model, DecoderForCausalLM)
+        return any([m.pack_q8_0_tiles() for m in self.model.modules() if isinstance(m, Linear)])
+
+    def _lend_a_helper(self) -> None:
+        """Where the layout lends the HTTP server's CPU and the thread tuner is on: steps on one
+        compute thread (what the tuner keeps while the HTTP server is busy there) share their large
+        q8_0 products, the LM head's above all, with a helper thread on that CPU that takes chunks
+        only when it gets to run (engine/kernels/lent_cpu.h; served, 1.00-1.06x at 16 streams and
+        1.06-1.12x at one, docs/benchmarks.md)."""
+        if self.layout is None or not self.layout.borrow or not self.config.tunes_cpu_threads:
+            return
+        cpus = self.layout.borrow
         if q8_0_rows.lend_cpus(cpus) and self.rank == 0:
             logger.info("one-thread steps share large q8_0 products (the LM head) with a helper thread on CPUs %s",
                         ",".join(map(str, cpus)))
