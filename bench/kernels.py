@@ -282,6 +282,23 @@ def q8_0_rows_pair(out_features: int, in_features: int, rows: int, after: str,
                  (after, lambda: kernel(x, qweight, scales, threads)), flush, repeats)
 
 
+def q8_0_tiles_pair(out_features: int, in_features: int, rows: int, flush: torch.Tensor, repeats: int) -> Pair:
+    """A batch of decodes times a `q8_0` weight of any width: float32 rows against auto's two int8
+    levels on the weight's tiles, laid out once (`q8_0_rows.pack_tiles`), as the worker holds them."""
+    qweight, scales = quantize_per_block(torch.randn(out_features, in_features))
+    packed = q8_0_rows.pack_tiles(qweight, scales)
+    assert packed is not None, "tiles are laid out where the CPU has AVX-512 VNNI"
+    x = torch.randn(rows, in_features)
+    threads = torch.get_num_threads()
+    return _pair(f"q8_0 [{out_features}, {in_features}], {rows} row{'s' if rows > 1 else ''}",
+                 ("float32 rows", lambda: q8_0_rows.row_times(x, qweight, scales, threads)),
+                 ("two int8 levels on tiles", lambda: q8_0_rows.packed_row_times(x, qweight, scales, packed, threads)),
+                 flush, repeats)
+
+
+# The 0.5B shape's layers and head, and the small Llama's 768-feature down projection.
+Q8_0_TILE_SHAPES = ((4864, 896, 1), (896, 4864, 1), (1152, 896, 1), (151936, 896, 1), (256, 768, 1), (4864, 896, 4),
+                    (4864, 896, 16))
 Q8_0_INT8_SHAPES = ((32000, 256, 1), (32000, 256, 16), (4864, 896, 16), (896, 4864, 16))
 # Where auto takes two levels (the small Llama's head and 256-feature layers at 10-16 rows) and
 # where it does not (fewer rows; a 0.5B model's 896 features).
@@ -311,6 +328,8 @@ def run(repeats: int = 20, vllm_python: str | None = None, only: str | None = No
         ("q8_0 two int8 levels", lambda: [q8_0_rows_pair(out, features, rows, "two int8 levels (auto's)",
                                                          q8_0_rows.TWO_LEVELS.row_times, flush, repeats)
                                           for out, features, rows in Q8_0_TWO_LEVEL_SHAPES]),
+        ("q8_0 tiles", lambda: [q8_0_tiles_pair(out, features, rows, flush, repeats)
+                                for out, features, rows in Q8_0_TILE_SHAPES]),
     ]
     pairs = [pair for name, make in groups if only is None or only in name for pair in make()]
     if vllm_python is not None and (only is None or only in "prompt attention"):

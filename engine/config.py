@@ -622,13 +622,15 @@ class EngineConfig:
         names=("--quantization", "-q",),
         metavar="{" + ",".join(QUANTIZATIONS) + "}")
     # How a batch of decodes multiplies q8_0 weights: auto (two int8 levels of each row through layers
-    # of at most 512 features, whose tiles are laid out for it at load; float32 rows elsewhere), float32
+    # whose tiles are laid out for it at load: every layer of at most 512 features, wider ones within
+    # a memory budget; float32 rows elsewhere), float32
     # rows always, or rows rounded to int8 per block of 32 first, as llama.cpp multiplies a Q8_0
     # weight (AVX-512 VNNI only; engine/kernels/q8_0_rows.c; docs/decisions.md).
     q8_0_activations: str = flag(
-        "how a batch of decodes multiplies q8_0 weights: auto (layers of at most 512 features meet the "
-        "rows as two int8 levels, ~16 bits a value, on tiles laid out at load, where the CPU has AVX-512 "
-        "VNNI; float32 rows elsewhere), float32 (rows as they are) or int8 (each row rounded to int8 per "
+        "how a batch of decodes multiplies q8_0 weights: auto (the layers meet the rows as two int8 levels, "
+        "~16 bits a value, on tiles laid out at load, a second copy of the weights (wider than 512 features: "
+        "within a quarter of the machine's memory), where the CPU has AVX-512 VNNI; float32 rows elsewhere), "
+        "float32 (rows as they are, no copy) or int8 (each row rounded to int8 per "
         "block of 32 first, llama.cpp's Q8_0 x Q8_0 arithmetic: faster at many decodes, less faithful; "
         "AVX-512 VNNI only). "
         "Prompts keep float32 rows",

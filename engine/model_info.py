@@ -51,7 +51,8 @@ class ModelInfo:
     image_rows: int = 0
     quantization: str | None = None  # the linear layers' weight-only quantization ("int8"), if any
     # How q8_0 layers multiply a batch of decodes (--q8-0-activations): "int8"; "auto" where two int8
-    # levels apply here (AVX-512 VNNI, a layer of at most 512 features); else "float32". None: no q8_0 layers.
+    # levels apply here (AVX-512 VNNI, a layer with tiles or of at most 512 features); else "float32".
+    # None: no q8_0 layers.
     q8_0_activations: str | None = None
     weight_bytes: int = 0  # this rank's weights as held (quantized layers as int8 rows and scales)
     kv_cache_dtype: str = ""  # the KV cache's dtype (--kv-cache-dtype), where it has one

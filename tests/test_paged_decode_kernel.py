@@ -136,3 +136,29 @@ def test_the_decode_graphs_attention_is_the_kernels_operator_where_it_applies():
     torch.testing.assert_close(meta.attend(q, k_cache, v_cache, 0.125), expected, rtol=1e-5, atol=1e-5)
     windowed = attention.paged_decode_attention(q, k_cache, v_cache, meta, 0.125, 8)
     torch.testing.assert_close(meta.attend(q, k_cache, v_cache, 0.125, 8), windowed)
+
+
+def test_one_thread_calls_shared_with_the_lent_cpus_helper_give_the_same_outputs():
+    """Served, the worker lends the HTTP server's CPU to a helper thread (engine/kernels/lent_cpu.h)
+    and shares one-thread decode attention with it: the calling thread and the helper claim work
+    items from one counter (a sequence's KV heads split where sequences are few). The outputs are
+    the call's alone, bit for bit, whichever items the helper got to run."""
+    import os
+
+    from engine.kernels import q8_0_rows
+
+    cases = [cached_decodes(batch, 4, 2, 64, 16, seed=batch, max_length=300) for batch in (1, 3, 16)]
+
+    def outputs() -> list[torch.Tensor | None]:
+        return [kernel.decode_attention(q, k, v, table, lengths, 16, 0.125, 1)
+                for q, k, v, table, lengths, _ in cases]
+
+    alone = outputs()
+    for got, case in zip(alone, cases, strict=True):
+        assert got is not None
+        torch.testing.assert_close(got, case[-1], rtol=1e-5, atol=1e-5)
+    assert q8_0_rows.lend_cpus(sorted(os.sched_getaffinity(0))[:1])
+    share = q8_0_rows.lent_share_address()
+    assert share is not None and kernel.share_with(share)
+    for _ in range(20):  # the helper joins some calls and misses others: the same outputs either way
+        assert all(torch.equal(a, b) for a, b in zip(alone, outputs(), strict=True))

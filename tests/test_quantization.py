@@ -452,16 +452,15 @@ def test_two_int8_levels_hold_each_value_to_a_508th_of_its_step(out_features, in
     over a hundred times closer to the float64 product than one level (llama.cpp's), on one thread
     or two alike. Auto is that kernel exactly for 10 or more rows through at most 512 features (with
     VNNI), the float32 kernel exactly otherwise; with the weight's tiles laid out once
-    (`pack_tiles`, whole tiles of 16 rows only: 56 rows leave a tail of 8), two levels at every
-    row count, one included, the same sums as transposing at each call."""
+    (`pack_tiles`, any width; whole tiles of 16 rows only: 56 rows leave a tail of 8), two levels at
+    every row count, one included, the same sums as transposing at each call."""
     from engine.kernels import q8_0_rows
 
     generator = torch.Generator().manual_seed(in_features + 1)
     qweight, scales = quantize_per_block(torch.randn(out_features, in_features, generator=generator))
     blocks = qweight.double().view(out_features, -1, 32) * scales.double()[..., None]
     tiles = q8_0_rows.pack_tiles(qweight, scales)
-    assert (tiles is not None) == (q8_0_rows.int8_fast() and out_features >= 16
-                                   and in_features <= q8_0_rows.TWO_LEVELS_UP_TO_K)
+    assert (tiles is not None) == (q8_0_rows.int8_fast() and out_features >= 16)
     for rows in (1, 3, 10, 16):
         x = torch.randn(rows, in_features, generator=generator)
         x[0, 32:64] = 0.0  # a block of zeros (where there are two): step 0, no division by it
@@ -864,40 +863,63 @@ def test_the_roofline_counts_the_weight_bytes_a_decode_reads():
     (not its blocks as well), else through its blocks and scales; a float layer through its weight."""
     from bench.roofline import decode_read_bytes
 
-    short, wide, plain = Linear(256, 64, bias=False), Linear(768, 64, bias=False), Linear(32, 8, bias=False)
-    model = torch.nn.ModuleList([short, wide, plain])
-    for layer in (short, wide):
+    tiled, wide, plain = Linear(256, 64, bias=False), Linear(768, 64, bias=False), Linear(32, 8, bias=False)
+    model = torch.nn.ModuleList([tiled, wide, plain])
+    for layer in (tiled, wide):
         assert layer.quantize("q8_0") and layer.multiply_q8_0_activations_as("auto")
-        layer.pack_q8_0_tiles()
-    blocks = [sum(t.numel() * t.element_size() for t in (m.qweight, m.qscales)) for m in (short, wide)]
-    assert wide.qtiles is None  # wider than two levels take
-    tiles = short.qtiles.numel() * short.qtiles.element_size() if short.qtiles is not None else blocks[0]
+    tiled.pack_q8_0_tiles()
+    blocks = [sum(t.numel() * t.element_size() for t in (m.qweight, m.qscales)) for m in (tiled, wide)]
+    assert wide.qtiles is None
+    tiles = tiled.qtiles.numel() * tiled.qtiles.element_size() if tiled.qtiles is not None else blocks[0]
     assert decode_read_bytes(model) == tiles + blocks[1] + 8 * 32 * 4
+
+
+def test_q8_0_tiles_go_to_every_short_layer_and_to_wide_ones_within_the_budget():
+    """The worker lays tiles out (a second copy of a layer's weight) for every q8_0 layer of at most
+    512 features, and for wider ones while all the tiles stay within the budget (a quarter of the
+    machine's memory); the rest keep float32 rows. Their bytes are what `q8_0_tile_bytes` counts."""
+    from engine.kernels import q8_0_rows
+    from engine.worker.worker import lay_out_q8_0_tiles, q8_0_tile_bytes, tile_budget_bytes
+
+    if not q8_0_rows.int8_fast():  # tiles are VNNI's layout: there is nothing to lay out without it
+        assert lay_out_q8_0_tiles([], 0) == (0, 0, 0)
+        return
+    layers = [Linear(256, 512, bias=False), Linear(896, 64, bias=False), Linear(896, 48, bias=False),
+              Linear(768, 512, bias=False)]
+    for layer in layers:
+        assert layer.quantize("q8_0") and layer.multiply_q8_0_activations_as("auto")
+    tile_bytes = [q8_0_tile_bytes(m) for m in layers]
+    tiled, held, left_out = lay_out_q8_0_tiles(layers, budget=sum(tile_bytes[:3]))
+    assert (tiled, left_out) == (3, 1)
+    assert [m.qtiles is not None for m in layers] == [True, True, True, False]  # the last over the budget
+    assert held == sum(m.qtiles.numel() * m.qtiles.element_size() for m in layers if m.qtiles is not None)
+    assert 0 < tile_budget_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def test_a_helper_on_a_lent_cpu_shares_one_thread_products_with_the_same_sums():
     """`lend_cpus` (the served layout lends the HTTP server's CPU): a one-thread int8 product through
-    a large weight (an LM head: 1,024 rows or more) is then shared chunk by chunk with a helper
-    thread on that CPU, which takes chunks only when it gets to run there. The sums are the call's
-    alone, one level or two, through tiles where the CPU has them, for one row and sixteen, a weight
-    ending in a partial tile included."""
+    a large weight (chunks of about 128 KB: an LM head, a wide layer of few rows) is then shared
+    chunk by chunk with a helper thread on that CPU, which takes chunks only when it gets to run
+    there. The sums are the call's alone, one level or two, through tiles where the CPU has them, for
+    one row and sixteen, weights ending in a partial tile included."""
     from engine.kernels import q8_0_rows
 
     generator = torch.Generator().manual_seed(7)
-    weights = [quantize_per_block(torch.randn(n, 256, generator=generator)) for n in (4096, 2000 * 16 + 8)]
+    weights = [quantize_per_block(torch.randn(n, k, generator=generator))
+               for n, k in ((4096, 256), (2000 * 16 + 8, 256), (200, 4864))]
     tiles = [q8_0_rows.pack_tiles(q, s) for q, s in weights]
-    inputs = [torch.randn(rows, 256, generator=generator) for rows in (1, 16)]
 
     def products() -> list[torch.Tensor | None]:
         out = []
         for (qweight, scales), packed in zip(weights, tiles, strict=True):
-            for x in inputs:
+            for x in inputs[qweight.shape[1]]:
                 out += [q8_0_rows.int8_row_times(x, qweight, scales, 1),
                         q8_0_rows.TWO_LEVELS.row_times(x, qweight, scales, 1)]
                 if packed is not None:
                     out.append(q8_0_rows.packed_row_times(x, qweight, scales, packed, 1))
         return out
 
+    inputs = {k: [torch.randn(rows, k, generator=generator) for rows in (1, 16)] for k in (256, 4864)}
     alone = products()
     assert all(p is not None for p in alone)
     assert q8_0_rows.lend_cpus(sorted(os.sched_getaffinity(0))[:1])

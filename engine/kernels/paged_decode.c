@@ -215,6 +215,29 @@ static void one_item(const struct decode_call *c, long item, int type) {
 long paged_decode_dim_multiple(void) { return VW; }
 long paged_decode_max_dim(void) { return MAX_DIM; }
 
+/* A helper thread on a lent CPU (engine/kernels/lent_cpu.h, started by q8_0_rows.c, whose
+ * `q8_0_lent_share` this points to once the worker lends it; NULL: none): a one-thread call's work
+ * items are then claimed by the calling thread and the helper from one counter, the call waiting
+ * only for items the helper started. */
+typedef void (*item_fn)(const void *ctx, long item);
+static int (*lent_share)(item_fn run, const void *ctx, long items);
+
+/* Share one-thread calls with the helper behind `share` (q8_0_rows.c `q8_0_lent_share`). */
+int paged_decode_share_with(void *share) {
+    lent_share = (int (*)(item_fn, const void *, long))share;
+    return 0;
+}
+
+struct typed_call {
+    const struct decode_call *call;
+    int type;
+};
+
+static void shared_item(const void *ctx, long item) {
+    const struct typed_call *typed = ctx;
+    one_item(typed->call, item, typed->type);
+}
+
 /* One decode step's attention (see the top of the file). Caches: element type `type` (an enum
  * cache_type), rows `cache_stride` elements apart, each row's heads dense. `threads`: OpenMP's team
  * size for the call. Returns 0, or -1 for a shape or type this build does not take. */
@@ -226,13 +249,20 @@ int paged_decode_f32(const float *q, const void *k_cache, const void *v_cache, f
         || type < CACHE_FLOAT32 || type > CACHE_BFLOAT16)
         return -1;
     threads = threads < 1 ? 1 : threads;
+    /* With the helper, one thread's call is shared as if by two. */
+    long sharers = threads == 1 && lent_share != NULL ? 2 : threads;
     /* A sequence's KV heads in one item where there are sequences enough for every thread twice
      * over (whole rows read); else split, so that every thread has work. */
-    long parts = batch >= 2 * threads ? 1 : (2 * threads + batch - 1) / (batch > 0 ? batch : 1);
+    long parts = batch >= 2 * sharers ? 1 : (2 * sharers + batch - 1) / (batch > 0 ? batch : 1);
     parts = parts > kv_heads ? kv_heads : parts;
     long element = type == CACHE_FLOAT32 ? 4 : 2, items = batch * parts;
     struct decode_call call = {q, k_cache, v_cache, out, block_table, seq_lens, table_stride, block_size, q_heads,
                                kv_heads, dim, q_stride, cache_stride * element, out_stride, scale, parts};
+    if (sharers > threads && items > 1) {
+        struct typed_call typed = {&call, type};
+        lent_share(shared_item, &typed, items);
+        return 0;
+    }
     threads = threads > items ? (items > 0 ? items : 1) : threads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (long item = 0; item < items; item++)

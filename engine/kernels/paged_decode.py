@@ -39,6 +39,14 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+def share_with(share: int) -> bool:
+    """From now on one-thread calls hand their work items to the C function at address `share`
+    (q8_0_rows.c `q8_0_lent_share`: claimed by the calling thread and the helper on the lent CPU,
+    engine/kernels/lent_cpu.h), in this process. Whether the kernel took it."""
+    library = _library()
+    return library is not None and library.paged_decode_share_with(ctypes.c_void_p(share)) == 0
+
+
 def available() -> bool:
     """Whether the kernel is built and loaded (building it now if need be: ~0.5 s once)."""
     return _library() is not None

@@ -479,19 +479,26 @@ static void int8_share(const struct rows_job *job, const struct int8_rows *in) {
 }
 
 /* A one-thread call's rows in chunks for `lent_run`: whole tiles of 16 (the last chunk takes the
- * tail), large enough that a claim is a small part of one. */
-#define LENT_CHUNK_ROWS 512
+ * tail) of about LENT_CHUNK_BYTES of weight, so that a claim is a small part of one and a wide
+ * weight of few rows (a 0.5B model's down projection: 896 rows of 4,864 features) is shared too. */
+#define LENT_CHUNK_BYTES (128 * 1024)
+
+static long lent_chunk_rows(long k) {
+    long rows = LENT_CHUNK_BYTES / (k + k / BLOCK * 4) / 16 * 16;
+    return rows < 16 ? 16 : rows;
+}
 
 struct int8_chunks {
     const struct rows_job *whole;
     const struct int8_rows *in;
+    long rows; /* a chunk's */
 };
 
 static void int8_chunk(const void *ctx, long chunk) {
     const struct int8_chunks *c = ctx;
     struct rows_job job = *c->whole;
-    job.first = chunk * LENT_CHUNK_ROWS;
-    job.end = job.first + LENT_CHUNK_ROWS < job.n ? job.first + LENT_CHUNK_ROWS : job.n;
+    job.first = chunk * c->rows;
+    job.end = job.first + c->rows < job.n ? job.first + c->rows : job.n;
     int8_share(&job, c->in);
 }
 
@@ -528,9 +535,10 @@ static int int8_rows_times(const float *x, const void *w, const float *scales, f
     struct int8_rows in = {xq, dx, xsum, low, low_sum};
     threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
     struct rows_job whole = {x, w, scales, out, rows, n, k, 0, n, packed};
-    if (threads == 1 && atomic_load(&lent.started) && n >= 2 * LENT_CHUNK_ROWS) {
-        struct int8_chunks chunks = {&whole, &in};
-        lent_run(int8_chunk, &chunks, (n + LENT_CHUNK_ROWS - 1) / LENT_CHUNK_ROWS);
+    long chunk_rows = lent_chunk_rows(k);
+    if (threads == 1 && atomic_load(&lent.started) && n >= 2 * chunk_rows) {
+        struct int8_chunks chunks = {&whole, &in, chunk_rows};
+        lent_run(int8_chunk, &chunks, (n + chunk_rows - 1) / chunk_rows);
     } else {
 #pragma omp parallel num_threads(threads)
         {
@@ -546,6 +554,17 @@ static int int8_rows_times(const float *x, const void *w, const float *scales, f
 /* Start the helper that takes chunks of one-thread calls of a large weight (lent_cpu.h) on `cpus`;
  * 0 when it runs. Once per process. */
 int q8_0_lend_cpus(const int *cpus, long count) { return count < 1 ? -1 : lent_cpu_start(cpus, count); }
+
+/* Chunks 0..chunks-1 of `run(ctx, chunk)`, shared with the helper where it runs (else all on the
+ * calling thread): for other kernels' one-thread calls (paged_decode.c). Returns 0. */
+int q8_0_lent_share(chunk_fn run, const void *ctx, long chunks) {
+    if (atomic_load(&lent.started))
+        lent_run(run, ctx, chunks);
+    else
+        for (long chunk = 0; chunk < chunks; chunk++)
+            run(ctx, chunk);
+    return 0;
+}
 
 int q8_0_rows_int8(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
                    long threads) {
@@ -592,13 +611,14 @@ int q8_0_rows_auto(const float *x, const void *w, const float *scales, float *ou
 /* `q8_0_rows_auto` for a weight whose whole tiles are also laid out by `q8_0_pack_tiles` (`packed`):
  * the two levels read them instead of transposing each tile's blocks at every call, and then win
  * at every row count, one included (the small Llama's LM head 0.53-0.73x the float kernel's time
- * at 1-16 rows, its 256-feature layers about half; docs/benchmarks.md), so every batch of decodes
- * takes them: a request's arithmetic no longer depends on how many share its step. */
+ * at 1-16 rows, its 256-feature layers about half; at one row the 0.5B shape's 896-feature layers
+ * and head 0.41-0.61x on one thread, near memory speed where the float kernel is bound by its
+ * instructions; docs/benchmarks.md), so every batch of decodes takes them: a request's arithmetic
+ * no longer depends on how many share its step. */
 int q8_0_rows_auto_packed(const float *x, const void *w, const float *scales, const void *packed, float *out,
                           long rows, long n, long k, long threads) {
 #ifdef __AVX512VNNI__
-    if (k <= TWO_LEVELS_UP_TO_K) /* where `q8_0_pack_tiles` lays tiles out */
-        return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2, packed);
+    return int8_rows_times(x, w, scales, out, rows, n, k, threads, 2, packed);
 #endif
     return q8_0_rows_f32(x, w, scales, out, rows, n, k, threads);
 }

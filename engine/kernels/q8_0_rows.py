@@ -10,8 +10,8 @@ with AVX-512 VNNI where the CPU has it (`int8_fast`), one at a time elsewhere. `
 each row to int8 twice (the remainders in 254ths of a step: ~16 bits a value), and `AUTO_KERNEL`
 (`trio_llm::q8_0_rows_auto`, `--q8-0-activations auto`, the default) runs it for a batch of 10 or
 more rows through a weight of at most 512 features, float32 rows otherwise; a weight whose tiles
-are laid out for it (`pack_tiles`, `trio_llm::q8_0_rows_packed`) takes it at every row count
-(q8_0_rows.c `q8_0_rows_auto` and `q8_0_rows_auto_packed` say why).
+are laid out for it (`pack_tiles`, any width; `trio_llm::q8_0_rows_packed`) takes it at every row
+count (q8_0_rows.c `q8_0_rows_auto` and `q8_0_rows_auto_packed` say why).
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def pack_tiles(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | No
     block's bytes transposed to VNNI's lanes, 128 added, the 16 scales beside: q8_0_rows.c
     `q8_0_pack_tiles`), so that `packed_row_times` need not at every call. An int8 tensor as large
     as the weight and its scales; None where it would not be read (no AVX-512 VNNI, no kernel,
-    fewer than 16 rows, rows longer than auto's two levels take)."""
+    fewer than 16 rows)."""
     n, k = qweight.shape
-    if (not int8_fast() or n < 16 or k > TWO_LEVELS_UP_TO_K or qweight.dtype != torch.int8
+    if (not int8_fast() or n < 16 or qweight.dtype != torch.int8
             or scales.dtype != torch.float32 or not (qweight.is_contiguous() and scales.is_contiguous())):
         return None
     pack = native.int_function("q8_0_rows", "q8_0_pack_tiles", (ctypes.c_void_p,) * 2 + (ctypes.c_long,) * 2 +
@@ -104,6 +104,17 @@ def lend_cpus(cpus: Sequence[int]) -> bool:
         return False
     listed = (ctypes.c_int * len(cpus))(*cpus)
     return start(ctypes.addressof(listed), len(cpus)) == 0
+
+
+def lent_share_address() -> int | None:
+    """The address of `q8_0_lent_share` (q8_0_rows.c): another kernel's one-thread calls hand their
+    work items to it to share them with the helper `lend_cpus` started (paged_decode.c). None
+    where the kernel cannot be built here."""
+    library = native.load("q8_0_rows")
+    if library is None:
+        return None
+    address: int | None = ctypes.cast(library.q8_0_lent_share, ctypes.c_void_p).value
+    return address
 
 
 @operator("trio_llm::q8_0_rows_packed")

@@ -169,8 +169,8 @@ def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     graph as an operator, by a `torch.cond` on the row count; where it cannot be built, one row
     takes `q8_0_row_times`); more rows (prompts) `q8_0_dequantized_mm`. `activations`
     (`--q8-0-activations`) is how those few rows meet the weight: "auto" in two int8 levels where
-    the layer holds `packed` tiles (any row count), else as float32 rows, or in two levels for 10 or
-    more rows through at most 512 features (`q8_0_rows.AUTO_KERNEL`);
+    the layer holds `packed` tiles (any row count, any width), else as float32 rows, or in two levels
+    for 10 or more rows through at most 512 features (`q8_0_rows.AUTO_KERNEL`);
     "float32" always as they are; "int8" rounded to int8 per block of 32, as llama.cpp multiplies
     (`q8_0_int8_rows`). `packed`: auto's tiles of the weight laid out for its two levels
     (`q8_0_rows.pack_tiles`, held by the layer), where it has them."""

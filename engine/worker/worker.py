@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -177,10 +178,20 @@ class Worker:
                        num_physical_experts=layout.num_physical, num_expert_ranks=layout.ep_size)
 
     def _lay_out_q8_0_tiles(self) -> bool:
-        """Auto's two int8 levels read tiles laid out once (`Linear.pack_q8_0_tiles`); whether any
-        layer has them."""
+        """Auto's two int8 levels read tiles laid out once (`Linear.pack_q8_0_tiles`), a second copy
+        of a layer's weight: every layer of at most 512 features gets them, wider ones while all
+        the copies stay within `tile_budget_bytes` (a quarter of the machine's memory), the rest
+        keeping float32 rows. Whether any layer has them."""
         assert isinstance(self.model, DecoderForCausalLM)
-        return any([m.pack_q8_0_tiles() for m in self.model.modules() if isinstance(m, Linear)])
+        auto = [m for m in self.model.modules() if isinstance(m, Linear) and m.q8_0_activations == "auto"]
+        budget = tile_budget_bytes()
+        tiled, held, left_out = lay_out_q8_0_tiles(auto, budget)
+        if tiled and self.rank == 0:
+            logger.info("q8_0 tiles for the two int8 levels laid out for %d of %d layers: %.0f MB, a second copy of "
+                        "their weights%s", tiled, len(auto), held / 1e6,
+                        f"; {left_out} wider layers keep float32 rows (the copies' budget: a quarter of this "
+                        f"machine's memory, {budget / 1e9:.1f} GB)" if left_out else "")
+        return tiled > 0
 
     def _lend_a_helper(self) -> None:
         """Where the layout lends the HTTP server's CPU and the thread tuner is on: steps on one
@@ -191,9 +202,13 @@ class Worker:
         if self.layout is None or not self.layout.borrow or not self.config.tunes_cpu_threads:
             return
         cpus = self.layout.borrow
-        if q8_0_rows.lend_cpus(cpus) and self.rank == 0:
-            logger.info("one-thread steps share large q8_0 products (the LM head) with a helper thread on CPUs %s",
-                        ",".join(map(str, cpus)))
+        if not q8_0_rows.lend_cpus(cpus):
+            return
+        share = q8_0_rows.lent_share_address()
+        attention = share is not None and paged_decode.share_with(share)
+        if self.rank == 0:
+            logger.info("one-thread steps share large q8_0 products (the LM head)%s with a helper thread on CPUs %s",
+                        " and decode attention" if attention else "", ",".join(map(str, cpus)))
 
     def _choose_q8_0_activations(self, activations: str) -> None:
         """--q8-0-activations float32 or int8: how every q8_0 layer multiplies a batch of decodes'
@@ -535,16 +550,49 @@ class Worker:
         return "pong"
 
 
+def tile_budget_bytes() -> int:
+    """What q8_0 tiles of layers wider than 512 features may take together: a quarter of this
+    machine's memory (they are a second copy of those weights)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+def lay_out_q8_0_tiles(layers: list[Linear], budget: int) -> tuple[int, int, int]:
+    """Tiles for `layers` (q8_0 under auto): every one of at most 512 features, wider ones while
+    all the tiles together stay within `budget` bytes. (layers tiled, their tiles' bytes, wider
+    layers left out for the budget)."""
+    held = tiled = left_out = 0
+    for layer in sorted(layers, key=is_wide):  # short ones first
+        if is_wide(layer) and held + q8_0_tile_bytes(layer) > budget:
+            left_out += 1
+        elif layer.pack_q8_0_tiles():
+            tiled += 1
+            held += q8_0_tile_bytes(layer)
+    return tiled, held, left_out
+
+
+def is_wide(layer: Linear) -> bool:
+    """A q8_0 layer wider than auto's two levels take without tiles (512 features)."""
+    return layer.weight.shape[1] > q8_0_rows.TWO_LEVELS_UP_TO_K
+
+
+def q8_0_tile_bytes(layer: Linear) -> int:
+    """The bytes of a q8_0 layer's tiles (`q8_0_rows.pack_tiles`): its whole tiles of 16 rows, each
+    block's 32 bytes and scale."""
+    out_features, in_features = layer.weight.shape
+    return out_features // 16 * 16 * (in_features // 32) * (32 + 4)
+
+
 def q8_0_activations_in_effect(layers: list[Linear]) -> str | None:
     """How `layers`' q8_0 ones multiply a batch of decodes, for the start-up lines: their
     `--q8-0-activations`, except that "auto" reads "float32" where two int8 levels never apply
-    (no AVX-512 VNNI, or every q8_0 layer wider than 512 features); None without q8_0 layers."""
+    (no AVX-512 VNNI, or no tiles and every q8_0 layer wider than 512 features); None without q8_0
+    layers."""
     kinds = {m.q8_0_activations: m for m in layers if m.q8_0_activations is not None}
     if not kinds:
         return None
     if "int8" in kinds or "float32" in kinds:
         return "int8" if "int8" in kinds else "float32"
-    short = any(m.qweight is not None and m.qweight.shape[1] <= q8_0_rows.TWO_LEVELS_UP_TO_K
+    short = any(m.qtiles is not None or (m.qweight is not None and m.qweight.shape[1] <= q8_0_rows.TWO_LEVELS_UP_TO_K)
                 for m in layers if m.q8_0_activations == "auto")
     return "auto" if short and q8_0_rows.int8_fast() else "float32"
 

@@ -143,7 +143,7 @@ def _quantization_line(info: ModelInfo) -> str:
         return (f"linear layers {info.quantization}; the q8_0 ones round a batch of decodes' rows to int8 per "
                 "block (--q8-0-activations int8)")
     if info.q8_0_activations == "auto":
-        return (f"linear layers {info.quantization} weight-only; decodes meet q8_0 layers of at most 512 "
-                "features as two int8 levels a row, ~16 bits a value, on tiles laid out for them "
-                "(--q8-0-activations auto; float32 keeps float rows)")
+        return (f"linear layers {info.quantization} weight-only; decodes meet q8_0 layers as two int8 levels a "
+                "row, ~16 bits a value, on tiles laid out for them (a second copy of those weights; "
+                "--q8-0-activations auto; float32 keeps float rows and no copy)")
     return f"linear layers {info.quantization} weight-only"
