@@ -311,7 +311,7 @@ def test_q8_0_activations_say_so_in_the_start_up_lines():
     assert line("float32") == line(None) == "linear layers q8_0 weight-only"
     assert line("int8") == ("linear layers q8_0; the q8_0 ones round a batch of decodes' rows to int8 per block "
                             "(--q8-0-activations int8)")
-    assert line("auto").startswith("linear layers q8_0 weight-only; decodes meet q8_0 layers of at most 512 "
-                                   "features as two int8 levels a row")
+    assert line("auto").startswith("linear layers q8_0 weight-only; decodes meet q8_0 layers as two int8 levels "
+                                   "a row, ~16 bits a value, on tiles laid out for them (a second copy")
     assert _quantization_line(ModelInfo(32000, 256, 2048, (2,), "float32", 1024, "decoder")) == "not quantized"
 
