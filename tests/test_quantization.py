@@ -599,8 +599,8 @@ def test_a_q4_k_files_blocks_are_held_exactly_and_compute_what_the_file_means(tm
     """Each Q4_K tensor of a hand-made file (random steps, 6-bit scales and minimums) goes into its
     layer as q4_k: at their rows of the fused layers, Llama's Q and K rows put back in HF order,
     the steps and (scale, low) per 32 what gguf dequantizes bit for bit. The model computes what
-    the file means (float32 throughout, sums apart), prompts (many rows) and decodes (the kernel)
-    alike. Tensor parallelism's second rank holds its half of down's and o's features."""
+    the file means (float32, sums apart; the many-row matmul in bfloat16 where the CPU multiplies it
+    natively), prompts (many rows) and decodes (the kernel) alike. Tensor parallelism's second rank holds its half of down's and o's features."""
     import gguf
 
     from engine.models.gguf_file import gguf_reader, gguf_tensors, unpermute_rotary
@@ -637,9 +637,14 @@ def test_a_q4_k_files_blocks_are_held_exactly_and_compute_what_the_file_means(tm
                            torch.cat([meant(name) for name in names]))
     assert torch.equal(model.embed_tokens.weight, floats["model.embed_tokens.weight"].dequantized())
     file_model = file_as_float_model(path, q4_file, tmp_path)
+    from engine.kernels.block_rows import MAX_ROWS
+    from engine.models.quantized_linear import q8_0_matmul_dtype
+
     for prompt in [*PROMPTS, list(range(3, 40))]:  # 37 rows: the dequantized matmul's
         want = logits(file_model, prompt)
-        assert (logits(model, prompt) - want).abs().max() <= 1e-4 * want.abs().max()
+        # The dequantized matmul runs in bfloat16 where the CPU multiplies it natively (8 bits a value).
+        narrow = len(prompt) > MAX_ROWS and q8_0_matmul_dtype(torch.float32) == torch.bfloat16
+        assert (logits(model, prompt) - want).abs().max() <= (2 ** -4 if narrow else 1e-4) * want.abs().max()
     second = load_decoder(q4_file, "float32", tp=TensorParallel(rank=1, size=2)).layers[0]
     for linear, name in ((second.mlp.down_proj, "blk.0.ffn_down.weight"), (second.o_proj, "blk.0.attn_output.weight")):
         assert torch.equal(q4_weight(linear.qweight, linear.qscales, torch.float32), meant(name).chunk(2, dim=1)[1])
@@ -896,7 +901,7 @@ def test_q8_0_tiles_go_to_every_short_layer_and_to_wide_ones_within_the_budget()
     assert (tiled, left_out) == (3, 1)
     assert [m.qtiles is not None for m in layers] == [True, True, True, False]  # the last over the budget
     assert held == sum(m.qtiles.numel() * m.qtiles.element_size() for m in layers if m.qtiles is not None)
-    assert 0 < tile_budget_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < tile_budget_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 def test_a_helper_on_a_lent_cpu_shares_one_thread_products_with_the_same_sums():

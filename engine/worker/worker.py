@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -553,7 +554,17 @@ class Worker:
 def tile_budget_bytes() -> int:
     """What q8_0 tiles of layers wider than 512 features may take together: a quarter of this
     machine's memory (they are a second copy of those weights)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    return memory_bytes() // 4
+
+
+def memory_bytes() -> int:
+    """This machine's memory, or the container's where a cgroup (v2) limits it to less."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return physical
+    return min(physical, int(limit)) if limit.isdigit() else physical
 
 
 def lay_out_q8_0_tiles(layers: list[Linear], budget: int) -> tuple[int, int, int]:
