@@ -142,12 +142,16 @@ def test_one_thread_calls_shared_with_the_lent_cpus_helper_give_the_same_outputs
     """Served, the worker lends the HTTP server's CPU to a helper thread (engine/kernels/lent_cpu.h)
     and shares one-thread decode attention with it: the calling thread and the helper claim work
     items from one counter (a sequence's KV heads split where sequences are few). The outputs are
-    the call's alone, bit for bit, whichever items the helper got to run."""
+    the call's alone, bit for bit, whichever items the helper got to run; calls of fewer than 2,048
+    cached rows (positions x KV heads) are not shared, the same either way."""
     import os
 
     from engine.kernels import q8_0_rows
 
-    cases = [cached_decodes(batch, 4, 2, 64, 16, seed=batch, max_length=300) for batch in (1, 3, 16)]
+    cases = [cached_decodes(batch, 4, 2, 64, 16, seed=batch, max_length=longest)
+             for batch, longest in ((1, 300), (3, 3000), (16, 300))]
+    # Shared: three sequences (each split per KV head) and sixteen; not: one of a few positions.
+    assert [int(case[4].sum()) * 2 >= 2048 for case in cases] == [False, True, True]
 
     def outputs() -> list[torch.Tensor | None]:
         return [kernel.decode_attention(q, k, v, table, lengths, 16, 0.125, 1)

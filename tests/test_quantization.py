@@ -600,7 +600,8 @@ def test_a_q4_k_files_blocks_are_held_exactly_and_compute_what_the_file_means(tm
     layer as q4_k: at their rows of the fused layers, Llama's Q and K rows put back in HF order,
     the steps and (scale, low) per 32 what gguf dequantizes bit for bit. The model computes what
     the file means (float32, sums apart; the many-row matmul in bfloat16 where the CPU multiplies it
-    natively), prompts (many rows) and decodes (the kernel) alike. Tensor parallelism's second rank holds its half of down's and o's features."""
+    natively), prompts (many rows) and decodes (the kernel) alike. Tensor parallelism's second rank
+    holds its half of down's and o's features."""
     import gguf
 
     from engine.models.gguf_file import gguf_reader, gguf_tensors, unpermute_rotary

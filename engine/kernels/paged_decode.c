@@ -221,6 +221,17 @@ long paged_decode_max_dim(void) { return MAX_DIM; }
  * only for items the helper started. */
 typedef void (*item_fn)(const void *ctx, long item);
 static int (*lent_share)(item_fn run, const void *ctx, long items);
+/* Cached rows (positions x KV heads) a call reads before it is shared: below, waking the helper
+ * cost more than its share (one sequence of ~200 positions: 1.3x the time alone; sixteen of up
+ * to 200 0.64-0.98x, of up to 1,000 0.46-0.59x; docs/benchmarks.md). */
+#define LENT_MIN_ROWS 2048
+
+static long cached_rows(const int64_t *seq_lens, long batch, long kv_heads) {
+    long rows = 0;
+    for (long b = 0; b < batch; b++)
+        rows += seq_lens[b];
+    return rows * kv_heads;
+}
 
 /* Share one-thread calls with the helper behind `share` (q8_0_rows.c `q8_0_lent_share`). */
 int paged_decode_share_with(void *share) {
@@ -249,8 +260,9 @@ int paged_decode_f32(const float *q, const void *k_cache, const void *v_cache, f
         || type < CACHE_FLOAT32 || type > CACHE_BFLOAT16)
         return -1;
     threads = threads < 1 ? 1 : threads;
-    /* With the helper, one thread's call is shared as if by two. */
-    long sharers = threads == 1 && lent_share != NULL ? 2 : threads;
+    /* With the helper, one thread's call of enough rows is shared as if by two. */
+    int shared = threads == 1 && lent_share != NULL && cached_rows(seq_lens, batch, kv_heads) >= LENT_MIN_ROWS;
+    long sharers = shared ? 2 : threads;
     /* A sequence's KV heads in one item where there are sequences enough for every thread twice
      * over (whole rows read); else split, so that every thread has work. */
     long parts = batch >= 2 * sharers ? 1 : (2 * sharers + batch - 1) / (batch > 0 ? batch : 1);
@@ -258,7 +270,7 @@ int paged_decode_f32(const float *q, const void *k_cache, const void *v_cache, f
     long element = type == CACHE_FLOAT32 ? 4 : 2, items = batch * parts;
     struct decode_call call = {q, k_cache, v_cache, out, block_table, seq_lens, table_stride, block_size, q_heads,
                                kv_heads, dim, q_stride, cache_stride * element, out_stride, scale, parts};
-    if (sharers > threads && items > 1) {
+    if (shared && items > 1) {
         struct typed_call typed = {&call, type};
         lent_share(shared_item, &typed, items);
         return 0;
