@@ -33,6 +33,11 @@
 #include "block_rows.h" /* BLOCK, MAX_ROWS, fetch_ahead, the split over threads, the C shim */
 #include "lent_cpu.h"   /* a helper on the lent CPU, taking chunks of a one-thread call */
 
+/* Input rows the int8 products take (MAX_ROWS at a time): a batch of up to 64 decodes stays on the
+ * kernel, where a matmul of the dequantized weight would round its rows to bfloat16 on a CPU that
+ * multiplies bfloat16 natively (q8_0_rows.py `INT8_MAX_ROWS`). */
+#define INT8_MAX_ROWS 64
+
 struct rows_job {
     const float *x;
     const int8_t *w;
@@ -473,17 +478,35 @@ int q8_0_pack_tiles(const void *w, const float *scales, long n, long k, void *pa
 }
 #endif
 
+/* Rows [first, first + count) of the rounded input: the same arrays from that row on. */
+static struct int8_rows int8_rows_from(const struct int8_rows *in, long first, long k) {
+    long blocks = k / BLOCK;
+    struct int8_rows part = {in->xq + first * k, in->dx + first * blocks, in->xsum + first * blocks,
+                             in->low != NULL ? in->low + first * k : NULL,
+                             in->low_sum != NULL ? in->low_sum + first * blocks : NULL};
+    return part;
+}
+
+/* Weight rows [job->first, job->end) against every input row, MAX_ROWS input rows at a time (a
+ * batch of up to INT8_MAX_ROWS decodes reads the weight once per MAX_ROWS of them). */
 static void int8_share(const struct rows_job *job, const struct int8_rows *in) {
-    long o = job->first;
+    for (long first = 0; first < job->rows; first += MAX_ROWS) {
+        struct rows_job part = *job;
+        part.rows = job->rows - first < MAX_ROWS ? job->rows - first : MAX_ROWS;
+        part.x = job->x + first * job->k;
+        part.out = job->out + first * job->n;
+        struct int8_rows rows = int8_rows_from(in, first, job->k);
+        long o = job->first;
 #ifdef __AVX512VNNI__
-    for (; o + 16 <= job->end; o += 16)
-        if (in->low != NULL)
-            int8_sixteen(job, in, o, 2);
-        else
-            int8_sixteen(job, in, o, 1);
+        for (; o + 16 <= job->end; o += 16)
+            if (rows.low != NULL)
+                int8_sixteen(&part, &rows, o, 2);
+            else
+                int8_sixteen(&part, &rows, o, 1);
 #endif
-    for (; o < job->end; o++)
-        int8_one(job, in, o);
+        for (; o < job->end; o++)
+            int8_one(&part, &rows, o);
+    }
 }
 
 /* A one-thread call's rows in chunks for `lent_run`: whole tiles of 16 (the last chunk takes the
@@ -528,7 +551,7 @@ int q8_0_rows_int8_fast(void) {
  * second. Returns 0, or -1 for a shape this kernel does not take. */
 static int int8_rows_times(const float *x, const void *w, const float *scales, float *out, long rows, long n, long k,
                            long threads, int levels, const void *packed) {
-    if (k % BLOCK != 0 || rows < 1 || rows > MAX_ROWS)
+    if (k % BLOCK != 0 || rows < 1 || rows > INT8_MAX_ROWS)
         return -1;
     long scales_per_row = k / BLOCK;
     char *memory = malloc(levels * (rows * k + rows * scales_per_row * sizeof(int32_t)) + rows * scales_per_row * sizeof(float));

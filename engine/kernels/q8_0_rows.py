@@ -26,7 +26,7 @@ from engine.kernels import native
 from engine.kernels.block_rows import MAX_ROWS, BlockRowsKernel
 from engine.kernels.operators import operator
 
-__all__ = ["MAX_ROWS", "KERNEL", "INT8_KERNEL", "AUTO_KERNEL", "TWO_LEVELS", "TWO_LEVELS_FROM_ROWS",
+__all__ = ["MAX_ROWS", "INT8_MAX_ROWS", "KERNEL", "INT8_KERNEL", "AUTO_KERNEL", "TWO_LEVELS", "TWO_LEVELS_FROM_ROWS",
            "TWO_LEVELS_UP_TO_K", "available", "int8_fast", "row_times", "int8_row_times", "auto_row_times",
            "graph_row_times", "graph_int8_row_times", "graph_auto_row_times", "pack_tiles", "packed_row_times",
            "graph_packed_row_times", "c_shims"]
@@ -45,6 +45,11 @@ auto_row_times = AUTO_KERNEL.row_times  # float32 rows, or two int8 levels for m
 graph_auto_row_times = AUTO_KERNEL.define_operator()
 
 TWO_LEVELS_FROM_ROWS, TWO_LEVELS_UP_TO_K = 10, 512  # q8_0_rows.c's: where AUTO_KERNEL takes two levels
+# q8_0_rows.c's INT8_MAX_ROWS: rows a weight with tiles takes (`packed_row_times`), MAX_ROWS at a time.
+# Past 16 rows the weight is read once per 16, still less than a dequantized copy written and read
+# back, and the rows keep two int8 levels where the matmul of many rows rounds them to bfloat16 on
+# a CPU that multiplies it natively (docs/benchmarks.md, "Tiles at every width").
+INT8_MAX_ROWS = 64
 TWO_LEVELS = BlockRowsKernel("q8_0_rows", torch.int8, 1, entry="q8_0_rows_int8x2")  # eager only (tests)
 
 
@@ -84,7 +89,7 @@ def packed_row_times(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     levels at every row count (the tiles make them faster than float32 rows even at one; the same
     sums as `TWO_LEVELS`). None where the kernel does not apply (as `row_times`)."""
     function = native.int_function("q8_0_rows", "q8_0_rows_auto_packed", (ctypes.c_void_p,) * 5 + (ctypes.c_long,) * 4)
-    if (function is None or rows.dtype != torch.float32 or rows.dim() != 2 or not 1 <= rows.shape[0] <= MAX_ROWS
+    if (function is None or rows.dtype != torch.float32 or rows.dim() != 2 or not 1 <= rows.shape[0] <= INT8_MAX_ROWS
             or rows.shape[1] != qweight.shape[1] or not rows.is_contiguous()):
         return None
     out = torch.empty(rows.shape[0], qweight.shape[0], dtype=torch.float32)

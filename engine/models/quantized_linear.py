@@ -224,10 +224,11 @@ def q8_0_kernel_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
 def q8_0_packed_linear(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        packed: torch.Tensor) -> torch.Tensor:
     """Rows [T, k] times the blockwise weight as auto multiplies, with the weight's tiles packed:
-    up to 16 rows by the operator `trio_llm::q8_0_rows_packed` (in an exported graph by a
-    `torch.cond` on the row count), more (prompts) `q8_0_dequantized_mm`, in the rows' dtype."""
+    up to 64 rows (`INT8_MAX_ROWS`: a batch of decodes, a short prompt chunk) by the operator
+    `trio_llm::q8_0_rows_packed` (in an exported graph by a `torch.cond` on the row count), more
+    `q8_0_dequantized_mm`, in the rows' dtype."""
     if torch.compiler.is_exporting():
-        return torch.cond(rows.shape[0] <= q8_0_kernel.MAX_ROWS, q8_0_packed_rows, q8_0_unpacked_mm,
+        return torch.cond(rows.shape[0] <= q8_0_kernel.INT8_MAX_ROWS, q8_0_packed_rows, q8_0_unpacked_mm,
                           (rows, qweight, scales, packed))
     few = None if torch.compiler.is_compiling() else q8_0_kernel.packed_row_times(
         rows.float(), qweight, scales, packed, torch.get_num_threads())
