@@ -479,12 +479,13 @@ def test_two_int8_levels_hold_each_value_to_a_508th_of_its_step(out_features, in
         assert torch.equal(auto, got if two_levels else q8_0_rows.row_times(x, qweight, scales, 2))
         if tiles is not None:  # laid out once: two levels at every row count, the same sums as transposed
             assert torch.equal(q8_0_rows.packed_row_times(x, qweight, scales, tiles, 2), got)
-    if tiles is not None:  # up to 64 rows (a batch of decodes), 16 at a time: each row's sums as alone
-        many = torch.randn(q8_0_rows.INT8_MAX_ROWS - 24, in_features, generator=generator)
+    if tiles is not None:  # up to INT8_MAX_ROWS rows (decodes, prompts), 16 at a time: each row's sums as alone
+        many = torch.randn(40, in_features, generator=generator)
         whole = q8_0_rows.packed_row_times(many, qweight, scales, tiles, 2)
         pieces = [q8_0_rows.packed_row_times(many[i:i + 16], qweight, scales, tiles, 1) for i in range(0, 40, 16)]
         assert whole is not None and torch.equal(whole, torch.cat(pieces))
-        assert q8_0_rows.packed_row_times(torch.randn(65, in_features), qweight, scales, tiles, 1) is None
+        too_many = torch.randn(q8_0_rows.INT8_MAX_ROWS + 1, in_features)
+        assert q8_0_rows.packed_row_times(too_many, qweight, scales, tiles, 1) is None
 
 
 def test_int8_activations_without_q8_0_layers_fail_start_up_naming_why(tmp_path_factory):

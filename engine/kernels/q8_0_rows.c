@@ -33,10 +33,10 @@
 #include "block_rows.h" /* BLOCK, MAX_ROWS, fetch_ahead, the split over threads, the C shim */
 #include "lent_cpu.h"   /* a helper on the lent CPU, taking chunks of a one-thread call */
 
-/* Input rows the int8 products take (MAX_ROWS at a time): a batch of up to 64 decodes stays on the
- * kernel, where a matmul of the dequantized weight would round its rows to bfloat16 on a CPU that
- * multiplies bfloat16 natively (q8_0_rows.py `INT8_MAX_ROWS`). */
-#define INT8_MAX_ROWS 64
+/* Input rows the int8 products take (MAX_ROWS at a time): a batch of decodes, and prompt steps of
+ * up to 1,024 tokens, stay on the kernel, where a matmul of the dequantized weight would round the
+ * rows to bfloat16 on a CPU that multiplies bfloat16 natively (q8_0_rows.py `INT8_MAX_ROWS`). */
+#define INT8_MAX_ROWS 1024
 
 struct rows_job {
     const float *x;

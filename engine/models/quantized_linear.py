@@ -224,7 +224,7 @@ def q8_0_kernel_rows(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
 def q8_0_packed_linear(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        packed: torch.Tensor) -> torch.Tensor:
     """Rows [T, k] times the blockwise weight as auto multiplies, with the weight's tiles packed:
-    up to 64 rows (`INT8_MAX_ROWS`: a batch of decodes, a short prompt chunk) by the operator
+    up to 1,024 rows (`INT8_MAX_ROWS`: a batch of decodes, a prompt step) by the operator
     `trio_llm::q8_0_rows_packed` (in an exported graph by a `torch.cond` on the row count), more
     `q8_0_dequantized_mm`, in the rows' dtype."""
     if torch.compiler.is_exporting():
