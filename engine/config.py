@@ -633,7 +633,8 @@ class EngineConfig:
         "float32 (rows as they are, no copy) or int8 (each row rounded to int8 per "
         "block of 32 first, llama.cpp's Q8_0 x Q8_0 arithmetic: faster at many decodes, less faithful; "
         "AVX-512 VNNI only). "
-        "Prompts keep float32 rows",
+        "Prompts take auto's tiles too, up to 1,024 tokens a step; past that, or without tiles, the dequantized "
+        "weights' matmul",
         default="auto",
         choices=list(Q8_0_ACTIVATIONS))
     pooling_type: str | None = flag(

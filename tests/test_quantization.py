@@ -895,7 +895,7 @@ def test_q8_0_tiles_go_to_every_short_layer_and_to_wide_ones_within_the_budget()
     512 features, and for wider ones while all the tiles stay within the budget (a quarter of the
     machine's memory); the rest keep float32 rows. Their bytes are what `q8_0_tile_bytes` counts."""
     from engine.kernels import q8_0_rows
-    from engine.worker.worker import lay_out_q8_0_tiles, q8_0_tile_bytes, tile_budget_bytes
+    from engine.worker.q8_0_tiles import lay_out_q8_0_tiles, q8_0_tile_bytes, tile_budget_bytes
 
     if not q8_0_rows.int8_fast():  # tiles are VNNI's layout: there is nothing to lay out without it
         assert lay_out_q8_0_tiles([], 0) == (0, 0, 0)

@@ -161,8 +161,8 @@ class Linear(nn.Module):
     def multiply_q8_0_activations_as(self, activations: str) -> bool:
         """A `q8_0` layer: from now on a batch of decodes' rows (up to 16) meet the weight as
         `activations` says ("int8": rounded to int8 per block of 32, as llama.cpp multiplies;
-        `Quantized.activations`); returns whether this layer is one. Prompts keep
-        `q8_0_dequantized_mm`."""
+        `Quantized.activations`); returns whether this layer is one. Prompts take
+        `q8_0_dequantized_mm`, except under auto with tiles (up to 1,024 rows on them)."""
         if self.qmethod != "q8_0":
             return False
         self._choose(Quantized("q8_0", activations))
@@ -171,9 +171,10 @@ class Linear(nn.Module):
         return True
 
     def pack_q8_0_tiles(self) -> bool:
-        """A `q8_0` layer under auto whose rows are short enough for its two int8 levels (and a CPU
-        with AVX-512 VNNI): lay the weight's tiles out for them once (`q8_0_rows.pack_tiles`), a
-        second copy of the weight and its scales, instead of transposing each tile at every call.
+        """A `q8_0` layer under auto (on a CPU with AVX-512 VNNI): lay the weight's tiles out for
+        its two int8 levels once (`q8_0_rows.pack_tiles`), a second copy of the weight and its
+        scales, instead of transposing each tile at every call; every row count up to 1,024 then
+        reads them. Which layers get them is the worker's budget (engine/worker/q8_0_tiles.py).
         Call once the weights are final; returns whether it did."""
         if self.q8_0_activations != "auto" or self.qweight is None or self.qscales is None:
             return False

@@ -27,7 +27,8 @@ scale per row would round them again, coarsely (a row's largest weight sets its 
 default for a Q8_0 GGUF file. One row (a decode at batch 1) is `q8_0_row_times`, the blockwise form
 of `int8_row_times`, fused by inductor in the compiled decode graph (and the LM head's graph),
 activations in float32 (llama.cpp rounds them to int8 per block: this rounds less); so do up to
-16 rows (a batch of decodes), on our kernel. More rows (prompts) dequantize the weight to
+16 rows (a batch of decodes), on our kernel, and up to 1,024 (prompt steps too) where the layer
+holds auto's tiles. More rows dequantize the weight to
 bfloat16 and multiply in bfloat16 where the CPU does that in hardware, else in float32
 (`q8_0_matmul_dtype`: without AVX-512 BF16 or AMX, oneDNN's bfloat16 matmul is 4x slower than
 its float32 one).
@@ -167,9 +168,10 @@ def q8_0_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """`x @ W.T + bias` with W in `quantize_per_block`'s layout, in x's dtype. Up to 16 rows (a
     batch of decodes) take our C kernel over the blocks (engine/kernels/q8_0_rows.c: in an exported
     graph as an operator, by a `torch.cond` on the row count; where it cannot be built, one row
-    takes `q8_0_row_times`); more rows (prompts) `q8_0_dequantized_mm`. `activations`
-    (`--q8-0-activations`) is how those few rows meet the weight: "auto" in two int8 levels where
-    the layer holds `packed` tiles (any row count, any width), else as float32 rows, or in two levels
+    takes `q8_0_row_times`); more rows (prompts) `q8_0_dequantized_mm`, except that a layer with
+    `packed` tiles takes up to 1,024 rows on them. `activations` (`--q8-0-activations`) is how those
+    rows meet the weight: "auto" in two int8 levels where the layer holds `packed` tiles (any width),
+    else as float32 rows, or in two levels
     for 10 or more rows through at most 512 features (`q8_0_rows.AUTO_KERNEL`);
     "float32" always as they are; "int8" rounded to int8 per block of 32, as llama.cpp multiplies
     (`q8_0_int8_rows`). `packed`: auto's tiles of the weight laid out for its two levels
