@@ -234,7 +234,9 @@ async def _profiled_decode(model: str, device: str, tokens: int,
     warm-up one, on the default path, and the engine steps they span."""
     from torch.profiler import DeviceType, ProfilerActivity, profile
 
-    config = EngineConfig(model=model, device=device, dtype="bfloat16", max_num_seqs=1, executor="inproc")
+    # One decode a step (no CPU burst): the gaps are between one token's kernels and the next's.
+    config = EngineConfig(model=model, device=device, dtype="bfloat16", max_num_seqs=1, executor="inproc",
+                          num_scheduler_steps=1)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     prompt = make_prompts(BenchSpec(1, 128, tokens, 1), vocab)[0]

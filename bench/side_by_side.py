@@ -111,7 +111,8 @@ SETTINGS_PATTERNS = {
     # (the weights' line from its start, past the logger's prefix: a progress bar's "Loading
     # weights: ..." on the same stream matched before)
     "trio-llm": [r"dtype (\w+), context", r"(?m)(?:^(?:[\w.]+:)*|\] )weights: [^,]+, ([^\n]+)",
-                 r"(KV cache: \d+ blocks of \d+ tokens \(\d+ tokens, \w+\))", r"CPUs: ([^\n]+)"],
+                 r"(KV cache: \d+ blocks of \d+ tokens \(\d+ tokens, \w+\))", r"CPUs: ([^\n]+)",
+                 r"engine core: [^\n]*?, device [\w:]+; ([^\n]+)"],
     "vLLM-CPU": [r"dtype=(torch\.\w+)", r"(quantization=\w+)", r"(VLLM_CPU_OMP_THREADS_BIND='[^']*')",
                  r"(reserve_cpu_num=\d+)", r"(core ids=\[[^\]]*\])"],
 }

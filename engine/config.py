@@ -23,6 +23,10 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.
 QUANTIZATIONS = ("int8", "w8a8", "int4", "q8_0", "q4_0")
 # --kv-cache-dtype: vLLM's auto and bfloat16, and float16 (what llama.cpp holds its cache in); fp8 is not implemented
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+# Decode bursts' length where they are the default (`EngineConfig.scheduler_steps`): measured on the
+# small Llama's Q8_0 file, 8 took one stream 1.36-1.4x (docs/benchmarks.md); a burst ends early when
+# a request finishes or a message waits, so a longer one would only take more KV slots ahead.
+CPU_BURST_STEPS = 8
 Q8_0_ACTIVATIONS = ("auto", "float32", "int8")  # --q8-0-activations
 TRUST_REMOTE_CODE_REFUSED = ("trust_remote_code: trio-llm runs no code from model directories; it loads the "
                              "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
@@ -495,12 +499,14 @@ class EngineConfig:
     # engine's hand-offs to the worker are paid once per burst. In process each step's tokens are
     # published while the next computes (engine/executor/streamed_burst.py), and the burst ends
     # early when a request finishes or a message waits; from a worker process tokens arrive in
-    # bursts. One worker, without async scheduling.
-    num_scheduler_steps: int = flag(
+    # bursts. One worker, without async scheduling. None: `scheduler_steps` decides
+    # (CPU_BURST_STEPS where bursts stream token by token on CPU, else 1).
+    num_scheduler_steps: int | None = flag(
         "run up to this many decode steps back to back while every running request decodes and "
         "none waits (vLLM v0's multi-step scheduling; in process each token still streams as it is "
-        "sampled, from a worker process in bursts; 1: off)",
-        default=1,
+        f"sampled, from a worker process in bursts; 1: off) (default: {CPU_BURST_STEPS} on CPU with "
+        "the worker in the engine's process and no async scheduling, else 1)",
+        default=None,
         type=int)
     # Decode steps run a torch.compile'd graph with a dynamic batch (engine.worker.decode_graphs);
     # True keeps every step on the eager model (vLLM's --enforce-eager). None: compile, unless
@@ -765,11 +771,11 @@ class EngineConfig:
                              "(executor='mp' or 'ray')")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        positive = ["block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "data_parallel_size",
+        positive = ["block_size", "max_num_seqs", "tensor_parallel_size", "data_parallel_size",
                     "pipeline_parallel_size",
                     "max_prompts_per_request", "max_image_bytes", "max_image_pixels"]
         optional_positive = ["max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens",
-                             "max_prompt_embeds_bytes", "renderer_workers"]
+                             "max_prompt_embeds_bytes", "renderer_workers", "num_scheduler_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -782,7 +788,7 @@ class EngineConfig:
         if self.async_scheduling and not self._one_worker:
             raise ValueError("async_scheduling runs with one worker: not with tensor_parallel_size or "
                              "pipeline_parallel_size > 1, nor with enable_eplb")
-        if self.num_scheduler_steps > 1 and (self.async_scheduling or not self._one_worker):
+        if (self.num_scheduler_steps or 1) > 1 and (self.async_scheduling or not self._one_worker):
             raise ValueError("num_scheduler_steps > 1 runs with one worker and without async_scheduling: not "
                              "with tensor_parallel_size or pipeline_parallel_size > 1, nor with enable_eplb")
         if self.eplb_config.num_redundant_experts and not self.enable_eplb:
@@ -841,7 +847,19 @@ class EngineConfig:
         `num_scheduler_steps`)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.device.startswith("cuda") and self._one_worker and self.num_scheduler_steps == 1
+        return self.device.startswith("cuda") and self._one_worker and self.num_scheduler_steps in (None, 1)
+
+    def scheduler_steps(self, streams_bursts: bool) -> int:
+        """The decodes a step may run back to back (`num_scheduler_steps`). Unset: CPU_BURST_STEPS
+        on CPU when the executor streams a burst's tokens as they are sampled (`streams_bursts`:
+        the worker in the engine's process), with one worker and no async scheduling; else 1.
+        There the loop's per-step work (schedule, wake the worker thread, take its output) costs
+        as much as a small model's decode, and a burst pays it once (docs/decisions.md, "Decode
+        bursts by default on CPU"); elsewhere tokens would arrive in bursts, or the step is long."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        bursts = streams_bursts and self.device == "cpu" and self._one_worker and not self.schedules_async
+        return CPU_BURST_STEPS if bursts else 1
 
     @property
     def measures_kv_cache(self) -> bool:

@@ -247,7 +247,9 @@ async def test_decodes_of_mixed_steps_run_compiled_beside_the_prompt_chunks(tmp_
     rng = random.Random(9)
     short, long = rng.choices(range(3, VOCAB), k=3), rng.choices(range(3, VOCAB), k=130)
     expected = transformers_greedy(hf_model, [short, long], 20)
-    async with open_engine(compiled_config(path, sizes=(1, 2), compile_prompts=compile_prompts)) as engine:
+    # One decode a step (no CPU burst while the short one decodes alone): steps are counted below.
+    config = compiled_config(path, sizes=(1, 2), compile_prompts=compile_prompts, num_scheduler_steps=1)
+    async with open_engine(config) as engine:
         got = {}
         started = trio.Event()
 

@@ -99,7 +99,8 @@ async def test_a_step_on_a_borrowed_cpu_runs_there_and_the_next_gives_it_back(ti
     threads = torch.get_num_threads()
     seen: list[tuple[set[int], int]] = []
     try:
-        async with open_engine(engine_config(tiny_model_dir, cpu_layout=layout)) as engine:
+        # One decode a step: the four tokens' steps alternate between the scripted counts.
+        async with open_engine(engine_config(tiny_model_dir, cpu_layout=layout, num_scheduler_steps=1)) as engine:
             worker = engine.core.executor.worker
             worker.thread_tuner = ScriptedTuner([1, 2])
             runner = worker.runner

@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 from engine import EngineConfig, open_engine
+from engine.config import CPU_BURST_STEPS
 from engine.executor.streamed_burst import StreamedBurst
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sched.block_manager import KVBlockManager
@@ -117,7 +118,8 @@ async def test_bursts_give_the_one_step_engines_tokens_and_logprobs(tiny_model_d
               SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True, logprobs=2,
                              presence_penalty=1.5, output_kind=delta),
               greedy(1, ignore_eos=True, output_kind=delta), greedy(9, ignore_eos=True, output_kind=delta)]
-    want, want_outputs, want_steps, want_logprobs = await _run(engine_config(tiny_model_dir), params)
+    want, want_outputs, want_steps, want_logprobs = await _run(engine_config(tiny_model_dir, num_scheduler_steps=1),
+                                                               params)
     params[0] = greedy(12, ignore_eos=True, stop_token_ids=[want[0][5]], output_kind=delta)  # its sixth token
     want[0] = want[0][:want[0].index(want[0][5]) + 1]
     got, outputs, steps, logprobs = await _run(engine_config(tiny_model_dir, num_scheduler_steps=4, executor=executor),
@@ -132,7 +134,7 @@ async def test_bursts_give_the_one_step_engines_tokens_and_logprobs(tiny_model_d
 
 
 async def test_a_stop_string_inside_a_burst_keeps_no_token_after_it(tiny_model_dir):
-    config = engine_config(tiny_model_dir)
+    config = engine_config(tiny_model_dir, num_scheduler_steps=1)
     async with open_engine(config) as engine:
         plain = [o async for o in engine.generate(PROMPTS[1], greedy(16, ignore_eos=True))][-1].outputs[0]
     stop = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 2]
@@ -180,6 +182,36 @@ def test_num_scheduler_steps_is_refused_with_async_scheduling_or_several_workers
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig(model=tiny_model_dir, num_scheduler_steps=0)
     assert not EngineConfig(model=tiny_model_dir, device="cuda", num_scheduler_steps=4).schedules_async
+
+
+def test_bursts_are_the_default_on_cpu_where_their_tokens_stream(tiny_model_dir):
+    """Unset, `num_scheduler_steps` is CPU_BURST_STEPS on CPU when the executor streams a burst's
+    tokens as they are sampled (in process) and steps are not scheduled ahead; else 1. A value given wins."""
+    config = EngineConfig(model=tiny_model_dir)
+    assert config.num_scheduler_steps is None
+    assert config.scheduler_steps(streams_bursts=True) == CPU_BURST_STEPS > 1
+    assert config.scheduler_steps(streams_bursts=False) == 1  # a worker process: tokens a burst at a time
+    assert EngineConfig(model=tiny_model_dir, async_scheduling=True).scheduler_steps(streams_bursts=True) == 1
+    assert EngineConfig(model=tiny_model_dir, device="cuda").scheduler_steps(streams_bursts=True) == 1
+    assert EngineConfig(model=tiny_model_dir, num_scheduler_steps=1).scheduler_steps(streams_bursts=True) == 1
+    assert EngineConfig(model=tiny_model_dir, num_scheduler_steps=3).scheduler_steps(streams_bursts=False) == 3
+
+
+async def test_a_default_engine_in_process_decodes_in_bursts_and_a_fake_executor_one_step_at_a_time(tiny_model_dir):
+    """The in-process executor streams bursts, so a default CPU engine runs them: 17 tokens in three
+    steps (the prompt's, then two bursts of 8). The fake executor returns a burst whole, so tests
+    driving it in virtual time keep one decode a step unless they ask for bursts."""
+    async with open_engine(engine_config(tiny_model_dir)) as engine:
+        assert engine.core.executor.streams_bursts
+        assert engine.core.scheduler.config.num_scheduler_steps == CPU_BURST_STEPS
+        tokens = [t async for o in engine.generate(PROMPTS[0], greedy(17, ignore_eos=True,
+                                                                     output_kind=RequestOutputKind.DELTA))
+                  for t in o.outputs[0].token_ids]
+        await engine.core.wait_until_idle()  # the last burst's thread has returned
+        assert len(tokens) == 17 and engine.core.num_steps == 3
+    executor = FakeExecutor()
+    async with open_engine(engine_config(tiny_model_dir), executor=executor) as engine:
+        assert not executor.streams_bursts and engine.core.scheduler.config.num_scheduler_steps == 1
 
 
 # ---- in process, a burst's tokens stream step by step (engine/executor/streamed_burst.py) ----------

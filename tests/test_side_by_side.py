@@ -48,9 +48,13 @@ def test_each_sides_settings_name_its_quantization(tmp_path):
     ours.write_text("INFO 11-27 05:01:25.679 [web.app] model m.gguf (LlamaForCausalLM), dtype float32, context 2048 "
                     "tokens\nINFO 11-27 05:01:25.679 [web.app] weights: 35.1 MiB per rank, linear layers q8_0 "
                     "weight-only\nINFO 11-28 15:33:11.947 [web.app] KV cache: 32768 blocks of 16 tokens (524288 "
-                    "tokens, float16)\n")
+                    "tokens, float16)\nINFO 11-29 06:10:01.002 [web.app] engine core: its own process (pid 7); "
+                    "executor: in-process (a worker thread), device cpu; decode bursts of up to 8 steps while every "
+                    "request decodes and none waits, each token streamed as it is sampled (--num-scheduler-steps)\n")
     assert stated_settings("trio-llm", str(ours)) == "float32; linear layers q8_0 weight-only; KV cache: 32768 " \
-                                                     "blocks of 16 tokens (524288 tokens, float16)"
+                                                     "blocks of 16 tokens (524288 tokens, float16); decode bursts " \
+                                                     "of up to 8 steps while every request decodes and none waits, " \
+                                                     "each token streamed as it is sampled (--num-scheduler-steps)"
     llama = tmp_path / "llama.log"
     llama.write_text("0.00.005.098 I srv    load_model: loading model '/models/m-q8_0.gguf'\n"
                      "0.00.173.951 I cmn          init: llama threadpool init, n_threads = 2\n"

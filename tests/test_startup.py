@@ -187,6 +187,8 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
         log = log_until(server, "Running on")
         assert any("engine ready in" in line for line in log), log
         assert any(re.search(r"KV cache: \d+ blocks of \d+ tokens \(\d+ tokens, float32\)", line) for line in log), log
+        assert any("device cpu; decode bursts of up to 8 steps while every request decodes and none waits, each "
+                   "token streamed as it is sampled" in line for line in log), log
         url = log[-1].split("Running on ")[1].split()[0]
         body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:

@@ -194,8 +194,10 @@ async def test_the_worker_times_every_step_for_its_tuner_unless_the_count_is_fix
 
     async with open_engine(engine_config(tiny_model_dir, adaptive_cpu_threads=adaptive)) as engine:
         await final_output(engine, [5, 6, 7], greedy(20, ignore_eos=True))
+        await engine.core.wait_until_idle()  # the last step's token is out before its thread returns
         tuner = engine.core.executor.worker.thread_tuner
+        steps = engine.core.num_steps  # a decode burst (the CPU default) is one step of the core's
     if adaptive:
-        assert tuner is not None and tuner.steps >= 20
+        assert tuner is not None and tuner.steps == steps >= 2
     else:
         assert tuner is None

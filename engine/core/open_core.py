@@ -73,7 +73,9 @@ def _budget_flag(config: EngineConfig) -> str:
 
 
 def build_scheduler(config: EngineConfig, info: ModelInfo, connector: SharedStorageConnector | None = None,
-                    ec_blocking: bool = False) -> Scheduler:
+                    ec_blocking: bool = False, streams_bursts: bool = False) -> Scheduler:
+    """`streams_bursts`: the executor's (`Executor.streams_bursts`), which decides the default length
+    of decode bursts (`EngineConfig.scheduler_steps`)."""
     # As vLLM sizes them: the encoder may compute, and its cache hold, a step's worth of tokens in
     # image rows, and always at least one image.
     encoder_rows = max(config.token_budget, info.image_rows) if info.image_rows else 0
@@ -83,7 +85,7 @@ def build_scheduler(config: EngineConfig, info: ModelInfo, connector: SharedStor
         enable_chunked_prefill=config.enable_chunked_prefill, encoder_budget_rows=encoder_rows,
         encoder_cache_rows=encoder_rows, max_loras=config.max_loras if config.enable_lora else 0,
         micro_batches=config.pipeline_parallel_size, async_scheduling=config.schedules_async,
-        num_scheduler_steps=config.num_scheduler_steps)
+        num_scheduler_steps=config.scheduler_steps(streams_bursts))
     # Blocks are namespaced by the model: a cache never serves KV computed by another model or dtype.
     namespace = f"{config.model}\0{info.architecture}\0{info.dtype}".encode()
     hasher = PrefixHasher(config.prefix_caching_hash_algo, namespace)
@@ -136,7 +138,8 @@ async def open_core(config: EngineConfig, *, executor: Executor | None = None, t
         if config.ec_transfer_config is not None and info.image_rows:
             connector = SharedStorageConnector(config.ec_transfer_config, config.ec_defer_timeout, wake=lambda: None,
                                                loader=ec_loader)
-        core = EngineCore(build_scheduler(config, info, connector, ec_blocking), executor, tokenizer, observer, eplb)
+        scheduler = build_scheduler(config, info, connector, ec_blocking, streams_bursts=executor.streams_bursts)
+        core = EngineCore(scheduler, executor, tokenizer, observer, eplb)
         async with anyio.create_task_group() as tg:
             if eplb is not None:
                 await tg.start(eplb.run)

@@ -97,6 +97,13 @@ class Executor(ABC):
         stage, so that every stage has a step to run."""
         return 1
 
+    @property
+    def streams_bursts(self) -> bool:
+        """Whether a decode burst's tokens reach the core step by step as they are sampled (in
+        process: `StreamedBurst`) rather than with the burst's last step; where they do, bursts are
+        the default on CPU (`EngineConfig.scheduler_steps`)."""
+        return False
+
     async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:
         """Start one step and return it without waiting for its output (`PendingStep.result`).
         Executors that run one step at a time run it to the end here.

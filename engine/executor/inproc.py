@@ -60,6 +60,11 @@ class InProcExecutor(Executor):
         """Two with async scheduling: the next step is scheduled while one runs."""
         return 2 if self._async_scheduling else 1
 
+    @property
+    def streams_bursts(self) -> bool:
+        """A burst's tokens are handed to the loop as each step samples them (`StreamedBurst`)."""
+        return not self._async_scheduling
+
     async def start_model(self, sched_out: SchedulerOutput) -> PendingStep:
         """With async scheduling, queue the step and return at once; a decode burst is returned
         unstarted, for the core to run as it streams (`StreamedBurst`); else run the step to the

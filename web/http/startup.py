@@ -53,7 +53,7 @@ def describe_engine(engine: AsyncEngine, config: EngineConfig, load_seconds: flo
             f"context {info.max_model_len} tokens",
             f"weights: {info.weight_bytes / 2**20:.1f} MiB per rank, " +
             _quantization_line(info),
-            f"engine core: {core}; executor: {layout}, device {config.device}",
+            f"engine core: {core}; executor: {layout}, device {config.device}; {_steps_line(config)}",
             "CPUs: " + ("; ".join(f"engine {rank}: {_cpus_line(part)}"
                                   for rank, part in enumerate(data_parallel_configs(config)))
                         if config.data_parallel_size > 1 else _cpus_line(config)),
@@ -111,6 +111,20 @@ def startup_failure(exc: BaseException, *, debug: bool = False, command: str = "
     if line is not None:
         print(f"trio-llm {command}: {line}", file=sys.stderr)
     return 1
+
+
+def _steps_line(config: EngineConfig) -> str:
+    """How the core runs steps: one ahead (async scheduling), in decode bursts, or one at a time.
+    The worker thread of an in-process executor streams a burst's tokens (`Executor.streams_bursts`)."""
+    if config.schedules_async:
+        return "each step scheduled while the one before it runs (--async-scheduling)"
+    steps = config.scheduler_steps(streams_bursts=config.executor_kind == "inproc")
+    if steps > 1:
+        streamed = ("each token streamed as it is sampled" if config.executor_kind == "inproc"
+                    else "tokens sent a burst at a time")
+        return (f"decode bursts of up to {steps} steps while every request decodes and none waits, "
+                f"{streamed} (--num-scheduler-steps)")
+    return "one step at a time"
 
 
 def _cpus_line(config: EngineConfig) -> str:
