@@ -118,10 +118,10 @@ def _steps_line(config: EngineConfig) -> str:
     The worker thread of an in-process executor streams a burst's tokens (`Executor.streams_bursts`)."""
     if config.schedules_async:
         return "each step scheduled while the one before it runs (--async-scheduling)"
-    steps = config.scheduler_steps(streams_bursts=config.executor_kind == "inproc")
+    streams = config.executor_kind == "inproc"  # the worker a thread of the engine's process
+    steps = config.scheduler_steps(streams_bursts=streams)
     if steps > 1:
-        streamed = ("each token streamed as it is sampled" if config.executor_kind == "inproc"
-                    else "tokens sent a burst at a time")
+        streamed = "each token streamed as it is sampled" if streams else "tokens sent a burst at a time"
         return (f"decode bursts of up to {steps} steps while every request decodes and none waits, "
                 f"{streamed} (--num-scheduler-steps)")
     return "one step at a time"
