@@ -283,6 +283,35 @@ async def test_a_cancelled_streamed_burst_ends_after_the_step_in_flight():
     assert scope.cancelled_caught and not gates[2].is_set()  # it stopped after step 1: step 2 never waited
 
 
+async def test_a_consumer_that_raises_stops_the_burst_and_its_error_comes_out_of_run():
+    """`on_step` runs in a `run_sync_soon` callback, where an exception would end trio's run: it is
+    kept, the burst stops after the step in flight (whose tokens are dropped), and `run` raises it
+    once the thread has returned."""
+    gates = [threading.Event() for _ in range(4)]
+    burst = StreamedBurst(_burst_of(4, gates), SchedulerOutput(num_steps=4), anyio.CapacityLimiter(1))
+    seen: list[int] = []
+    raised = trio.Event()
+
+    def on_step(step: ModelRunnerOutput) -> bool:
+        (token,) = step.sampled_token_ids["a"]
+        seen.append(token)
+        if token == 1:
+            raised.set()
+            raise LookupError("no such request")
+        return True
+
+    async def run() -> None:
+        with pytest.raises(LookupError, match="no such request"):
+            await burst.run(on_step)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        gates[1].set()
+        await raised.wait()
+        gates[2].set()  # the step in flight when the consumer raised: the worker stops after it
+    assert seen == [0, 1] and not gates[3].is_set()
+
+
 async def test_in_process_a_message_ends_a_streamed_burst_at_the_next_step(tiny_model_dir, monkeypatch):
     """A request's burst of up to 64 decodes is held in its third step until a second request has
     been submitted; the core, seeing the message with that step's tokens, tells the worker to stop,

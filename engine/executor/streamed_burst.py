@@ -5,29 +5,26 @@ back to back in the worker's thread, so the loop's per-step work (scheduling, th
 thread and back) is paid once per burst. Returned whole, its tokens would also stream in bursts.
 In process they need not: after each step the worker thread hands the step's tokens to the event
 loop with `TrioToken.run_sync_soon` (a write to trio's wake-up socket; the thread does not wait
-for the loop) and goes on to the next step, while a task of the burst's publishes them. The
-worker thus runs decodes back to back and the loop publishes token N while the model computes
-token N + 1, on the other core.
+for the loop) and goes on to the next step, while the loop publishes them from that callback. The
+worker thus runs decodes back to back and the loop publishes token N as soon as it gets to run
+(in the served layout it shares the compute CPU, so between the worker's steps).
 
 The consumer says after each step whether the burst may go on (`run`'s `on_step`): the core ends a
 burst early when a request finished in it or a message (a new request, an abort) waits, so a
 burst never holds up an arrival for more than the step in flight.
 
 Ordering: trio runs `run_sync_soon` callbacks in the order they were queued, and the worker
-thread's own completion is delivered the same way, so every step's tokens are in the stream
-before `to_thread.run_sync` returns; the stream is closed after that.
+thread's own completion is delivered the same way, so every step's tokens have been handed to
+`on_step` before `to_thread.run_sync` returns.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Callable
 from functools import partial
 
 import anyio
 import trio
-from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.concurrency.to_the_end import run_to_the_end
 from engine.executor.base import PendingStep
@@ -50,44 +47,64 @@ class StreamedBurst(PendingStep):
         """Run the burst in the worker's thread; `on_step` gets each step's tokens in order, on the
         event loop, while the next step computes, and returns whether the burst may go on (False:
         the worker stops after the step it is in). Returns the burst's output: what failed and
-        `steps_run`, no tokens.
+        `steps_run`, no tokens. An exception from `on_step` stops the burst the same way and is
+        raised here once the thread has returned.
 
         Cancellation stops the burst after the step in flight once it reaches the burst's task (no
         further step starts), waits for the thread to return (the executor's contract), then
         raises; tokens of steps not yet handed to `on_step` are dropped."""
-        send, receive = anyio.create_memory_object_stream[ModelRunnerOutput](math.inf)
         token = trio.lowlevel.current_trio_token()
+        handed = _Handover(on_step, self)
 
         def post(step: ModelRunnerOutput) -> bool:  # in the worker thread, after each step
             # The verdict on the steps before this one: read before this one is handed over, so that
             # the loop's verdict on a step always lets the next one run, however the threads
             # interleave (read after, it sometimes stopped the burst a step earlier).
             going = self._going
-            token.run_sync_soon(_deliver, send, step)
+            token.run_sync_soon(handed.take, step)
             return going
 
-        async def consume() -> None:
-            try:
-                async with receive:
-                    async for step in receive:
-                        if not on_step(step):
-                            self._going = False
-            except BaseException:
-                self._going = False  # cancelled or failed: no more steps
-                raise
-
         async with anyio.create_task_group() as burst:
-            burst.start_soon(consume)
-            with send:
-                output = await run_to_the_end(partial(anyio.to_thread.run_sync, self._execute, self._sched_out,
-                                                      post, limiter=self._limiter))
+            burst.start_soon(self._stop_when_cancelled, handed)
+            output = await run_to_the_end(partial(anyio.to_thread.run_sync, self._execute, self._sched_out,
+                                                  post, limiter=self._limiter))
+            burst.cancel_scope.cancel()  # the thread has returned: the watcher's job is done
+        if handed.failure is not None:
+            raise handed.failure
         self._output = output
         return output
 
+    async def _stop_when_cancelled(self, handed: _Handover) -> None:
+        """Sleeps beside the thread; a cancellation of the burst's task reaches it here (the thread's
+        wait is shielded) and stops the burst after the step in flight."""
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self._going = False
+            handed.open = False
 
-def _deliver(send: MemoryObjectSendStream[ModelRunnerOutput], step: ModelRunnerOutput) -> None:
-    """On the event loop (a `run_sync_soon` callback, where an exception would end trio's run): a
-    consumer that has gone (cancelled) simply misses the step."""
-    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-        send.send_nowait(step)
 
+class _Handover:
+    """Each step's tokens to `on_step`, called straight from the step's `run_sync_soon` callback on
+    the event loop (no task of its own: one wake-up a token, not a wake-up and a task switch).
+    trio ends its run if such a callback raises, so an exception is kept for the burst's task, and
+    the steps after it, or after a cancellation, are dropped."""
+
+    __slots__ = ("_burst", "_on_step", "failure", "open")
+
+    def __init__(self, on_step: Callable[[ModelRunnerOutput], bool], burst: StreamedBurst) -> None:
+        self._on_step = on_step
+        self._burst = burst
+        self.failure: BaseException | None = None
+        self.open = True
+
+    def take(self, step: ModelRunnerOutput) -> None:
+        if not self.open:
+            return
+        try:
+            if not self._on_step(step):
+                self._burst._going = False  # the worker stops after the step in flight, which still comes
+        except BaseException as exc:  # noqa: BLE001 -- raised in the burst's task (`StreamedBurst.run`)
+            self.failure = exc
+            self.open = False
+            self._burst._going = False
