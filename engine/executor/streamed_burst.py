@@ -54,7 +54,7 @@ class StreamedBurst(PendingStep):
         further step starts), waits for the thread to return (the executor's contract), then
         raises; tokens of steps not yet handed to `on_step` are dropped."""
         token = trio.lowlevel.current_trio_token()
-        handed = _Handover(on_step, self)
+        handed = _Handover(on_step, self._stop)
 
         def post(step: ModelRunnerOutput) -> bool:  # in the worker thread, after each step
             # The verdict on the steps before this one: read before this one is handed over, so that
@@ -80,8 +80,12 @@ class StreamedBurst(PendingStep):
         try:
             await anyio.sleep_forever()
         finally:
-            self._going = False
+            self._stop()
             handed.open = False
+
+    def _stop(self) -> None:
+        """No step after the one in flight (the worker reads `_going` after each step)."""
+        self._going = False
 
 
 class _Handover:
@@ -90,11 +94,11 @@ class _Handover:
     trio ends its run if such a callback raises, so an exception is kept for the burst's task, and
     the steps after it, or after a cancellation, are dropped."""
 
-    __slots__ = ("_burst", "_on_step", "failure", "open")
+    __slots__ = ("_on_step", "_stop_burst", "failure", "open")
 
-    def __init__(self, on_step: Callable[[ModelRunnerOutput], bool], burst: StreamedBurst) -> None:
+    def __init__(self, on_step: Callable[[ModelRunnerOutput], bool], stop_burst: Callable[[], None]) -> None:
         self._on_step = on_step
-        self._burst = burst
+        self._stop_burst = stop_burst
         self.failure: BaseException | None = None
         self.open = True
 
@@ -103,8 +107,8 @@ class _Handover:
             return
         try:
             if not self._on_step(step):
-                self._burst._going = False  # the worker stops after the step in flight, which still comes
+                self._stop_burst()  # after the step in flight, whose tokens still come
         except BaseException as exc:  # noqa: BLE001 -- raised in the burst's task (`StreamedBurst.run`)
             self.failure = exc
             self.open = False
-            self._burst._going = False
+            self._stop_burst()
