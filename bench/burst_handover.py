@@ -17,10 +17,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import anyio
 import trio
 
+from bench.rounds import alternating
 from engine.executor.streamed_burst import StreamedBurst
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -78,11 +80,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     sides = {"StreamedBurst": streamed, "floor (bare run_sync_soon)": floor}
-    figures: dict[str, list[float]] = {name: [] for name in sides}
-    for r in range(args.rounds):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        for name in order:
-            figures[name].append(trio.run(sides[name], args.steps, args.step_us / 1e6))
+    figures = alternating({name: partial(trio.run, side, args.steps, args.step_us / 1e6)
+                           for name, side in sides.items()}, args.rounds)
     print(f"CPUs {sorted(os.sched_getaffinity(0))}; {args.steps} steps of {args.step_us:.0f} us, "
           f"median of {args.rounds} alternating rounds")
     for name, values in figures.items():

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.rounds import alternating
 from engine.worker import aoti_runner
 
 
@@ -77,12 +78,13 @@ def main() -> None:
         assert torch.equal(ours.run([x])[0], torchs.run([x])[0])
         sides: dict[str, Callable[[], object]] = {"torch's loader": lambda: torchs.run([x]),
                                                   "ours (ctypes)": lambda: ours.run([x])}
-        fractions: dict[str, list[float]] = {name: [] for name in sides}
-        for index in range(args.rounds):
-            order = list(sides) if index % 2 == 0 else list(reversed(sides))
-            for name in order:
+        def fraction(run: Callable[[], object]) -> Callable[[], float]:
+            def measure() -> float:
                 alone = _loop_rate(args.seconds)
-                fractions[name].append(_rate_beside(sides[name], args.seconds) / alone)
+                return _rate_beside(run, args.seconds) / alone
+            return measure
+
+        fractions = alternating({name: fraction(run) for name, run in sides.items()}, args.rounds)
     print(f"graph: 2 x Linear(1024, 1024) over 64 rows, float32, 1 torch thread; {args.rounds} rounds alternating, "
           f"{args.seconds} s each")
     for name, values in fractions.items():
