@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.sched.block_manager import CachedPrefix, KVBlockManager
@@ -485,7 +485,7 @@ class Scheduler:
         """Advance every scheduled request by what the step computed and sampled."""
         for item in sched_out.scheduled:
             self._landed(item)
-        return self._take_output(sched_out, result)
+        return self._take_output(sched_out.scheduled, sched_out.num_steps, result)
 
     def is_running(self, request_id: str) -> bool:
         """Whether the request is scheduled on (not finished, aborted or preempted)."""
@@ -501,11 +501,13 @@ class Scheduler:
         if first:
             for item in sched_out.scheduled:
                 self._landed(item)
-        return self._take_output(replace(sched_out, num_steps=1), step)
+        return self._take_output(sched_out.scheduled, 1, step)
 
-    def _take_output(self, sched_out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+    def _take_output(self, scheduled: list[ScheduledRequest], num_steps: int,
+                     result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """The step's tokens into its requests; `num_steps` > 1: a burst's steps, all in `result`."""
         updates = []
-        for item in sched_out.scheduled:
+        for item in scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
@@ -520,8 +522,8 @@ class Scheduler:
                 updates.append(update)
                 continue
             self._take_tokens(request, update, result)
-            if sched_out.num_steps > 1 and not update.finished:  # the burst's later steps computed its tokens
-                request.num_computed_tokens += sched_out.num_steps - 1
+            if num_steps > 1 and not update.finished:  # the burst's later steps computed its tokens
+                request.num_computed_tokens += num_steps - 1
                 self.kv.cache_computed_blocks(request)
             if update.new_token_ids or update.prompt_logprobs:
                 updates.append(update)
