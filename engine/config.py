@@ -23,10 +23,12 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # engine.sched.
 QUANTIZATIONS = ("int8", "w8a8", "int4", "q8_0", "q4_0")
 # --kv-cache-dtype: vLLM's auto and bfloat16, and float16 (what llama.cpp holds its cache in); fp8 is not implemented
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
-# Decode bursts' length where they are the default (`EngineConfig.scheduler_steps`): measured on the
-# small Llama's Q8_0 file, 8 took one stream 1.36-1.4x (docs/benchmarks.md); a burst ends early when
-# a request finishes or a message waits, so a longer one would only take more KV slots ahead.
-CPU_BURST_STEPS = 8
+# Decode bursts' length where they are the default (`EngineConfig.scheduler_steps`). A burst ends
+# early when a request finishes or a message waits, so its length bounds only the KV slots taken
+# ahead and how often a full schedule and a hand-off to the worker thread (~0.4 ms on a 2-core VM)
+# break the run: on the small Llama's Q8_0 file 32 served one stream 1.05x and sixteen 1.04x what
+# 8 did, and 8 one stream 1.36-1.4x what one did (docs/benchmarks.md, "Longer bursts").
+CPU_BURST_STEPS = 32
 Q8_0_ACTIVATIONS = ("auto", "float32", "int8")  # --q8-0-activations
 TRUST_REMOTE_CODE_REFUSED = ("trust_remote_code: trio-llm runs no code from model directories; it loads the "
                              "architectures it implements (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "

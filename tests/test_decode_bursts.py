@@ -75,18 +75,36 @@ def test_an_eos_inside_a_burst_ends_the_request_there_and_drops_the_rest():
 
 @pytest.mark.parametrize("why", ["waiting", "structured", "context", "blocks"])
 def test_no_burst_when_a_request_waits_needs_its_grammar_or_lacks_room(why):
-    sched = burst_scheduler(steps=8, num_blocks=3 if why == "blocks" else 64,
+    sched = burst_scheduler(steps=8, num_blocks=2 if why == "blocks" else 64,
                             max_model_len=11 if why == "context" else 256)
     params = {"structured_outputs": object()} if why == "structured" else {}
-    sched.add_request(make_request("a", n_prompt=8, max_tokens=20, **params))
+    sched.add_request(make_request("a", n_prompt=7, max_tokens=20, **params))
     land(sched, sched.schedule(), [50])
     if why == "waiting":  # and cannot be scheduled: the budget is gone after a's decode
         sched.add_request(make_request("b", n_prompt=60, max_tokens=4))
         sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=1)
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["a"]
-    assert out.num_steps == (2 if why == "context" else 1)  # 9 tokens of a context of 11: two more at most
-    land(sched, out, [60, 61])
+    # 8 tokens of a context of 11: three more at most. Two blocks of 4 hold the prompt's 7 and one decode:
+    # no burst fits, however short.
+    assert out.num_steps == (3 if why == "context" else 1)
+    land(sched, out, [60, 61, 62])
+
+
+def test_a_burst_shortens_until_every_request_has_room_and_strands_no_blocks():
+    """Room for a burst's decodes is taken for every request at once: where a burst of 8 would fit
+    one request but not both, both get a burst of 4 (before, the first took blocks for 8, the
+    second found none left, and the step ran one decode with those blocks stranded)."""
+    sched = burst_scheduler(steps=8, num_blocks=5)
+    for rid in ("a", "b"):
+        sched.add_request(make_request(rid, n_prompt=4, max_tokens=20))
+    land(sched, sched.schedule(), [50])  # both prompts: a block each, 3 free
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["a", "b"] and out.num_steps == 4
+    assert all(sum(len(t) for t in s.block_tables) * 4 >= 4 + 4 for s in out.scheduled)
+    assert sched.kv.num_free_blocks == 1
+    land(sched, out, range(60, 64))
+    assert all(sched.requests[rid].num_computed_tokens == 8 for rid in ("a", "b"))
 
 
 async def _run(config: EngineConfig, params: list[SamplingParams]) -> tuple[list[list[int]], list[int], int, list]:
@@ -198,17 +216,19 @@ def test_bursts_are_the_default_on_cpu_where_their_tokens_stream(tiny_model_dir)
 
 
 async def test_a_default_engine_in_process_decodes_in_bursts_and_a_fake_executor_one_step_at_a_time(tiny_model_dir):
-    """The in-process executor streams bursts, so a default CPU engine runs them: 17 tokens in three
-    steps (the prompt's, then two bursts of 8). The fake executor returns a burst whole, so tests
-    driving it in virtual time keep one decode a step unless they ask for bursts."""
+    """The in-process executor streams bursts, so a default CPU engine runs them: 1 + 2 x
+    CPU_BURST_STEPS tokens in three steps (the prompt's, then two whole bursts). The fake executor
+    returns a burst whole, so tests driving it in virtual time keep one decode a step unless they
+    ask for bursts."""
+    wanted = 1 + 2 * CPU_BURST_STEPS
     async with open_engine(engine_config(tiny_model_dir)) as engine:
         assert engine.core.executor.streams_bursts
         assert engine.core.scheduler.config.num_scheduler_steps == CPU_BURST_STEPS
-        tokens = [t async for o in engine.generate(PROMPTS[0], greedy(17, ignore_eos=True,
+        tokens = [t async for o in engine.generate(PROMPTS[0], greedy(wanted, ignore_eos=True,
                                                                      output_kind=RequestOutputKind.DELTA))
                   for t in o.outputs[0].token_ids]
         await engine.core.wait_until_idle()  # the last burst's thread has returned
-        assert len(tokens) == 17 and engine.core.num_steps == 3
+        assert len(tokens) == wanted and engine.core.num_steps == 3
     executor = FakeExecutor()
     async with open_engine(engine_config(tiny_model_dir), executor=executor) as engine:
         assert not executor.streams_bursts and engine.core.scheduler.config.num_scheduler_steps == 1

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from engine import ModelLoadError
+from engine.config import CPU_BURST_STEPS
 from engine.executor.worker_group import check_tensor_parallel
 from tests.conftest import TEST_SPEC, engine_config
 from tests.helpers import log_until
@@ -187,10 +188,11 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
         log = log_until(server, "Running on")
         assert any("engine ready in" in line for line in log), log
         assert any(re.search(r"KV cache: \d+ blocks of \d+ tokens \(\d+ tokens, float32\)", line) for line in log), log
-        assert any("device cpu; decode bursts of up to 8 steps while every request decodes and none waits, each "
-                   "token streamed as it is sampled" in line for line in log), log
+        assert any(f"device cpu; decode bursts of up to {CPU_BURST_STEPS} steps while every request decodes and none "
+                   "waits, each token streamed as it is sampled" in line for line in log), log
         url = log[-1].split("Running on ")[1].split()[0]
-        body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             events = response.iter_lines()
             first = next(event for event in events if event)
@@ -205,7 +207,10 @@ def test_under_hypercorns_command_line_sigterm_lets_a_stream_finish_then_exits_0
                 assert server.stderr is not None
                 pytest.fail(f"the stream was cut after SIGTERM (server exit status {code}); the server's log:\n"
                             f"{server.stderr.read()[-4000:]}")
-        assert first.startswith("data: {") and rest[-1] == "data: [DONE]" and len(rest) > 100
+        # Every token arrives, in however many events (one can carry several when the engine runs
+        # ahead of the stream): the usage chunk before [DONE] counts them.
+        assert first.startswith("data: {") and rest[-1] == "data: [DONE]" and len(rest) > 2
+        assert json.loads(rest[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 200
         assert server.wait(timeout=60) == 0
         assert server.stderr is not None and "received SIGTERM: shutting down gracefully" in server.stderr.read()
     finally:

@@ -188,6 +188,19 @@ class KVBlockManager:
         return tuple(request.all_token_ids[index * self.block_size:(index + 1) * self.block_size])
 
     # ---- allocation ----------------------------------------------------------------------
+    def room_for_all(self, requests: list[Request], num_new_tokens: int) -> bool:
+        """Whether every one of `requests` (none with a cached prefix to take) can make room for
+        `num_new_tokens` more tokens at once: `allocate_slots` then succeeds for each in turn. Blocks
+        outside a window are released first, as `allocate_slots` releases them."""
+        needed = 0
+        for request in requests:
+            tables = self._req_blocks.get(request.request_id)
+            if tables is not None:
+                self._release_outside_window(request, tables)
+            held = len(tables[0]) if tables else 0
+            needed += max(self.blocks_needed(request.num_computed_tokens + num_new_tokens) - held, 0)
+        return needed * self.num_groups <= self.num_free_blocks
+
     def allocate_slots(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
 

@@ -398,8 +398,10 @@ class Scheduler:
         """How many decodes this step runs back to back (`num_scheduler_steps` at most; 1 unless
         every scheduled request is a plain decode, nothing waits and nothing is in flight). None
         may pass its `max_tokens` or the context length inside the burst; room in the KV cache for
-        every decode is taken now, or the step is not a burst. (An EOS or a stop string inside a
-        burst ends the request there; the decodes after it are dropped.)"""
+        every decode is taken now, for every request at once: the burst is shortened (halved) until
+        it all fits, never taken for some requests and not others, which would strand blocks with
+        them that the rest then lack. (An EOS or a stop string inside a burst ends the request
+        there; the decodes after it are dropped.)"""
         limit = self.config.num_scheduler_steps
         if limit <= 1 or self.waiting or self.skipped_waiting or self.in_flight:
             return 1
@@ -409,11 +411,13 @@ class Scheduler:
                 return 1
             limit = min(limit, request.max_tokens - request.num_output_tokens,
                         self.config.max_model_len - request.num_tokens)
+        while limit > 1 and not self.kv.room_for_all(requests, limit):
+            limit //= 2
         if limit > 1 and all(self.kv.allocate_slots(request, limit) for request in requests):
             for item, request in zip(scheduled, requests, strict=True):
                 item.block_tables = self.kv.block_tables(request.request_id)
             return limit
-        return 1  # blocks a request took for the burst stay with it: its next decodes use them
+        return 1
 
     @staticmethod
     def _bursts(request: Request) -> bool:
