@@ -124,6 +124,25 @@ def test_long_prompt_steps_count_for_their_time_so_the_first_probe_comes_after_o
     assert set(run_steps(tuner, 60, prompt_chunk, shape=2048)) == {2}
 
 
+def test_a_burst_counts_its_decodes_so_the_first_probe_comes_after_as_many_decodes_as_steps():
+    """Decode bursts of 32 (one call each, a few ms on a small model): the first probe follows the
+    first 32 decodes, as it would one decode a call, not 32 bursts (~1,000 tokens) into the run;
+    one burst is a whole probe."""
+    def burst(threads: int) -> float:  # 32 decodes: two threads lose on this machine
+        return {1: 0.024, 2: 0.032}[threads]
+
+    tuner = ThreadTuner(2)
+    used = []
+    for _ in range(24):
+        threads = tuner.next_threads()
+        used.append(threads)
+        tuner.record(threads, (32, 32), burst(threads), steps=32)
+    # The probe of one thread wins at the second burst; the probe back, 32 decodes later, loses and
+    # costs a third of a burst's 32 steps, so the next waits ~500 decodes (2% of the time).
+    assert used[:6] == [2, 1, 1, 2, 1, 1] and tuner.threads == 1
+    assert used[6:].count(2) == 1 and used.index(2, 4) > 16
+
+
 def test_a_hopeless_probe_ends_after_one_step_and_the_next_waits_until_its_cost_is_small():
     """Two threads beside a busy neighbour can be 100x slower (an OpenMP barrier waits out the
     neighbour's time slice): once on one thread, probing two may cost at most a few per cent."""

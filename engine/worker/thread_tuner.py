@@ -19,11 +19,12 @@ barrier waits out the neighbour's time slice), and the next probe waits until th
 make that cost at most `probe_budget` of the time. A current-count step that takes several times
 its recent ones (a neighbour just arrived) brings the next probe forward to the next step.
 
-Intervals and probes are counted in steps, where a step longer than `STEP_UNIT` seconds counts
-as one per `STEP_UNIT` of its time: a prompt step of seconds is as much evidence, and as much of
-the time a wrong count wastes, as many decode steps. Counted one each, the 0.5B shape's 2,048-token
-prompt chunks (10 s apiece on one thread) kept 16 streams' prompts on one thread for the first
-65-70 s of a served run, the tuner waiting for its 32 steps (docs/benchmarks.md).
+Intervals and probes are counted in steps, where a decode burst counts its decodes, and a step
+longer than `STEP_UNIT` seconds counts as one per `STEP_UNIT` of its time: a prompt step of
+seconds is as much evidence, and as much of the time a wrong count wastes, as many decode steps.
+Counted one each, the 0.5B shape's 2,048-token prompt chunks (10 s apiece on one thread) kept 16
+streams' prompts on one thread for the first 65-70 s of a served run, the tuner waiting for its 32
+steps (docs/benchmarks.md); bursts of 32 decodes put its first probe ~1,000 tokens into a run.
 
 Plain Python, no clock of its own: the caller times the steps (tests feed it fake timings).
 """
@@ -40,9 +41,10 @@ MAX_COSTLY_INTERVAL = 4096  # steps between probes, at most, however much the la
 STEP_UNIT = 0.1  # seconds: a longer step counts as this many steps (decode steps count one each)
 
 
-def step_weight(seconds: float) -> float:
-    """How many steps a step of `seconds` counts as."""
-    return max(1.0, seconds / STEP_UNIT)
+def step_weight(seconds: float, steps: int = 1) -> float:
+    """How many steps a step of `seconds` counts as: a decode burst of `steps` decodes as many,
+    a long step as its time in `STEP_UNIT`s."""
+    return max(float(steps), seconds / STEP_UNIT)
 
 
 class ThreadTuner:
@@ -69,6 +71,7 @@ class ThreadTuner:
         self._until_probe: float = min_interval  # steps, weighted (`step_weight`)
         self._probing: int | None = None  # the count being probed
         self._probe_times: dict[Hashable, list[float]] = {}
+        self._probe_weights: dict[Hashable, float] = {}  # step shape -> the probe's steps of it, weighted
         self._probe_weight = 0.0  # the probe's steps so far, weighted (`step_weight`)
         self._recent: dict[Hashable, deque[float]] = {}  # step shape -> recent seconds at the current count
         self._next_direction = -1  # fewer threads first: contention is the common reason to move
@@ -77,16 +80,20 @@ class ThreadTuner:
         """The count the next step should run with."""
         if self._probing is None and self._until_probe <= 0:
             self._probing = self._candidate()
-            self._probe_times = {}
+            self._probe_times, self._probe_weights = {}, {}
             self._probe_weight = 0.0
         return self._probing if self._probing is not None else self.threads
 
-    def record(self, threads: int, shape: Hashable, seconds: float) -> None:
-        """A step of `shape` (what makes steps comparable: its tokens, say) ran `seconds` with `threads`."""
+    def record(self, threads: int, shape: Hashable, seconds: float, steps: int = 1) -> None:
+        """A step of `shape` (what makes steps comparable: its tokens, say) ran `seconds` with
+        `threads`; `steps`: the decodes of a burst, which count as that many steps (32 decodes a
+        call on a small model would otherwise put the first probe ~1,000 tokens into a run)."""
         self.steps += 1
+        weight = step_weight(seconds, steps)
         if self._probing is not None and threads == self._probing:
             self._probe_times.setdefault(shape, []).append(seconds)
-            self._probe_weight += step_weight(seconds)
+            self._probe_weights[shape] = self._probe_weights.get(shape, 0.0) + weight
+            self._probe_weight += weight
             recent = self._recent.get(shape)
             hopeless = recent is not None and len(recent) > 0 and seconds > HOPELESS * statistics.median(recent)
             if hopeless or self._probe_weight >= self.probe_steps:
@@ -98,7 +105,7 @@ class ThreadTuner:
         if len(recent) == RECENT_STEPS and seconds > HOPELESS * statistics.median(recent):
             self._until_probe = 0  # the machine changed under us (a neighbour came): look again now
         else:
-            self._until_probe -= step_weight(seconds)
+            self._until_probe -= weight
         recent.append(seconds)
 
     def _candidate(self) -> int | None:
@@ -126,7 +133,7 @@ class ThreadTuner:
             self.interval = self.min_interval
         elif ratio is not None:
             # Later each time it loses, and as much later as it cost: its extra time, in steps.
-            cost = sum(max(r - 1, 0.0) * sum(map(step_weight, self._probe_times[shape])) for shape, r in ratios.items())
+            cost = sum(max(r - 1, 0.0) * self._probe_weights[shape] for shape, r in ratios.items())
             backed_off = min(2 * self.interval, self.max_interval)
             self.interval = min(max(backed_off, round(cost / self.probe_budget)), MAX_COSTLY_INTERVAL)
         self._until_probe = self.interval

@@ -519,7 +519,8 @@ class Worker:
         started = time.perf_counter()
         output = self.runner.execute(sched_out, on_step)
         before, probe = tuner.threads, tuner.last_probe
-        tuner.record(threads, (sched_out.total_num_tokens, output.steps_run), time.perf_counter() - started)
+        tuner.record(threads, (sched_out.total_num_tokens, output.steps_run), time.perf_counter() - started,
+                     steps=output.steps_run)
         if tuner.last_probe is not probe:
             logger.debug("probed %d compute threads: steps took %.2fx the time of %d", tuner.last_probe[0],
                          tuner.last_probe[1] or 0.0, before)
