@@ -914,28 +914,34 @@ def test_q8_0_tiles_go_to_every_short_layer_and_to_wide_ones_within_the_budget()
 
 def test_a_helper_on_a_lent_cpu_shares_one_thread_products_with_the_same_sums():
     """`lend_cpus` (the served layout lends the HTTP server's CPU): a one-thread int8 product through
-    a large weight (chunks of about 128 KB: an LM head, a wide layer of few rows) is then shared
-    chunk by chunk with a helper thread on that CPU, which takes chunks only when it gets to run
-    there. The sums are the call's alone, one level or two, through tiles where the CPU has them, for
-    one row and sixteen, weights ending in a partial tile included."""
+    a large weight (chunks of about 128 KB: an LM head, a wide layer of few rows; past 16 input rows
+    less, so that a prompt's narrow layers are shared too) is then shared chunk by chunk with a
+    helper thread on that CPU, which takes chunks only when it gets to run there. The sums are the
+    call's alone, one level or two, through tiles where the CPU has them, for one row, sixteen and a
+    prompt's 100, weights ending in a partial tile included."""
     from engine.kernels import q8_0_rows
 
+    # A narrow layer (the small Llama's down projection) runs alone for decodes, shared for prompts.
+    assert q8_0_rows.lent_chunks(256, 768, 1) == q8_0_rows.lent_chunks(256, 768, 16) == 1
+    assert q8_0_rows.lent_chunks(256, 768, 128) >= 8
+    assert q8_0_rows.lent_chunks(4096, 256, 1) == 10  # 128 KB chunks: 448 rows of 256 features
     generator = torch.Generator().manual_seed(7)
     weights = [quantize_per_block(torch.randn(n, k, generator=generator))
-               for n, k in ((4096, 256), (2000 * 16 + 8, 256), (200, 4864))]
+               for n, k in ((4096, 256), (2000 * 16 + 8, 256), (200, 4864), (256, 768))]
     tiles = [q8_0_rows.pack_tiles(q, s) for q, s in weights]
 
     def products() -> list[torch.Tensor | None]:
         out = []
         for (qweight, scales), packed in zip(weights, tiles, strict=True):
             for x in inputs[qweight.shape[1]]:
-                out += [q8_0_rows.int8_row_times(x, qweight, scales, 1),
-                        q8_0_rows.TWO_LEVELS.row_times(x, qweight, scales, 1)]
+                if x.shape[0] <= 16:  # a batch of decodes; a prompt's rows take the tiles only
+                    out += [q8_0_rows.int8_row_times(x, qweight, scales, 1),
+                            q8_0_rows.TWO_LEVELS.row_times(x, qweight, scales, 1)]
                 if packed is not None:
                     out.append(q8_0_rows.packed_row_times(x, qweight, scales, packed, 1))
         return out
 
-    inputs = {k: [torch.randn(rows, k, generator=generator) for rows in (1, 16)] for k in (256, 4864)}
+    inputs = {k: [torch.randn(rows, k, generator=generator) for rows in (1, 16, 100)] for k in (256, 768, 4864)}
     alone = products()
     assert all(p is not None for p in alone)
     assert q8_0_rows.lend_cpus(sorted(os.sched_getaffinity(0))[:1])

@@ -511,12 +511,25 @@ static void int8_share(const struct rows_job *job, const struct int8_rows *in) {
 
 /* A one-thread call's rows in chunks for `lent_run`: whole tiles of 16 (the last chunk takes the
  * tail) of about LENT_CHUNK_BYTES of weight, so that a claim is a small part of one and a wide
- * weight of few rows (a 0.5B model's down projection: 896 rows of 4,864 features) is shared too. */
+ * weight of few rows (a 0.5B model's down projection: 896 rows of 4,864 features) is shared too.
+ * Past 16 input rows (prompts) a chunk holds 16 / rows of that, so that it costs what a batch of
+ * decodes' chunk does and a small model's narrow layers (256-512 weight rows) are shared as well:
+ * the small Llama's layers at 128 rows took 0.72x the time (0.93x beside a neighbour busy 2 ms of
+ * every 5 on the helper's CPU). Decodes keep whole 128 KB chunks: sharing narrow layers there too
+ * measured 0.95x alone but 1.27x beside that neighbour (docs/benchmarks.md). */
 #define LENT_CHUNK_BYTES (128 * 1024)
 
-static long lent_chunk_rows(long k) {
-    long rows = LENT_CHUNK_BYTES / (k + k / BLOCK * 4) / 16 * 16;
+static long lent_chunk_rows(long k, long input_rows) {
+    long bytes = input_rows > 16 ? LENT_CHUNK_BYTES * 16 / input_rows : LENT_CHUNK_BYTES;
+    long rows = bytes / (k + k / BLOCK * 4) / 16 * 16;
     return rows < 16 ? 16 : rows;
+}
+
+/* How many chunks a one-thread call of `input_rows` rows through an n x k weight is shared in with
+ * the helper: 1 (not shared) below two whole chunks. */
+long q8_0_lent_chunks(long n, long k, long input_rows) {
+    long chunk_rows = lent_chunk_rows(k, input_rows);
+    return n >= 2 * chunk_rows ? (n + chunk_rows - 1) / chunk_rows : 1;
 }
 
 struct int8_chunks {
@@ -566,10 +579,10 @@ static int int8_rows_times(const float *x, const void *w, const float *scales, f
     struct int8_rows in = {xq, dx, xsum, low, low_sum};
     threads = threads < 1 ? 1 : threads > (n + 15) / 16 ? (n + 15) / 16 : threads;
     struct rows_job whole = {x, w, scales, out, rows, n, k, 0, n, packed};
-    long chunk_rows = lent_chunk_rows(k);
-    if (threads == 1 && atomic_load(&lent.started) && n >= 2 * chunk_rows) {
-        struct int8_chunks chunks = {&whole, &in, chunk_rows};
-        lent_run(int8_chunk, &chunks, (n + chunk_rows - 1) / chunk_rows);
+    long shared_chunks = q8_0_lent_chunks(n, k, rows);
+    if (threads == 1 && atomic_load(&lent.started) && shared_chunks > 1) {
+        struct int8_chunks chunks = {&whole, &in, lent_chunk_rows(k, rows)};
+        lent_run(int8_chunk, &chunks, shared_chunks);
     } else {
 #pragma omp parallel num_threads(threads)
         {

@@ -111,6 +111,20 @@ def lend_cpus(cpus: Sequence[int]) -> bool:
     return start(ctypes.addressof(listed), len(cpus)) == 0
 
 
+def lent_chunks(n: int, k: int, rows: int) -> int | None:
+    """How many chunks the helper `lend_cpus` started shares a one-thread int8 product of `rows`
+    input rows through an `n` x `k` weight in (q8_0_rows.c `q8_0_lent_chunks`): 1 where the call
+    runs alone. Past 16 rows (prompts) chunks hold less weight, so narrow layers are shared too.
+    None where the kernel cannot be built here."""
+    library = native.load("q8_0_rows")
+    if library is None:
+        return None
+    count = library.q8_0_lent_chunks
+    count.argtypes, count.restype = (ctypes.c_long,) * 3, ctypes.c_long
+    chunks: int = count(n, k, rows)
+    return chunks
+
+
 def lent_share_address() -> int | None:
     """The address of `q8_0_lent_share` (q8_0_rows.c): another kernel's one-thread calls hand their
     work items to it to share them with the helper `lend_cpus` started (paged_decode.c). None
