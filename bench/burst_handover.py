@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -22,7 +21,7 @@ from functools import partial
 import anyio
 import trio
 
-from bench.rounds import alternating
+from bench.rounds import alternating, median_and_rounds
 from engine.executor.streamed_burst import StreamedBurst
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -85,8 +84,8 @@ def main() -> None:
     print(f"CPUs {sorted(os.sched_getaffinity(0))}; {args.steps} steps of {args.step_us:.0f} us, "
           f"median of {args.rounds} alternating rounds")
     for name, values in figures.items():
-        print(f"{name:28s} loop CPU {1e6 * statistics.median(values):6.1f} us a step "
-              f"({', '.join(f'{1e6 * v:.1f}' for v in values)})")
+        median, rounds = median_and_rounds([1e6 * v for v in values], "6.1f")
+        print(f"{name:28s} loop CPU {median} us a step ({rounds})")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ each side's median rate as a fraction of the rate alone (1.0: the loop lost noth
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import threading
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.rounds import alternating
+from bench.rounds import alternating, median_and_rounds
 from engine.worker import aoti_runner
 
 
@@ -88,8 +87,8 @@ def main() -> None:
     print(f"graph: 2 x Linear(1024, 1024) over 64 rows, float32, 1 torch thread; {args.rounds} rounds alternating, "
           f"{args.seconds} s each")
     for name, values in fractions.items():
-        print(f"{name}: a Python loop beside the graph ran at {statistics.median(values):.2f}x its rate alone "
-              f"(rounds: {', '.join(f'{v:.2f}' for v in values)})")
+        median, rounds = median_and_rounds(values, ".2f")
+        print(f"{name}: a Python loop beside the graph ran at {median}x its rate alone (rounds: {rounds})")
 
 
 if __name__ == "__main__":

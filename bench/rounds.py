@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping
 
 
@@ -14,3 +15,9 @@ def alternating(sides: Mapping[str, Callable[[], float]], rounds: int) -> dict[s
         for name in order:
             figures[name].append(sides[name]())
     return figures
+
+
+def median_and_rounds(values: list[float], spec: str) -> tuple[str, str]:
+    """A side's median and its rounds in order, each formatted by `spec` ("6.1f", say), for printing
+    side by side."""
+    return format(statistics.median(values), spec), ", ".join(format(v, spec.lstrip("0123456789")) for v in values)

@@ -192,14 +192,18 @@ class KVBlockManager:
         """Whether every one of `requests` (none with a cached prefix to take) can make room for
         `num_new_tokens` more tokens at once: `allocate_slots` then succeeds for each in turn. Blocks
         outside a window are released first, as `allocate_slots` releases them."""
-        needed = 0
-        for request in requests:
-            tables = self._req_blocks.get(request.request_id)
-            if tables is not None:
-                self._release_outside_window(request, tables)
-            held = len(tables[0]) if tables else 0
-            needed += max(self.blocks_needed(request.num_computed_tokens + num_new_tokens) - held, 0)
+        needed = sum(self._new_blocks(request, num_new_tokens) for request in requests)
         return needed * self.num_groups <= self.num_free_blocks
+
+    def _new_blocks(self, request: Request, num_new_tokens: int, prefix: int = 0) -> int:
+        """Blocks (per group) the request must add for `num_new_tokens` more tokens after its computed
+        ones and a cached prefix of `prefix` blocks, once its blocks outside a window are released."""
+        tables = self._req_blocks.get(request.request_id)
+        if tables is not None:
+            self._release_outside_window(request, tables)
+        held = len(tables[0]) if tables else 0
+        num_tokens = request.num_computed_tokens + prefix * self.block_size + num_new_tokens
+        return max(self.blocks_needed(num_tokens) - held - prefix, 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
@@ -208,13 +212,9 @@ class KVBlockManager:
         enough free blocks.
         """
         rid = request.request_id
-        tables = self._req_blocks.get(rid)
-        if tables is not None:
-            self._release_outside_window(request, tables)
-        held = len(tables[0]) if tables else 0
         prefix = cached.num_blocks if cached else 0
-        num_tokens = request.num_computed_tokens + prefix * self.block_size + num_new_tokens
-        num_new_blocks = max(self.blocks_needed(num_tokens) - held - prefix, 0)
+        num_new_blocks = self._new_blocks(request, num_new_tokens, prefix)
+        tables = self._req_blocks.get(rid)
         hits = [table[self._first_needed(g, prefix * self.block_size):] for g, table in enumerate(cached.tables)] \
             if cached else []
         revived = sum(1 for table in hits for b in table if b.ref_cnt == 0)  # free now, taken by this request

@@ -416,7 +416,8 @@ class ModelRunner:
         """The flat batch's input tokens on the device, the placeholders' read from the last step's
         sample (`from_device`). A burst's later steps are all placeholders, each the sample's row of
         its own index: the sample itself is then the input, with no copy or gather (three host
-        lists and two indexing kernels less a step, ~10% of a small model's step on the host)."""
+        lists and two indexing kernels less a step: `_forward`'s own time 33-36 -> 13 us a step
+        under cProfile on the small Llama, docs/benchmarks.md)."""
         in_flight = self._in_flight
         if (in_flight is not None and len(from_device) == len(batch) == in_flight.on_device.shape[0]
                 and all(i == row for i, row in from_device.items())):

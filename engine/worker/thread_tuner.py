@@ -38,7 +38,7 @@ from collections.abc import Hashable
 RECENT_STEPS = 8  # step times kept per step shape at the current count
 HOPELESS = 2.0  # a probe step this many times slower than the current count's ends its probe
 MAX_COSTLY_INTERVAL = 4096  # steps between probes, at most, however much the last one cost
-STEP_UNIT = 0.1  # seconds: a longer step counts as this many steps (decode steps count one each)
+STEP_UNIT = 0.1  # seconds: a longer step counts as one per this much (a burst's decodes count one each)
 
 
 def step_weight(seconds: float, steps: int = 1) -> float:
