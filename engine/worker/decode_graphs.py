@@ -376,6 +376,21 @@ class DecodeGraphs:
             return out[:count]
         return out
 
+    def metadata(self, rows: int, slots: Sequence[int], seq_lens: Sequence[int],
+                 block_tables: Sequence[Sequence[int]]) -> DecodeMetadata:
+        """A step's metadata as `run` builds it (one KV cache group: the caller's tables serve
+        all), for a caller that keeps it and writes later steps' slots and lengths in place
+        (`GreedyBurst`)."""
+        return self._metadata(rows, slots, seq_lens, block_tables, MIN_ROWS)
+
+    def run_prepared(self, hidden: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+        """One decode step on inputs the caller built and keeps (`metadata`): every row of
+        `hidden`, padding included, is returned."""
+        out = self._step(hidden, positions, self.kv_caches, meta) if self._step is not None else \
+            self._run_dynamo(hidden, positions, meta)
+        self.steps_run += 1
+        return out
+
     def _run_dynamo(self, hidden: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
         assert self._dynamo is not None, "compile_all() first"
         for batched in (hidden, positions, meta.seq_lens):

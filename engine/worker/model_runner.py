@@ -38,7 +38,15 @@ from engine.sched.output import (
 from engine.worker.cuda_graphs import CapturedDecode
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.grammar_masks import Budget, GrammarMasks
-from engine.worker.sampler import DeviceSample, HostSample, SamplingRow, sample_on_device, top_logprobs
+from engine.worker.greedy_burst import GreedyBurst
+from engine.worker.sampler import (
+    DeviceSample,
+    HostSample,
+    SamplingRow,
+    sample_on_device,
+    takes_the_argmax,
+    top_logprobs,
+)
 from engine.worker.step_graph import StepGraph
 from engine.worker.transfers import to_device
 
@@ -200,6 +208,7 @@ class ModelRunner:
         # EncoderCacheManager mirrors this) and sends evictions in `freed_encoder_hashes`.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.num_encoded = 0  # images run through the vision encoder (metrics, tests)
+        self.greedy_burst_steps = 0  # burst steps run on `GreedyBurst` (tests)
         self.save_encoder_output = features.save_encoder_output
         self.grammar = features.grammar
         self.stage = role.stage
@@ -227,6 +236,8 @@ class ModelRunner:
         or, with `on_step`, none: each went to `on_step` as it was sampled."""
         samples = [out.pending] if isinstance(out.pending, StepSample) else []
         keep_going = on_step is None or on_step(step_tokens(samples[-1] if samples else None))
+        if on_step is not None and keep_going and self._run_greedy_burst(sched_out, out, on_step):
+            return
         for i in range(1, sched_out.num_steps):
             live = [s for s in sched_out.scheduled if s.request_id not in out.failed]
             if not live or not keep_going:
@@ -245,6 +256,48 @@ class ModelRunner:
             out.pending = None
         elif samples:
             out.pending = BurstSample(samples)
+
+    def _run_greedy_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput, on_step: StepSink) -> bool:
+        """A streamed burst's later steps on `GreedyBurst`, where every request in it takes its
+        logits' argmax and nothing more (`_greedy_burst`); False (nothing run) where one does not."""
+        burst = self._greedy_burst(sched_out, out)
+        if burst is None:
+            return False
+        states = [self.requests[s.request_id] for s in sched_out.scheduled]
+        ids = [s.request_id for s in sched_out.scheduled]
+        out.pending = None  # each step's tokens go to `on_step`
+        for _ in range(1, sched_out.num_steps):
+            tokens = burst.step()
+            self.greedy_burst_steps += 1
+            for state, token in zip(states, tokens, strict=True):
+                state.output_token_ids.append(token)
+            out.steps_run += 1
+            if not on_step(ModelRunnerOutput(sampled_token_ids={rid: [t] for rid, t in zip(ids, tokens, strict=True)})):
+                break
+        return True
+
+    def _greedy_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput) -> GreedyBurst | None:
+        """The burst's later steps as a `GreedyBurst`, or None where the general step is needed: a
+        request that failed, samples otherwise than by argmax, wants logprobs, follows a grammar or
+        runs an adapter; several KV cache groups, pipeline or tensor parallel ranks, expert load
+        reports, or no compiled graph on the CPU. The first step's sample then goes into the
+        request states (the burst's other tokens go in as they are sampled)."""
+        graphs = self.decode_graphs
+        scheduled = sched_out.scheduled
+        if (not isinstance(graphs, DecodeGraphs) or self.device.type != "cpu" or out.failed or not self.is_driver
+                or not self.stage.is_first or not self.stage.is_last or self.report_expert_load
+                or self.lora is not None or graphs.num_kv_groups != 1 or not graphs.takes(len(scheduled), 0)
+                or not isinstance(out.pending, StepSample) or len(out.pending.request_ids) != len(scheduled)
+                or not all(s.num_tokens == 1 and s.sample for s in scheduled)):
+            return None
+        states = [self.requests.get(s.request_id) for s in scheduled]
+        if not all(state is not None and state.matcher is None and state.pooling is None
+                   and takes_the_argmax(state.params, len(state.output_token_ids) + 1) for state in states):
+            return None
+        self._apply_in_flight()  # the first step's tokens
+        tokens = [state.output_token_ids[-1] for state in states if state is not None]
+        return GreedyBurst(graphs, self.model, tokens, [s.start_position + 1 for s in scheduled],
+                           [s.block_tables[0] for s in scheduled], self.block_size)
 
     def _execute_one(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()

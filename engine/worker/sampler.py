@@ -87,6 +87,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     return sample_on_device(logits, rows, default_generator).read_back().result()
 
 
+def takes_the_argmax(params: SamplingParams, num_output: int) -> bool:
+    """Whether `sample_on_device` leaves this row's logits as they are and picks their argmax, with
+    `num_output` tokens out before it: greedy, no logprobs, no penalties, no bias, allowed ids or bad
+    words, and `min_tokens` reached (below it, stop tokens are masked). So its token is the argmax
+    of its logits alone (`GreedyBurst`)."""
+    return (params.greedy and not params.wants_logprobs and not params.uses_penalties and not params.logit_bias
+            and params.allowed_token_ids is None and not params.bad_words_token_ids
+            and num_output >= params.min_tokens)
+
+
 def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
                      default_generator: torch.Generator) -> DeviceSample:
     """`sample` without reading anything back: every operation stays on the logits' device, so on

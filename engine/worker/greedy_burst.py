@@ -1,0 +1,85 @@
+"""`GreedyBurst`: the later steps of a decode burst whose requests take their logits' argmax and
+nothing more, run on the compiled decode graph with inputs written in place.
+
+Why a path of its own: on CPU a small model's decode is a few hundred microseconds of kernels, and
+the general step (`ModelRunner._execute_one`: the batch's states, metadata built from lists, the
+embedding, the sampler's penalties, masks and logprobs, the sample's copy and bookkeeping) adds
+~200 us a step on the small Llama's Q8_0 file, more than its body's kernels. Much of that is not
+the Python itself: the graphs stream the weights through L2 every step, so each eager torch call
+after them runs cold (the embedding's lookup: 16.6 us the first time in a step, 4.1 us when
+repeated at once). Here a step is the two graph calls (body, LM head), a numpy argmax and a few
+numpy writes: measured on that file, 395-413 us a step against 595-619 us on the general path
+(docs/benchmarks.md, "Greedy bursts on the graphs alone").
+
+What stays the same: the graph (the one `DecodeGraphs.run` calls, on the same rows, slots, lengths
+and block tables: the tables are fixed for the burst, whose room the scheduler took up front), the
+LM head, and greedy's choice (`argmax_rows`), so the tokens are the general path's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy
+import torch
+
+from engine.models.decoder import DecoderForCausalLM
+from engine.worker.decode_graphs import DecodeGraphs
+from engine.worker.sampler import argmax_rows
+
+
+class GreedyBurst:
+    """Decodes of `len(tokens)` sequences, one position on each `step`. `tokens`: each one's last
+    sampled token; `positions`: where that token goes; `tables`: each one's block table, covering
+    every position the burst will reach."""
+
+    def __init__(self, graphs: DecodeGraphs, model: DecoderForCausalLM, tokens: Sequence[int],
+                 positions: Sequence[int], tables: Sequence[Sequence[int]], block_size: int) -> None:
+        self._graphs = graphs
+        self._model = model
+        self._count = len(tokens)
+        rows = max(self._count, graphs.min_rows)
+        self._block_size = block_size
+        self.meta = graphs.metadata(rows, [0] * self._count, [1] * self._count, tables)
+        self._slots = self.meta.slot_mapping.numpy()
+        self._tables = self.meta.block_table.numpy()  # [rows, width]: each table, padded with the scratch block
+        self._rows = numpy.arange(self._count)
+        self._lengths = self.meta.seq_lens.numpy()
+        self.positions = torch.zeros(rows, dtype=torch.long)
+        self._positions = self.positions.numpy()
+        self._positions[:self._count] = positions
+        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype)
+        self._table_rows = _embedding_table(model)
+        self._tokens = list(tokens)
+
+    def step(self) -> list[int]:
+        """One decode of every sequence: its token written at its position, the next one chosen
+        (the argmax of its logits) and returned, one per sequence."""
+        count = self._count
+        self._write_inputs()
+        hidden = self._graphs.run_prepared(self.hidden, self.positions, self.meta)
+        logits = self._graphs.compute_logits(hidden if hidden.shape[0] == count else hidden[:count])
+        self._tokens = argmax_rows(logits).tolist()
+        self._positions[:count] += 1
+        return self._tokens
+
+    def _write_inputs(self) -> None:
+        count, size = self._count, self._block_size
+        positions = self._positions[:count]
+        self._lengths[:count] = positions + 1
+        self._slots[:count] = self._tables[self._rows, positions // size] * size + positions % size
+        if self._table_rows is not None:
+            self.hidden.numpy()[:count] = self._table_rows[self._tokens]
+        else:
+            self.hidden[:count] = self._model.embed(torch.tensor(self._tokens, dtype=torch.long))
+
+
+def _embedding_table(model: DecoderForCausalLM) -> numpy.ndarray | None:
+    """The token embeddings as a numpy view, where a row of it is the token's embedding as is
+    (float32, no scale, one rank's whole table): rows are then copied without a torch call.
+    None: `model.embed` computes them."""
+    embed = model.embed_tokens
+    if (embed is None or model.config.embed_scale is not None or embed.tp.size != 1
+            or embed.weight.dtype != torch.float32 or model.dtype != torch.float32):
+        return None
+    return embed.weight.detach().numpy()
