@@ -186,3 +186,38 @@ def test_the_server_runs_the_engine_apart_unless_one_process_is_asked_for(tiny_m
     assert engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor=None), ServerSettings()))
     assert engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor="mp"), ServerSettings()))
     assert not engine_in_own_process(ServerState(engine_config(tiny_model_dir, executor="inproc"), ServerSettings()))
+
+
+def test_a_bursts_reports_after_its_first_carry_no_stats_until_something_changes():
+    """Within a decode burst (the core's steps, its requests and the messages it has read unchanged;
+    nothing ended, nothing answered) a report carries no stats, and the client keeps the last; any
+    of those changing brings them back."""
+    from engine.core.engine_main import Outbox
+
+    class Core:
+        num_steps, num_requests, num_pending_messages, dead, taken = 3, 1, 0, False, 0
+
+        def stats(self):
+            self.taken += 1
+            return f"stats {self.taken}"
+
+    outbox, core = Outbox(), Core()
+
+    def report(request_id="r", item="token"):
+        outbox.put(request_id, item)
+        return outbox.take(core)[2].stats
+
+    assert report() == "stats 1"
+    assert report() is None and report() is None  # the burst's later steps
+    assert report(item=None) == "stats 2"  # a request ended
+    core.num_steps += 1  # the burst ended: the next step's report
+    assert report() == "stats 3"
+    assert report() is None
+    outbox.adds_received += 1  # an ADD was read meanwhile
+    assert report() == "stats 4"
+    core.num_pending_messages = 1
+    assert report() == "stats 5"
+    outbox.answer(7, None)
+    assert outbox.take(core)[2].stats == "stats 6"
+    core.num_requests = 2
+    assert report() == "stats 7"

@@ -83,6 +83,7 @@ class CoreClient:
         self._report_polling = PollPolicy(REPORT_POLL_WINDOW)
         self._observer: StatsObserver = observer or NullObserver()
         self._snapshot = CoreSnapshot(ready.stats, 0, 0, 0)
+        self._stats = ready.stats  # the last stats a report carried
         self._streams: dict[str, OutputSender] = {}
         self._prompts: dict[str, RequestPrompt] = {}
         self._outbox_send, self._outbox = anyio.create_memory_object_stream[Any](math.inf)
@@ -120,7 +121,7 @@ class CoreClient:
     def stats(self) -> EngineStats:
         """The engine's state after its last step; requests still on their way count as waiting."""
         snapshot = self._snapshot
-        stats = snapshot.stats
+        stats = self._stats
         in_flight = self._adds_sent - snapshot.adds_received
         if in_flight:
             stats = replace(stats, num_waiting=stats.num_waiting + in_flight)
@@ -210,6 +211,8 @@ class CoreClient:
                snapshot: CoreSnapshot, answered: list[Answer]) -> None:
         replay(observed, self._observer)
         self._snapshot = snapshot
+        if snapshot.stats is not None:  # None: unchanged (within a decode burst)
+            self._stats = snapshot.stats
         for rid, encoded in items:
             sink = self._streams.get(rid)
             if sink is None:

@@ -65,7 +65,7 @@ class EngineFailed:
 class CoreSnapshot:
     """The core's state after a step, for `AsyncEngine.stats()` and white-box tests."""
 
-    stats: EngineStats
+    stats: EngineStats | None  # None: as the last report's (`Outbox.take`: within a decode burst)
     adds_received: int  # ADD messages the engine process has read (the rest are in flight)
     num_steps: int
     num_requests: int

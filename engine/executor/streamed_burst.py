@@ -14,12 +14,14 @@ burst early when a request finished in it or a message (a new request, an abort)
 burst never holds up an arrival for more than the step in flight.
 
 Ordering: trio runs `run_sync_soon` callbacks in the order they were queued, and the worker
-thread's own completion is delivered the same way, so every step's tokens have been handed to
-`on_step` before `to_thread.run_sync` returns.
+thread's own completion is delivered the same way; a step either queues a callback or joins one
+already queued (`_Handover.queue`: a loop that lags takes the steps waiting with one wake-up), so
+every step's tokens have been handed to `on_step`, in order, before `to_thread.run_sync` returns.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 
@@ -61,7 +63,8 @@ class StreamedBurst(PendingStep):
             # the loop's verdict on a step always lets the next one run, however the threads
             # interleave (read after, it sometimes stopped the burst a step earlier).
             going = self._going
-            token.run_sync_soon(handed.take, step)
+            if handed.queue(step):
+                token.run_sync_soon(handed.take_queued)
             return going
 
         async with anyio.create_task_group() as burst:
@@ -89,18 +92,38 @@ class StreamedBurst(PendingStep):
 
 
 class _Handover:
-    """Each step's tokens to `on_step`, called straight from the step's `run_sync_soon` callback on
-    the event loop (no task of its own: one wake-up a token, not a wake-up and a task switch).
-    trio ends its run if such a callback raises, so an exception is kept for the burst's task, and
-    the steps after it, or after a cancellation, are dropped."""
+    """Each step's tokens to `on_step`, called straight from a `run_sync_soon` callback on the
+    event loop (no task of its own: one wake-up a token, not a wake-up and a task switch). Steps
+    the thread hands over while a callback is already queued join it (`queue`): a loop that lags
+    behind the steps takes them with one wake-up. trio ends its run if such a callback raises, so
+    an exception is kept for the burst's task, and the steps after it, or after a cancellation,
+    are dropped."""
 
-    __slots__ = ("_on_step", "_stop_burst", "failure", "open")
+    __slots__ = ("_on_step", "_queued", "_stop_burst", "_waking", "failure", "open")
 
     def __init__(self, on_step: Callable[[ModelRunnerOutput], bool], stop_burst: Callable[[], None]) -> None:
         self._on_step = on_step
         self._stop_burst = stop_burst
+        self._queued: deque[ModelRunnerOutput] = deque()
+        self._waking = False  # a `take_queued` callback is queued and has not started
         self.failure: BaseException | None = None
         self.open = True
+
+    def queue(self, step: ModelRunnerOutput) -> bool:
+        """In the worker thread: `step` joins the queue; True when the caller must queue a
+        `take_queued` callback (none is queued). Under the GIL, and `take_queued` clears the flag
+        before it takes: a step queued after that finds the flag clear and queues another."""
+        self._queued.append(step)
+        if self._waking:
+            return False
+        self._waking = True
+        return True
+
+    def take_queued(self) -> None:
+        """On the event loop: every step queued so far, in order."""
+        self._waking = False
+        while self._queued:
+            self.take(self._queued.popleft())
 
     def take(self, step: ModelRunnerOutput) -> None:
         if not self.open:
