@@ -40,17 +40,16 @@ class GreedyBurst:
         self._count = len(tokens)
         rows = max(self._count, graphs.min_rows)
         self._block_size = block_size
+        self._tables = [list(t) for t in tables]
         self.meta = graphs.metadata(rows, [0] * self._count, [1] * self._count, tables)
-        self._slots = self.meta.slot_mapping.numpy()
-        self._tables = self.meta.block_table.numpy()  # [rows, width]: each table, padded with the scratch block
-        self._rows = numpy.arange(self._count)
-        self._lengths = self.meta.seq_lens.numpy()
         self.positions = torch.zeros(rows, dtype=torch.long)
-        self._positions = self.positions.numpy()
-        self._positions[:self._count] = positions
         self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype)
-        self._table_rows = _embedding_table(model)
+        # numpy views of the inputs, written in place each step (a few small writes, no torch call)
+        self._slots, self._lengths = self.meta.slot_mapping.numpy(), self.meta.seq_lens.numpy()
+        self._positions, self._hidden = self.positions.numpy(), self.hidden.numpy()
+        self._embeddings = _embedding_table(model)
         self._tokens = list(tokens)
+        self._next = list(positions)  # where each sequence's token goes this step
 
     def step(self) -> list[int]:
         """One decode of every sequence: its token written at its position, the next one chosen
@@ -60,18 +59,21 @@ class GreedyBurst:
         hidden = self._graphs.run_prepared(self.hidden, self.positions, self.meta)
         logits = self._graphs.compute_logits(hidden if hidden.shape[0] == count else hidden[:count])
         self._tokens = argmax_rows(logits).tolist()
-        self._positions[:count] += 1
+        self._next = [position + 1 for position in self._next]
         return self._tokens
 
     def _write_inputs(self) -> None:
-        count, size = self._count, self._block_size
-        positions = self._positions[:count]
-        self._lengths[:count] = positions + 1
-        self._slots[:count] = self._tables[self._rows, positions // size] * size + positions % size
-        if self._table_rows is not None:
-            self.hidden.numpy()[:count] = self._table_rows[self._tokens]
-        else:
+        count, size, positions = self._count, self._block_size, self._next
+        self._positions[:count] = positions
+        self._lengths[:count] = [position + 1 for position in positions]
+        self._slots[:count] = [table[position // size] * size + position % size
+                               for table, position in zip(self._tables, positions, strict=True)]
+        if self._embeddings is None:
             self.hidden[:count] = self._model.embed(torch.tensor(self._tokens, dtype=torch.long))
+        elif count == 1:
+            self._hidden[0] = self._embeddings[self._tokens[0]]
+        else:
+            self._hidden[:count] = self._embeddings[self._tokens]
 
 
 def _embedding_table(model: DecoderForCausalLM) -> numpy.ndarray | None:
