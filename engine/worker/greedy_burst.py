@@ -5,11 +5,10 @@ Why a path of its own: on CPU a small model's decode is a few hundred microsecon
 the general step (`ModelRunner._execute_one`: the batch's states, metadata built from lists, the
 embedding, the sampler's penalties, masks and logprobs, the sample's copy and bookkeeping) adds
 ~200 us a step on the small Llama's Q8_0 file, more than its body's kernels. Much of that is not
-the Python itself: the graphs stream the weights through L2 every step, so each eager torch call
-after them runs cold (the embedding's lookup: 16.6 us the first time in a step, 4.1 us when
-repeated at once). Here a step is the two graph calls (body, LM head), a numpy argmax and a few
-numpy writes: measured on that file, 395-413 us a step against 595-619 us on the general path
-(docs/benchmarks.md, "Greedy bursts on the graphs alone").
+the Python itself: each eager torch call after the graphs runs cold (the embedding's lookup: 16.6
+us the first time in a step, 4.1 us when repeated at once). Here a step is the two graph calls
+(body, LM head), a numpy argmax and a few numpy writes: measured on that file, 394-413 us a step
+against 595-619 us on the general path (docs/benchmarks.md, "Greedy bursts on the graphs alone").
 
 What stays the same: the graph (the one `DecodeGraphs.run` calls, on the same rows, slots, lengths
 and block tables: the tables are fixed for the burst, whose room the scheduler took up front), the

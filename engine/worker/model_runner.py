@@ -284,8 +284,8 @@ class ModelRunner:
         request states (the burst's other tokens go in as they are sampled)."""
         graphs = self.decode_graphs
         scheduled = sched_out.scheduled
-        if (not isinstance(graphs, DecodeGraphs) or self.device.type != "cpu" or out.failed or not self.is_driver
-                or not self.stage.is_first or not self.stage.is_last or self.report_expert_load
+        if (not isinstance(graphs, DecodeGraphs) or torch.device(self.device).type != "cpu" or out.failed
+                or not self.is_driver or not self.stage.is_first or not self.stage.is_last or self.report_expert_load
                 or self.lora is not None or graphs.num_kv_groups != 1 or not graphs.takes(len(scheduled), 0)
                 or not isinstance(out.pending, StepSample) or len(out.pending.request_ids) != len(scheduled)
                 or not all(s.num_tokens == 1 and s.sample for s in scheduled)):
