@@ -221,9 +221,9 @@ async def test_a_batch_of_three_equals_three_batches_of_one(tmp_path_factory):
     assert steps_together >= 25 and steps_alone >= 3 * 29
 
 
-async def _tokens_and_greedy_steps(config: EngineConfig, prompts: list[list[int]],
-                                   params: list[SamplingParams]) -> tuple[list[list[int]], int]:
-    """Each prompt's tokens (run together), and the burst steps run on `GreedyBurst`."""
+async def _tokens_and_lean_steps(config: EngineConfig, prompts: list[list[int]],
+                                 params: list[SamplingParams]) -> tuple[list[list[int]], int]:
+    """Each prompt's tokens (run together), and the burst steps run on `LeanBurst`."""
     got: dict[int, list[int]] = {}
     async with open_engine(config) as engine:
         async def run(i):
@@ -232,33 +232,40 @@ async def _tokens_and_greedy_steps(config: EngineConfig, prompts: list[list[int]
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(run, i)
-        greedy_steps = engine.core.executor.worker.runner.greedy_burst_steps
-    return [got[i] for i in range(len(prompts))], greedy_steps
+        lean_steps = engine.core.executor.worker.runner.lean_burst_steps
+    return [got[i] for i in range(len(prompts))], lean_steps
 
 
-async def test_greedy_bursts_run_on_the_graphs_alone_unless_a_request_needs_the_sampler(tmp_path_factory):
-    """Greedy requests in a streamed burst run its later steps on `GreedyBurst` (graph, head,
-    argmax) and get the tokens of the engine that runs one decode a step. Beside a request that
-    wants logprobs a burst keeps the general step; so does one whose `min_tokens` still masks a stop
-    token, until it is reached; every request still gets the one-step engine's tokens."""
+async def test_bursts_run_on_the_graphs_alone_unless_a_request_needs_more_than_its_logits(tmp_path_factory):
+    """Requests whose tokens come from their logits alone (greedy, or drawn with temperature, top-p
+    and a seed) run a streamed burst's later steps on `LeanBurst` (graph, head, choice) and get the
+    tokens of the engine that runs one decode a step. Beside a request that wants logprobs a burst
+    keeps the general step; so does one whose `min_tokens` still masks a stop token, until it is
+    reached; every request still gets the one-step engine's tokens."""
     path, _ = _dense(tmp_path_factory)
     rng = random.Random(8)
     prompts = [rng.choices(range(3, VOCAB), k=n) for n in (6, 19, 33)]
 
     async def both(prompts, params):
-        want, _ = await _tokens_and_greedy_steps(compiled_config(path, num_scheduler_steps=1), prompts, params)
-        got, greedy_steps = await _tokens_and_greedy_steps(compiled_config(path), prompts, params)
+        want, _ = await _tokens_and_lean_steps(compiled_config(path, num_scheduler_steps=1), prompts, params)
+        got, lean_steps = await _tokens_and_lean_steps(compiled_config(path), prompts, params)
         assert got == want
-        return want, greedy_steps
+        return want, lean_steps
 
-    plain, greedy_steps = await both(prompts, [greedy(40, ignore_eos=True)] * 3)
-    assert greedy_steps >= 30  # most of each request's 40 decodes, three requests a step
+    plain, lean_steps = await both(prompts, [greedy(40, ignore_eos=True)] * 3)
+    assert lean_steps >= 30  # most of each request's 40 decodes, three requests a step
+
+    drawn = [SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=1.0, top_k=20, seed=4, max_tokens=40, ignore_eos=True),
+             greedy(40, ignore_eos=True)]
+    sampled, lean_steps = await both(prompts, drawn)
+    assert lean_steps >= 30 and sampled[0] != plain[0]  # drawn, not greedy, and on `LeanBurst`
 
     beside_logprobs = [greedy(48, ignore_eos=True, logprobs=1), *[greedy(40, ignore_eos=True)] * 2]
-    _, greedy_steps = await both(prompts, beside_logprobs)
-    assert greedy_steps == 0  # the logprobs request, the longest, shares every burst
+    _, lean_steps = await both(prompts, beside_logprobs)
+    assert lean_steps == 0  # the logprobs request, the longest, shares every burst
 
-    # Greedy's seventh token, masked while fewer than 30 are out: a burst that ran on `GreedyBurst`
+    # Greedy's seventh token, masked while fewer than 30 are out: a burst that ran on `LeanBurst`
     # from the first decode on would choose it there.
     stop = plain[1][6]
     masked, _ = await both(prompts[1:2], [greedy(48, min_tokens=30, stop_token_ids=[stop])])

@@ -380,7 +380,7 @@ class DecodeGraphs:
                  block_tables: Sequence[Sequence[int]]) -> DecodeMetadata:
         """A step's metadata as `run` builds it (one KV cache group: the caller's tables serve
         all), for a caller that keeps it and writes later steps' slots and lengths in place
-        (`GreedyBurst`)."""
+        (`LeanBurst`)."""
         return self._metadata(rows, slots, seq_lens, block_tables, MIN_ROWS)
 
     def run_prepared(self, hidden: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:

@@ -38,13 +38,13 @@ from engine.sched.output import (
 from engine.worker.cuda_graphs import CapturedDecode
 from engine.worker.decode_graphs import DecodeGraphs
 from engine.worker.grammar_masks import Budget, GrammarMasks
-from engine.worker.greedy_burst import GreedyBurst
+from engine.worker.lean_burst import LeanBurst
 from engine.worker.sampler import (
     DeviceSample,
     HostSample,
     SamplingRow,
+    chosen_from_logits_alone,
     sample_on_device,
-    takes_the_argmax,
     top_logprobs,
 )
 from engine.worker.step_graph import StepGraph
@@ -208,7 +208,7 @@ class ModelRunner:
         # EncoderCacheManager mirrors this) and sends evictions in `freed_encoder_hashes`.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.num_encoded = 0  # images run through the vision encoder (metrics, tests)
-        self.greedy_burst_steps = 0  # burst steps run on `GreedyBurst` (tests)
+        self.lean_burst_steps = 0  # burst steps run on `LeanBurst` (tests)
         self.save_encoder_output = features.save_encoder_output
         self.grammar = features.grammar
         self.stage = role.stage
@@ -236,7 +236,7 @@ class ModelRunner:
         or, with `on_step`, none: each went to `on_step` as it was sampled."""
         samples = [out.pending] if isinstance(out.pending, StepSample) else []
         keep_going = on_step is None or on_step(step_tokens(samples[-1] if samples else None))
-        if on_step is not None and keep_going and self._run_greedy_burst(sched_out, out, on_step):
+        if on_step is not None and keep_going and self._run_lean_burst(sched_out, out, on_step):
             return
         for i in range(1, sched_out.num_steps):
             live = [s for s in sched_out.scheduled if s.request_id not in out.failed]
@@ -257,10 +257,10 @@ class ModelRunner:
         elif samples:
             out.pending = BurstSample(samples)
 
-    def _run_greedy_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput, on_step: StepSink) -> bool:
-        """A streamed burst's later steps on `GreedyBurst`, where every request in it takes its
-        logits' argmax and nothing more (`_greedy_burst`); False (nothing run) where one does not."""
-        burst = self._greedy_burst(sched_out, out)
+    def _run_lean_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput, on_step: StepSink) -> bool:
+        """A streamed burst's later steps on `LeanBurst`, where every request's token comes from its
+        logits alone (`_lean_burst`); False (nothing run) where one's does not."""
+        burst = self._lean_burst(sched_out, out)
         if burst is None:
             return False
         states = [self.requests[s.request_id] for s in sched_out.scheduled]
@@ -268,7 +268,7 @@ class ModelRunner:
         out.pending = None  # each step's tokens go to `on_step`
         for _ in range(1, sched_out.num_steps):
             tokens = burst.step()
-            self.greedy_burst_steps += 1
+            self.lean_burst_steps += 1
             for state, token in zip(states, tokens, strict=True):
                 state.output_token_ids.append(token)
             out.steps_run += 1
@@ -276,12 +276,12 @@ class ModelRunner:
                 break
         return True
 
-    def _greedy_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput) -> GreedyBurst | None:
-        """The burst's later steps as a `GreedyBurst`, or None where the general step is needed: a
-        request that failed, samples otherwise than by argmax, wants logprobs, follows a grammar or
-        runs an adapter; several KV cache groups, pipeline or tensor parallel ranks, expert load
-        reports, or no compiled graph on the CPU. The first step's sample then goes into the
-        request states (the burst's other tokens go in as they are sampled)."""
+    def _lean_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput) -> LeanBurst | None:
+        """The burst's later steps as a `LeanBurst`, or None where the general step is needed: a
+        request that failed, wants logprobs, penalties, a bias or a mask (`chosen_from_logits_alone`),
+        follows a grammar or runs an adapter; several KV cache groups, pipeline or tensor parallel
+        ranks, expert load reports, or no compiled graph on the CPU. The first step's sample then goes
+        into the request states (the burst's other tokens go in as they are sampled)."""
         graphs = self.decode_graphs
         scheduled = sched_out.scheduled
         if (not isinstance(graphs, DecodeGraphs) or torch.device(self.device).type != "cpu" or out.failed
@@ -292,12 +292,14 @@ class ModelRunner:
             return None
         states = [self.requests.get(s.request_id) for s in scheduled]
         if not all(state is not None and state.matcher is None and state.pooling is None
-                   and takes_the_argmax(state.params, len(state.output_token_ids) + 1) for state in states):
+                   and chosen_from_logits_alone(state.params, len(state.output_token_ids) + 1) for state in states):
             return None
         self._apply_in_flight()  # the first step's tokens
-        tokens = [state.output_token_ids[-1] for state in states if state is not None]
-        return GreedyBurst(graphs, self.model, tokens, [s.start_position + 1 for s in scheduled],
-                           [s.block_tables[0] for s in scheduled], self.block_size)
+        plain = [state for state in states if state is not None]
+        rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in plain]
+        return LeanBurst(graphs, self.model, [state.output_token_ids[-1] for state in plain],
+                         [s.start_position + 1 for s in scheduled], [s.block_tables[0] for s in scheduled],
+                         self.block_size, rows, self.generator)
 
     def _execute_one(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()

@@ -87,12 +87,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     return sample_on_device(logits, rows, default_generator).read_back().result()
 
 
-def takes_the_argmax(params: SamplingParams, num_output: int) -> bool:
-    """Whether `sample_on_device` leaves this row's logits as they are and picks their argmax, with
-    `num_output` tokens out before it: greedy, no logprobs, no penalties, no bias, allowed ids or bad
-    words, and `min_tokens` reached (below it, stop tokens are masked). So its token is the argmax
-    of its logits alone (`GreedyBurst`)."""
-    return (params.greedy and not params.wants_logprobs and not params.uses_penalties and not params.logit_bias
+def chosen_from_logits_alone(params: SamplingParams, num_output: int) -> bool:
+    """Whether `sample_on_device` leaves this row's logits as they are before `choose`, with
+    `num_output` tokens out before it: no logprobs, no penalties, no bias, allowed ids or bad words,
+    and `min_tokens` reached (below it, stop tokens are masked). Its token is then `choose`'s of its
+    logits alone (`LeanBurst`)."""
+    return (not params.wants_logprobs and not params.uses_penalties and not params.logit_bias
             and params.allowed_token_ids is None and not params.bad_words_token_ids
             and num_output >= params.min_tokens)
 
@@ -107,7 +107,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow],
     logits = apply_penalties(logits, rows)
     logits = apply_logit_bias(logits, rows)
     logits = mask_stop_tokens_below_min(logits, rows)
-    chosen = _choose(logits, rows, default_generator)
+    chosen = choose(logits, rows, default_generator)
     counts = [0] * len(rows)
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     if raw_logprobs is not None:
@@ -218,7 +218,9 @@ def mask_stop_tokens_below_min(logits: torch.Tensor, rows: list[SamplingRow]) ->
     return logits
 
 
-def _choose(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator) -> torch.Tensor:
+def choose(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator) -> torch.Tensor:
+    """Each row's token from its logits as they are: the argmax for greedy rows, a draw from its
+    generator (or `default_generator`) for the others, after temperature, top-k, top-p and min-p."""
     greedy = argmax_rows(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:

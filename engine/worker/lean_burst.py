@@ -1,18 +1,21 @@
-"""`GreedyBurst`: the later steps of a decode burst whose requests take their logits' argmax and
-nothing more, run on the compiled decode graph with inputs written in place.
+"""`LeanBurst`: the later steps of a decode burst whose requests' tokens come from their logits
+alone (no logprobs, penalties, biases or masks), run on the compiled decode graph with inputs
+written in place.
 
 Why a path of its own: on CPU a small model's decode is a few hundred microseconds of kernels, and
 the general step (`ModelRunner._execute_one`: the batch's states, metadata built from lists, the
-embedding, the sampler's penalties, masks and logprobs, the sample's copy and bookkeeping) adds
+embedding, the sampler's penalty, bias and mask passes, the sample's copy and bookkeeping) adds
 ~200 us a step on the small Llama's Q8_0 file, more than its body's kernels. Much of that is not
 the Python itself: each eager torch call after the graphs runs cold (the embedding's lookup: 16.6
 us the first time in a step, 4.1 us when repeated at once). Here a step is the two graph calls
-(body, LM head), a numpy argmax and a few numpy writes: measured on that file, 394-413 us a step
-against 595-619 us on the general path (docs/benchmarks.md, "Greedy bursts on the graphs alone").
+(body, LM head), a few numpy writes and the sampler's choice (`choose`: for greedy rows a numpy
+argmax): measured on that file, 394-413 us a step against 595-619 us on the general path
+(docs/benchmarks.md, "Greedy bursts on the graphs alone").
 
 What stays the same: the graph (the one `DecodeGraphs.run` calls, on the same rows, slots, lengths
 and block tables: the tables are fixed for the burst, whose room the scheduler took up front), the
-LM head, and greedy's choice (`argmax_rows`), so the tokens are the general path's.
+LM head, and the choice (`choose`, with each request's generator, or the runner's, drawn in the
+same order), so the tokens are the general path's.
 """
 
 from __future__ import annotations
@@ -24,25 +27,30 @@ import torch
 
 from engine.models.decoder import DecoderForCausalLM
 from engine.worker.decode_graphs import DecodeGraphs
-from engine.worker.sampler import argmax_rows
+from engine.worker.sampler import SamplingRow, argmax_rows, choose
 
 
-class GreedyBurst:
+class LeanBurst:
     """Decodes of `len(tokens)` sequences, one position on each `step`. `tokens`: each one's last
     sampled token; `positions`: where that token goes; `tables`: each one's block table, covering
-    every position the burst will reach."""
+    every position the burst will reach; `rows`: each one's sampling, `generator` the draws of the
+    rows without one of their own."""
 
     def __init__(self, graphs: DecodeGraphs, model: DecoderForCausalLM, tokens: Sequence[int],
-                 positions: Sequence[int], tables: Sequence[Sequence[int]], block_size: int) -> None:
+                 positions: Sequence[int], tables: Sequence[Sequence[int]], block_size: int,
+                 rows: list[SamplingRow], generator: torch.Generator) -> None:
         self._graphs = graphs
         self._model = model
         self._count = len(tokens)
-        rows = max(self._count, graphs.min_rows)
+        padded = max(self._count, graphs.min_rows)
         self._block_size = block_size
         self._tables = [list(t) for t in tables]
-        self.meta = graphs.metadata(rows, [0] * self._count, [1] * self._count, tables)
-        self.positions = torch.zeros(rows, dtype=torch.long)
-        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype)
+        self._rows = rows
+        self._generator = generator
+        self._all_greedy = all(row.params.greedy for row in rows)
+        self.meta = graphs.metadata(padded, [0] * self._count, [1] * self._count, tables)
+        self.positions = torch.zeros(padded, dtype=torch.long)
+        self.hidden = torch.zeros(padded, model.config.hidden_size, dtype=model.dtype)
         # numpy views of the inputs, written in place each step (a few small writes, no torch call)
         self._slots, self._lengths = self.meta.slot_mapping.numpy(), self.meta.seq_lens.numpy()
         self._positions, self._hidden = self.positions.numpy(), self.hidden.numpy()
@@ -52,12 +60,13 @@ class GreedyBurst:
 
     def step(self) -> list[int]:
         """One decode of every sequence: its token written at its position, the next one chosen
-        (the argmax of its logits) and returned, one per sequence."""
+        from its logits and returned, one per sequence."""
         count = self._count
         self._write_inputs()
         hidden = self._graphs.run_prepared(self.hidden, self.positions, self.meta)
         logits = self._graphs.compute_logits(hidden if hidden.shape[0] == count else hidden[:count])
-        self._tokens = argmax_rows(logits).tolist()
+        chosen = argmax_rows(logits) if self._all_greedy else choose(logits, self._rows, self._generator)
+        self._tokens = chosen.tolist()
         self._next = [position + 1 for position in self._next]
         return self._tokens
 
