@@ -122,3 +122,29 @@ def test_logprobs_report_rank_and_top_candidates():
     ids, lps, ranks = out.logprobs[0]
     assert ids == [0, 0, 1] and ranks == [1, 1, 2]
     assert lps[0] == torch.log(torch.tensor(0.5)).item()
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.01])  # a peaked row (small nucleus), a nearly flat one (huge)
+def test_top_k_and_top_p_among_the_candidates_keep_what_the_full_sort_keeps(spread, monkeypatch):
+    """Rows of 32,000 logits, mixed top-k and top-p in one batch: the tokens kept and their logits
+    are the full sort's. A peaked batch is decided among the candidates (the sort never runs); a
+    flat one, whose nucleus runs past them, falls back to the sort."""
+    from engine.worker import sampler
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 32000, generator=generator) * spread
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p)
+              for k, p in ((40, 1.0), (0, 0.9), (256, 0.5), (5, 0.95), (0, 0.5), (1, 1.0))]
+    top_k = [p.top_k if p.top_k > 0 else 32000 for p in params]
+    want = sampler._kept_by_sorting(logits, top_k, params)
+    sorts = []
+    real_sort = sampler._kept_by_sorting
+    monkeypatch.setattr(sampler, "_kept_by_sorting", lambda *a: sorts.append(1) or real_sort(*a))
+    got = sampler._top_k_top_p(logits, params)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
+    assert bool(torch.isfinite(got).sum(-1).min() >= 1)
+    assert sorts == ([] if spread > 1 else [1])
+    # a top-k past the candidates but short of the vocabulary: only the sort knows its set
+    wide = [SamplingParams(temperature=1.0, top_k=1000, top_p=0.9)]
+    assert torch.equal(sampler._top_k_top_p(logits[:1], wide), real_sort(logits[:1], [1000], wide))
