@@ -53,8 +53,9 @@ class LeanBurst:
         self.hidden = torch.zeros(padded, model.config.hidden_size, dtype=model.dtype)
         # numpy views of the inputs, written in place each step (a few small writes, no torch call)
         self._slots, self._lengths = self.meta.slot_mapping.numpy(), self.meta.seq_lens.numpy()
-        self._positions, self._hidden = self.positions.numpy(), self.hidden.numpy()
-        self._embeddings = _embedding_table(model)
+        self._positions = self.positions.numpy()
+        table = _embedding_table(model)  # float32 rows only: numpy has no bfloat16
+        self._embeddings = None if table is None else (table, self.hidden.numpy())
         self._tokens = list(tokens)
         self._next = list(positions)  # where each sequence's token goes this step
 
@@ -78,10 +79,12 @@ class LeanBurst:
                                for table, position in zip(self._tables, positions, strict=True)]
         if self._embeddings is None:
             self.hidden[:count] = self._model.embed(torch.tensor(self._tokens, dtype=torch.long))
-        elif count == 1:
-            self._hidden[0] = self._embeddings[self._tokens[0]]
+            return
+        table, hidden = self._embeddings
+        if count == 1:
+            hidden[0] = table[self._tokens[0]]
         else:
-            self._hidden[:count] = self._embeddings[self._tokens]
+            hidden[:count] = table[self._tokens]
 
 
 def _embedding_table(model: DecoderForCausalLM) -> numpy.ndarray | None:
