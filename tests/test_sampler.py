@@ -148,3 +148,18 @@ def test_top_k_and_top_p_among_the_candidates_keep_what_the_full_sort_keeps(spre
     # a top-k past the candidates but short of the vocabulary: only the sort knows its set
     wide = [SamplingParams(temperature=1.0, top_k=1000, top_p=0.9)]
     assert torch.equal(sampler._top_k_top_p(logits[:1], wide), real_sort(logits[:1], [1000], wide))
+
+
+def test_a_draw_among_the_candidates_is_the_whole_rows_draw():
+    """With top-k and top-p settled among the candidates, the draw runs over them alone, in
+    vocabulary order: each uniform number picks the token the whole row's probabilities pick."""
+    from engine.worker import sampler
+
+    logits = torch.randn(1, 32000, generator=torch.Generator().manual_seed(9)) * 8
+    for params in (SamplingParams(temperature=0.8, top_k=40, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.9)):
+        whole = torch.softmax(sampler._top_k_top_p(logits / params.temperature, [params]), dim=-1)
+        assert int((whole > 0).sum()) > 1  # a real choice
+        for seed in range(200):
+            want = draw(whole, [torch.Generator().manual_seed(seed)])
+            got = sampler.choose(logits, rows(params), torch.Generator().manual_seed(seed))
+            assert got.tolist() == want.tolist(), seed

@@ -226,8 +226,11 @@ def choose(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     if not random_rows:
         return greedy
     index = to_device(random_rows, torch.long, logits.device)
-    probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
-    return greedy.index_copy(0, index, draw(probs, [rows[i].generator or default_generator for i in random_rows]))
+    probs, ids = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
+    drawn = draw(probs, [rows[i].generator or default_generator for i in random_rows])
+    if ids is not None:  # `probs` over the tokens top-k and top-p kept: their ids
+        drawn = ids.gather(1, drawn[:, None]).squeeze(1)
+    return greedy.index_copy(0, index, drawn)
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
@@ -276,7 +279,12 @@ def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
     return first_chunk * ARGMAX_CHUNK + rows.gather(1, columns).max(dim=-1).indices
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's probabilities after temperature, min-p, top-k and top-p, in vocabulary order:
+    over the whole row (ids None), or, where top-k and top-p were settled among the candidates
+    (`_among_candidates`), over those candidates alone, `ids` [rows, TOP_CANDIDATES] their token
+    ids (ascending; a dropped one has probability zero). A draw's sums then run over the tokens
+    the whole row's would, in the same order."""
     device = logits.device
     temperature = to_device([p.temperature for p in params], logits.dtype, device)
     logits = logits / temperature[:, None]
@@ -286,8 +294,13 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        logits = _top_k_top_p(logits, params)
-    return torch.softmax(logits, dim=-1)
+        top_k = _top_ks(logits, params)
+        among = _among_candidates(logits, top_k, params)
+        if among is not None:
+            kept, ids = among
+            return torch.softmax(kept, dim=-1), ids
+        logits = _kept_by_sorting(logits, top_k, params)
+    return torch.softmax(logits, dim=-1), None
 
 
 TOP_CANDIDATES = 256  # tokens `_top_k_top_p` ranks before it sorts a whole row
@@ -302,28 +315,35 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     inside that many, the prefix is decided among the row's `TOP_CANDIDATES` largest logits alone
     (`topk`: 70 us for a row of 32,000 against 2.1 ms for torch's full sort, 11.5 ms for Qwen's
     151,936; docs/benchmarks.md). Any other row sends the batch through the full sort."""
+    top_k = _top_ks(logits, params)
+    among = _among_candidates(logits, top_k, params)
+    if among is None:
+        return _kept_by_sorting(logits, top_k, params)
+    kept, ids = among
+    return torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
+
+
+def _top_ks(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
     vocab = logits.shape[1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    # A top-k between the candidates and the vocabulary normalises over a set only a sort finds.
-    if vocab > TOP_CANDIDATES and all(k <= TOP_CANDIDATES or (k == vocab and p.top_p < 1.0)
-                                      for k, p in zip(top_k, params, strict=True)):
-        kept = _kept_among_candidates(logits, top_k, params)
-        if kept is not None:
-            return kept
-    return _kept_by_sorting(logits, top_k, params)
+    return [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
 
 
-def _kept_among_candidates(logits: torch.Tensor, top_k: list[int],
-                           params: list[SamplingParams]) -> torch.Tensor | None:
-    """`_top_k_top_p` decided among each row's `TOP_CANDIDATES` largest logits; None where a row's
-    prefix may run past them (its top-k is larger and its nucleus is not complete among them)."""
+def _among_candidates(logits: torch.Tensor, top_k: list[int],
+                      params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`_top_k_top_p` decided among each row's `TOP_CANDIDATES` largest logits: their logits
+    (-inf where dropped) and token ids, in vocabulary order. None where a row's prefix may run past
+    them: a top-k between the candidates and the vocabulary (its probabilities are over a set only
+    a sort finds), or a nucleus not complete among them."""
+    vocab = logits.shape[1]
+    if vocab <= TOP_CANDIDATES or not all(k <= TOP_CANDIDATES or (k == vocab and p.top_p < 1.0)
+                                          for k, p in zip(top_k, params, strict=True)):
+        return None
     device = logits.device
     values, order = logits.topk(TOP_CANDIDATES, dim=-1)  # sorted, largest first
     ranks = torch.arange(TOP_CANDIDATES, device=device)[None, :]
     drop = ranks >= to_device(top_k, torch.long, device)[:, None]
     # The probabilities over the tokens top-k keeps: among the candidates where top-k fits in them,
-    # else over the whole row (top-k then keeps it all: `_top_k_top_p` sends larger top-ks here
-    # only with a nucleus, which must then close among the candidates).
+    # else over the whole row (top-k then keeps it all, and the nucleus must close among them).
     within = to_device([k <= TOP_CANDIDATES for k in top_k], torch.bool, device)[:, None]
     whole = torch.logsumexp(logits, dim=-1, keepdim=True)
     among = torch.logsumexp(values.masked_fill(drop, float("-inf")), dim=-1, keepdim=True)
@@ -335,8 +355,8 @@ def _kept_among_candidates(logits: torch.Tensor, top_k: list[int],
         return None  # a nucleus larger than the candidates
     drop |= before >= top_p
     drop[:, 0] = False  # the most likely token always survives
-    kept = torch.full_like(logits, float("-inf"))
-    return kept.scatter_(1, order, values.masked_fill(drop, float("-inf")))
+    ids, by_id = order.sort(dim=-1)
+    return values.masked_fill(drop, float("-inf")).gather(1, by_id), ids
 
 
 def _kept_by_sorting(logits: torch.Tensor, top_k: list[int], params: list[SamplingParams]) -> torch.Tensor:
