@@ -56,6 +56,7 @@ from engine.worker.worker_messages import Init
 log = logging.getLogger("trio_llm.executor")
 
 PLACEMENT_TIMEOUT = 60.0  # a cluster without room for the bundles never places them: say so
+CONNECTION_LOST_GRACE = 1.0  # seconds a closed worker socket waits for Ray to say how its actor ended
 KEEPALIVE = (1, 1, 3)  # seconds idle, seconds between probes, probes: a silent node is lost in ~4 s
 # Environment the actors get from this process: Ray starts them from its raylet's environment,
 # which on another node is not ours.
@@ -181,15 +182,22 @@ class RayExecutor(WorkerGroupExecutor):
         """Await the actor's `serve` call: it ends only when the executor closes the worker, or
         when the worker or its actor dies."""
         how = await self._how_serve_ended(rank)
-        self._alive[rank] = False
         self._ended[rank].set()
+        self._lost(rank, how)
+
+    def _lost(self, rank: int, how: str) -> None:
+        self._alive[rank] = False
         where = self.placements[rank].describe() if rank < len(self.placements) else "Ray actor"
         self._worker_lost(EngineDeadError(f"worker rank {rank} ({where}) ended unexpectedly: {how}"))
 
     async def _connection_lost(self, rank: int) -> None:
-        """A worker's socket closed: its actor is probably dying; wait a moment for Ray's reason."""
-        with anyio.move_on_after(1.0):
+        """A worker's socket closed: its actor is probably dying; wait a moment for Ray's reason,
+        then fail the engine without it (on a busy machine Ray has taken more than a second to
+        report a killed actor, and the engine must not serve on meanwhile)."""
+        with anyio.move_on_after(CONNECTION_LOST_GRACE):
             await self._ended[rank].wait()
+        if not self._ended[rank].is_set():
+            self._lost(rank, f"its connection closed (Ray had not reported why within {CONNECTION_LOST_GRACE:g} s)")
 
     async def _stop_workers(self) -> None:
         """`Shutdown`, wait, kill the actors and wait until Ray reports them dead, remove the
