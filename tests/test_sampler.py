@@ -163,3 +163,17 @@ def test_a_draw_among_the_candidates_is_the_whole_rows_draw():
             want = draw(whole, [torch.Generator().manual_seed(seed)])
             got = sampler.choose(logits, rows(params), torch.Generator().manual_seed(seed))
             assert got.tolist() == want.tolist(), seed
+
+
+def test_off_the_cpu_the_candidates_never_read_the_device():
+    """On a GPU sampling must not wait for the device: a nucleus (whose closing is read on the host)
+    takes the sort there, while a top-k that fits the candidates is settled among them without a
+    read. A meta tensor stands in for the device: any read of its values would raise."""
+    from engine.worker import sampler
+
+    logits = torch.empty(2, 32000, device="meta")
+    nucleus = [SamplingParams(temperature=1.0, top_p=0.9)] * 2
+    assert sampler._among_candidates(logits, [32000, 32000], nucleus) is None
+    top_k = [SamplingParams(temperature=1.0, top_k=40, top_p=0.9)] * 2
+    kept, ids = sampler._among_candidates(logits, [40, 40], top_k)
+    assert kept.shape == ids.shape == (2, sampler.TOP_CANDIDATES) and kept.device.type == "meta"

@@ -333,10 +333,14 @@ def _among_candidates(logits: torch.Tensor, top_k: list[int],
     """`_top_k_top_p` decided among each row's `TOP_CANDIDATES` largest logits: their logits
     (-inf where dropped) and token ids, in vocabulary order. None where a row's prefix may run past
     them: a top-k between the candidates and the vocabulary (its probabilities are over a set only
-    a sort finds), or a nucleus not complete among them."""
+    a sort finds), or a nucleus not complete among them. Whether a nucleus closes is read on the
+    host, so on a GPU (where sampling never waits for the device) only rows with a top-k that fits
+    take this way."""
     vocab = logits.shape[1]
-    if vocab <= TOP_CANDIDATES or not all(k <= TOP_CANDIDATES or (k == vocab and p.top_p < 1.0)
-                                          for k, p in zip(top_k, params, strict=True)):
+    inside = [k <= TOP_CANDIDATES for k in top_k]
+    nucleus_only = [k == vocab and p.top_p < 1.0 for k, p in zip(top_k, params, strict=True)]
+    if vocab <= TOP_CANDIDATES or not all(a or b for a, b in zip(inside, nucleus_only, strict=True)) \
+            or (not all(inside) and logits.device.type != "cpu"):
         return None
     device = logits.device
     values, order = logits.topk(TOP_CANDIDATES, dim=-1)  # sorted, largest first
@@ -344,16 +348,15 @@ def _among_candidates(logits: torch.Tensor, top_k: list[int],
     drop = ranks >= to_device(top_k, torch.long, device)[:, None]
     # The probabilities over the tokens top-k keeps: among the candidates where top-k fits in them,
     # else over the whole row (top-k then keeps it all, and the nucleus must close among them).
-    inside = [k <= TOP_CANDIDATES for k in top_k]
-    within = to_device(inside, torch.bool, device)[:, None]
     among = torch.logsumexp(values.masked_fill(drop, float("-inf")), dim=-1, keepdim=True)
     if not all(inside):  # the whole row's normaliser (40 us for 32,000 logits): only where needed
+        within = to_device(inside, torch.bool, device)[:, None]
         among = torch.where(within, among, torch.logsumexp(logits, dim=-1, keepdim=True))
     probs = torch.exp(values.masked_fill(drop, float("-inf")) - among)
     mass = probs.cumsum(dim=-1)
     before = mass - probs  # probability mass strictly before each token
     top_p = to_device([p.top_p for p in params], logits.dtype, device)[:, None]
-    if not bool((within | (mass[:, -1:] >= top_p)).all()):
+    if not all(inside) and not bool((within | (mass[:, -1:] >= top_p)).all()):  # CPU only (above)
         return None  # a nucleus larger than the candidates
     drop |= before >= top_p
     drop[:, 0] = False  # the most likely token always survives
