@@ -124,6 +124,14 @@ def test_logprobs_report_rank_and_top_candidates():
     assert lps[0] == torch.log(torch.tensor(0.5)).item()
 
 
+def whole_row(logits, params):
+    """`_top_k_top_p`'s kept logits over each whole row (-inf where dropped)."""
+    from engine.worker import sampler
+
+    kept, ids = sampler._top_k_top_p(logits, params)
+    return kept if ids is None else torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
+
+
 @pytest.mark.parametrize("spread", [8.0, 0.01])  # a peaked row (small nucleus), a nearly flat one (huge)
 def test_top_k_and_top_p_among_the_candidates_keep_what_the_full_sort_keeps(spread, monkeypatch):
     """Rows of 32,000 logits, mixed top-k and top-p in one batch: the tokens kept and their logits
@@ -140,14 +148,14 @@ def test_top_k_and_top_p_among_the_candidates_keep_what_the_full_sort_keeps(spre
     sorts = []
     real_sort = sampler._kept_by_sorting
     monkeypatch.setattr(sampler, "_kept_by_sorting", lambda *a: sorts.append(1) or real_sort(*a))
-    got = sampler._top_k_top_p(logits, params)
+    got = whole_row(logits, params)
     assert torch.equal(torch.isfinite(got), torch.isfinite(want))
     assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
     assert bool(torch.isfinite(got).sum(-1).min() >= 1)
     assert sorts == ([] if spread > 1 else [1])
     # a top-k past the candidates but short of the vocabulary: only the sort knows its set
     wide = [SamplingParams(temperature=1.0, top_k=1000, top_p=0.9)]
-    assert torch.equal(sampler._top_k_top_p(logits[:1], wide), real_sort(logits[:1], [1000], wide))
+    assert torch.equal(whole_row(logits[:1], wide), real_sort(logits[:1], [1000], wide))
 
 
 def test_a_draw_among_the_candidates_is_the_whole_rows_draw():
@@ -157,7 +165,7 @@ def test_a_draw_among_the_candidates_is_the_whole_rows_draw():
 
     logits = torch.randn(1, 32000, generator=torch.Generator().manual_seed(9)) * 8
     for params in (SamplingParams(temperature=0.8, top_k=40, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.9)):
-        whole = torch.softmax(sampler._top_k_top_p(logits / params.temperature, [params]), dim=-1)
+        whole = torch.softmax(whole_row(logits / params.temperature, [params]), dim=-1)
         assert int((whole > 0).sum()) > 1  # a real choice
         for seed in range(200):
             want = draw(whole, [torch.Generator().manual_seed(seed)])

@@ -81,6 +81,10 @@ class RequestState:
                 tuple(self.output_token_ids[-len(spec.reasoning_end):]) == spec.reasoning_end:
             self.grammar_active = True
 
+    def sampling_row(self) -> SamplingRow:
+        """What the sampler reads of this request (its output list itself: later tokens show)."""
+        return SamplingRow(self.params, self.generator, self.penalty_prompt_ids, self.output_token_ids)
+
     @property
     def penalty_prompt_ids(self) -> list[int]:
         """Prompt tokens the penalties count: none for an embeddings prompt (its ids are placeholders)."""
@@ -278,28 +282,32 @@ class ModelRunner:
 
     def _lean_burst(self, sched_out: SchedulerOutput, out: ModelRunnerOutput) -> LeanBurst | None:
         """The burst's later steps as a `LeanBurst`, or None where the general step is needed: a
-        request that failed, wants logprobs, penalties, a bias or a mask (`chosen_from_logits_alone`),
-        follows a grammar or runs an adapter; several KV cache groups, pipeline or tensor parallel
-        ranks, expert load reports, or no compiled graph on the CPU. The first step's sample then goes
-        into the request states (the burst's other tokens go in as they are sampled)."""
-        graphs = self.decode_graphs
-        scheduled = sched_out.scheduled
-        if (not isinstance(graphs, DecodeGraphs) or torch.device(self.device).type != "cpu" or out.failed
-                or not self.is_driver or not self.stage.is_first or not self.stage.is_last or self.report_expert_load
-                or self.lora is not None or graphs.num_kv_groups != 1 or not graphs.takes(len(scheduled), 0)
+        runner that cannot (`_runs_lean_bursts`), a request that failed or was not sampled, or one
+        that wants logprobs, penalties, a bias or a mask (`chosen_from_logits_alone`), follows a
+        grammar or pools. The first step's sample then goes into the request states (the burst's
+        other tokens go in as they are sampled)."""
+        graphs, scheduled = self.decode_graphs, sched_out.scheduled
+        if (not isinstance(graphs, DecodeGraphs) or not self._runs_lean_bursts(graphs, len(scheduled)) or out.failed
                 or not isinstance(out.pending, StepSample) or len(out.pending.request_ids) != len(scheduled)
                 or not all(s.num_tokens == 1 and s.sample for s in scheduled)):
             return None
-        states = [self.requests.get(s.request_id) for s in scheduled]
-        if not all(state is not None and state.matcher is None and state.pooling is None
-                   and chosen_from_logits_alone(state.params, len(state.output_token_ids) + 1) for state in states):
+        states = [state for s in scheduled if (state := self.requests.get(s.request_id)) is not None
+                  and state.matcher is None and state.pooling is None
+                  and chosen_from_logits_alone(state.params, len(state.output_token_ids) + 1)]
+        if len(states) != len(scheduled):
             return None
         self._apply_in_flight()  # the first step's tokens
-        plain = [state for state in states if state is not None]
-        rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in plain]
-        return LeanBurst(graphs, self.model, [state.output_token_ids[-1] for state in plain],
+        return LeanBurst(graphs, self.model, [state.output_token_ids[-1] for state in states],
                          [s.start_position + 1 for s in scheduled], [s.block_tables[0] for s in scheduled],
-                         self.block_size, rows, self.generator)
+                         self.block_size, [state.sampling_row() for state in states], self.generator)
+
+    def _runs_lean_bursts(self, graphs: DecodeGraphs, count: int) -> bool:
+        """Whether this runner can run a burst of `count` decodes on `LeanBurst`: the compiled
+        graph on the CPU, one rank (the driver of one stage), one KV cache group, no LoRA
+        adapters and no expert-load reports."""
+        return (torch.device(self.device).type == "cpu" and self.is_driver and self.stage.is_first
+                and self.stage.is_last and not self.report_expert_load and self.lora is None
+                and graphs.num_kv_groups == 1 and graphs.takes(count, 0))
 
     def _execute_one(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
@@ -562,7 +570,7 @@ class ModelRunner:
         logits = (self.decode_graphs or self.model).compute_logits(last)
         if not self.is_driver:
             return
-        rows = [SamplingRow(s.params, s.generator, s.penalty_prompt_ids, s.output_token_ids) for s in states]
+        rows = [s.sampling_row() for s in states]
         if self.grammar is not None:
             self.grammar.apply(logits, [s.matcher if s.grammar_active else None for s in states],
                                [s.grammar_budget() for s in states])

@@ -293,23 +293,20 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple
         min_p = to_device([p.min_p for p in params], logits.dtype, device)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
+    ids = None
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = _top_ks(logits, params)
-        among = _among_candidates(logits, top_k, params)
-        if among is not None:
-            kept, ids = among
-            return torch.softmax(kept, dim=-1), ids
-        logits = _kept_by_sorting(logits, top_k, params)
-    return torch.softmax(logits, dim=-1), None
+        logits, ids = _top_k_top_p(logits, params)
+    return torch.softmax(logits, dim=-1), ids
 
 
 TOP_CANDIDATES = 256  # tokens `_top_k_top_p` ranks before it sorts a whole row
 
 
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's logits with every token top-k and top-p drop set to -inf: ranked by logit, a
     token goes past the row's top_k, or once the probability before it (over the tokens top-k
-    keeps) reaches top_p; the most likely token always stays.
+    keeps) reaches top_p; the most likely token always stays. Returned over the whole row (ids
+    None), or over the row's candidates with their token ids (`_among_candidates`).
 
     What survives is a prefix of the ranking, and with top-k up to `TOP_CANDIDATES`, or a nucleus
     inside that many, the prefix is decided among the row's `TOP_CANDIDATES` largest logits alone
@@ -317,10 +314,7 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     151,936; docs/benchmarks.md). Any other row sends the batch through the full sort."""
     top_k = _top_ks(logits, params)
     among = _among_candidates(logits, top_k, params)
-    if among is None:
-        return _kept_by_sorting(logits, top_k, params)
-    kept, ids = among
-    return torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
+    return among if among is not None else (_kept_by_sorting(logits, top_k, params), None)
 
 
 def _top_ks(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
